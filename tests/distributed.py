@@ -1,0 +1,75 @@
+"""Run a function in N fresh processes joined in a gloo group, with a hard deadline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
+
+    Raises ``AssertionError`` with the worker's traceback if any rank fails, and ``TimeoutError`` (after killing
+    every worker) if the deadline passes, so a deadlock fails the test instead of hanging it.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout
+    collected: dict[int, Any] = {}
+    try:
+        while len(collected) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {timeout}s (ranks done: {sorted(collected)})")
+            if results.empty():
+                if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
+                    time.sleep(0.2)
+                    if results.empty():
+                        codes = [p.exitcode for p in procs]
+                        raise AssertionError(f"a worker died without reporting, exit codes {codes}")
+                time.sleep(0.01)
+                continue
+            rank, status, value = results.get()
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()) if len(collected) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [collected[r] for r in range(world_size)]

@@ -1,0 +1,108 @@
+"""Ring all-reduce against gloo's ``dist.all_reduce`` on 2, 3 and 4 processes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm import CommStats, chunk_bounds, ring_allreduce
+from tests.distributed import run_distributed
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def lengths(world_size):
+    return (0, 1, 7, world_size - 1, 1_000_003, 10_000_000)
+
+
+def test_chunk_bounds_cover_range_evenly():
+    for numel in (0, 1, 5, 7, 100):
+        for n in (1, 2, 3, 4, 8):
+            bounds = chunk_bounds(numel, n)
+            assert len(bounds) == n
+            assert bounds[0][0] == 0 and bounds[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [e - s for s, e in bounds]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def _integer_valued(numel, dtype, rank):
+    # Small integers are exact in every dtype, so any summation order gives the same bits.
+    g = torch.Generator().manual_seed(1000 * rank + numel % 997)
+    return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+
+
+def _compare_with_all_reduce(rank, world_size):
+    checked = 0
+    for numel in lengths(world_size):
+        for dtype in DTYPES:
+            for op in ("sum", "avg"):
+                local = _integer_valued(numel, dtype, rank)
+                expected = local.clone()
+                dist.all_reduce(expected)
+                if op == "avg":
+                    expected.div_(world_size)
+                stats = CommStats()
+                got = ring_allreduce(local, op=op, stats=stats)
+                assert got is local and got.dtype == dtype and got.shape == (numel,)
+                assert torch.equal(got, expected), (numel, dtype, op)
+                # every rank holds the same bits as rank 0
+                reference = got.clone()
+                dist.broadcast(reference, src=0)
+                assert torch.equal(got.view(torch.uint8 if numel == 0 else got.dtype), reference), (numel, dtype)
+                # bandwidth-optimal traffic: 2 (N - 1) chunks of about numel / N elements
+                steps, size = 2 * (world_size - 1), got.element_size()
+                for moved in (stats.bytes_sent, stats.bytes_received):
+                    assert steps * (numel // world_size) * size <= moved <= steps * -(-numel // world_size) * size
+                checked += 1
+    # real-valued data: close to gloo's result (summation order differs), identical across ranks
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    ring_allreduce(x)
+    torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
+    reference = x.clone()
+    dist.broadcast(reference, src=0)
+    assert torch.equal(x, reference)
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_allreduce_matches_gloo(world_size):
+    results = run_distributed(_compare_with_all_reduce, world_size, timeout=240)
+    assert results == [len(lengths(world_size)) * len(DTYPES) * 2] * world_size
+
+
+def _shapes_and_groups(rank, world_size):
+    # non-contiguous input, 2-D shape, integer sum, and a ring on a sub-group of ranks
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (rank + 1)
+    ring_allreduce(x)
+    assert torch.equal(x, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * sum(range(1, world_size + 1)))
+    ints = torch.full((5,), rank, dtype=torch.int64)
+    ring_allreduce(ints)
+    assert ints.tolist() == [sum(range(world_size))] * 5
+    with pytest.raises(ValueError, match="op='avg' needs a floating point"):
+        ring_allreduce(ints, op="avg")
+    with pytest.raises(ValueError, match="choose one of"):
+        ring_allreduce(x, op="max")
+    evens = dist.new_group([r for r in range(world_size) if r % 2 == 0])
+    if rank % 2 == 0:
+        y = torch.full((10,), float(rank))
+        ring_allreduce(y, group=evens)
+        assert y.tolist() == [float(sum(r for r in range(world_size) if r % 2 == 0))] * 10
+    return True
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_ring_allreduce_shapes_dtypes_and_subgroups(world_size):
+    assert all(run_distributed(_shapes_and_groups, world_size, timeout=60))
+
+
+def _single(rank, world_size):
+    x = torch.randn(10)
+    before = x.clone()
+    ring_allreduce(x, op="avg")
+    return torch.equal(x, before)
+
+
+def test_world_size_one_is_a_no_op():
+    assert run_distributed(_single, 1, timeout=60) == [True]
