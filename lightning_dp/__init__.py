@@ -1,0 +1,12 @@
+"""lightning-dp: data-parallel synchronization schemes as PyTorch Lightning strategies.
+
+Importing the package registers the strategies by name, so ``Trainer(strategy="ring_allreduce")`` works.
+"""
+
+from lightning_dp.strategies import DataParallelStrategy, RingAllReduceStrategy, register_strategies
+
+__version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = ["DataParallelStrategy", "RingAllReduceStrategy", "__version__", "register_strategies"]

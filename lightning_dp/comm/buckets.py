@@ -1,0 +1,187 @@
+"""Flat gradient buckets filled during backward and reduced on a background thread.
+
+Gradients are produced in roughly the reverse order of parameter registration, so buckets are formed in that
+order: the first bucket fills first and its communication starts while backward is still computing the rest.
+Each bucket is handed to the communication thread as soon as all of its gradients have arrived, strictly in
+bucket order, so every rank issues the same messages in the same order whatever the autograd schedule.
+
+A bucket ends with one "used" flag per parameter. A parameter that produced no gradient on a rank contributes
+zeros and a 0 flag; after the reduction a flag of 0 means no rank used the parameter, and its ``.grad`` stays
+``None``, exactly as in single-process training. The flags ride inside the bucket, so detecting unused
+parameters costs no extra message.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+
+def assign_buckets(params: Sequence[Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices into buckets of at most ``bucket_cap_bytes`` (a larger tensor gets its own bucket).
+
+    Parameters are taken in reverse order (the order backward produces their gradients). A bucket holds one
+    dtype on one device.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    current_kind = None
+    for index in reversed(range(len(params))):
+        p = params[index]
+        kind = (p.dtype, p.device)
+        size = p.numel() * p.element_size()
+        if current and (kind != current_kind or current_bytes + size > bucket_cap_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += size
+        current_kind = kind
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradientBucket:
+    """One flat buffer: the gradients of ``params`` back to back, then one used-flag per parameter."""
+
+    def __init__(self, index: int, params: list[Parameter]) -> None:
+        self.index = index
+        self.params = params
+        self.slices: list[tuple[int, int]] = []
+        offset = 0
+        for p in params:
+            self.slices.append((offset, offset + p.numel()))
+            offset += p.numel()
+        self.grad_numel = offset
+        self.buffer = torch.zeros(offset + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.flags = self.buffer[offset:]
+        self.ready = [False] * len(params)
+        self.num_ready = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def grad_view(self, i: int) -> Tensor:
+        start, end = self.slices[i]
+        return self.buffer[start:end].view_as(self.params[i])
+
+    def fill(self, i: int, grad: Tensor | None) -> None:
+        """Copy parameter ``i``'s gradient in (zeros and a 0 flag when it has none)."""
+        view = self.grad_view(i)
+        if grad is None:
+            view.zero_()
+            self.flags[i] = 0
+        else:
+            view.copy_(grad)
+            self.flags[i] = 1
+        self.ready[i] = True
+        self.num_ready += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.num_ready == len(self.params)
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.num_ready = 0
+
+
+class BucketReducer:
+    """Reduces the gradients of ``params`` bucket by bucket while backward runs.
+
+    ``reduce_bucket(bucket)`` runs on one background thread, in bucket order, and must leave in
+    ``bucket.buffer`` the reduced values every rank should use (or do whatever the synchronization scheme
+    needs with them). Call :meth:`finish` after backward: it flushes buckets whose gradients never arrived,
+    waits for all communication, and writes the reduced gradients into ``param.grad`` when ``copy_back``.
+    While :attr:`enabled` is false (gradient accumulation) the hooks do nothing and gradients accumulate locally.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Parameter],
+        reduce_bucket: Callable[[GradientBucket], None],
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        unique: dict[int, Parameter] = {}
+        for p in params:
+            if p.requires_grad:
+                unique.setdefault(id(p), p)
+        self.params = list(unique.values())
+        self.reduce_bucket = reduce_bucket
+        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
+        self.buckets = [
+            GradientBucket(i, [self.params[j] for j in indices])
+            for i, indices in enumerate(assign_buckets(self.params, self.bucket_cap_bytes))
+        ]
+        self._location = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.enabled = True
+        self._next_launch = 0
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-dp-comm")
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def _on_grad_ready(self, param: Parameter) -> None:
+        if not self.enabled:
+            return
+        bucket, i = self._location[id(param)]
+        if bucket.ready[i]:
+            raise RuntimeError(
+                "a parameter produced its gradient twice before the gradients were synchronized; call backward "
+                "once per synchronization (use the strategy's backward / manual_backward)"
+            )
+        bucket.fill(i, param.grad)
+        if bucket.complete:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        with self._lock:
+            while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+                bucket = self.buckets[self._next_launch]
+                self._futures.append(self._executor.submit(self.reduce_bucket, bucket))
+                self._next_launch += 1
+
+    def finish(self, copy_back: bool = True) -> None:
+        """Complete this round of synchronization (see class docstring). Re-raises any communication error."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:
+                    # no gradient this backward; an accumulated one from earlier micro-batches still counts
+                    bucket.fill(i, p.grad)
+        self._launch_ready_buckets()
+        try:
+            for future in self._futures:
+                future.result()
+        finally:
+            self._futures.clear()
+            self._next_launch = 0
+            for bucket in self.buckets:
+                bucket.reset()
+        if copy_back:
+            self.copy_back()
+
+    def copy_back(self) -> None:
+        """Write each bucket's reduced gradients into ``param.grad``; parameters no rank used keep ``None``."""
+        for bucket in self.buckets:
+            used = (bucket.flags != 0).tolist()
+            for i, p in enumerate(bucket.params):
+                if not used[i]:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = bucket.grad_view(i).clone()
+                else:
+                    p.grad.copy_(bucket.grad_view(i))
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,315 @@
+"""The data-parallel base every lightning-dp strategy builds on.
+
+It does what Lightning's ``DDPStrategy`` does around the model (launching processes, the process group,
+ranks, the distributed sampler, Lightning's reduce / all_gather / broadcast / barrier) but never wraps the
+module: gradients are synchronized by this project's own schemes through a :class:`BucketReducer` whose
+hooks fire during backward. Gradient traffic runs on a process group of its own, so it never interleaves with
+the collectives Lightning issues on the default group (``sync_dist`` logging, barriers).
+
+A subclass provides :meth:`_reduce_bucket` (what to do with one full gradient bucket) and, if the scheme needs
+it, overrides :meth:`_after_gradient_sync` and :meth:`optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, ClassVar, Generator, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+import lightning.pytorch as pl
+from lightning_dp.comm.broadcast import broadcast_tensors
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.stats import CommStats
+
+log = logging.getLogger(__name__)
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("gloo", "nccl")
+
+
+def _check_choice(option: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{option}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
+
+
+def _check_positive(option: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{option} must be a positive number, got {value!r}")
+    return float(value)
+
+
+class DataParallelStrategy(ParallelStrategy):
+    """Multi-process data parallelism with a hand-written gradient synchronization scheme.
+
+    Args:
+        bucket_cap_mb: size of a gradient bucket in MiB; smaller buckets start communicating earlier in backward.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank before each
+            synchronized training step, as ``DistributedDataParallel`` does.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA devices and gloo otherwise.
+        timeout: how long any collective or message may wait for a peer (``timedelta`` or seconds) before the
+            run fails with an error instead of hanging.
+        start_method: how the extra processes are started: ``"popen"`` (re-run the script, like ``ddp``),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    strategy_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        bucket_cap_mb: float = 25.0,
+        broadcast_buffers: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[timedelta, float, None] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.bucket_cap_mb = _check_positive("bucket_cap_mb", bucket_cap_mb)
+        if process_group_backend is not None:
+            _check_choice("process_group_backend", process_group_backend, BACKENDS)
+        _check_choice("start_method", start_method, START_METHODS)
+        if timeout is None:
+            timeout = default_pg_timeout
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=_check_positive("timeout", timeout))
+        if not isinstance(broadcast_buffers, bool):
+            raise ValueError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+        self.broadcast_buffers = broadcast_buffers
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self.gradient_group: Optional[dist.ProcessGroup] = None
+        self.reducer: Optional[BucketReducer] = None
+        self.comm_stats = CommStats()
+        #: bytes this rank sent / received for the last gradient synchronization
+        self.last_sync_bytes: tuple[int, int] = (0, 0)
+
+    # ------------------------------------------------------------------ ranks, devices, launching
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        """Join the default process group, then create the group that carries gradient traffic."""
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+
+    # ------------------------------------------------------------------ model set-up
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # every replica starts from rank 0's parameters and buffers
+        broadcast_tensors(self._module_state(), src=0, group=self.gradient_group)
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+            self._setup_gradient_sync()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _module_state(self) -> list[Tensor]:
+        assert self.model is not None
+        return [p.data for p in self.model.parameters()] + list(self.model.buffers())
+
+    def _check_optimizers(self) -> None:
+        """Refuse optimizers the scheme cannot run (subclasses)."""
+
+    def _setup_gradient_sync(self) -> None:
+        assert self.model is not None
+        if self.reducer is not None:
+            self.reducer.close()
+        self.reducer = BucketReducer(self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb)
+
+    def _run_on_device(self, fn: Callable[[GradientBucket], None]) -> Callable[[GradientBucket], None]:
+        device = self.root_device
+        if device.type != "cuda":
+            return fn
+
+        def on_device(bucket: GradientBucket) -> None:
+            with torch.cuda.device(device):
+                fn(bucket)
+
+        return on_device
+
+    def _reduce_bucket(self, bucket: GradientBucket) -> None:
+        """Synchronize one full gradient bucket (runs on the communication thread, in bucket order)."""
+        raise NotImplementedError
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ the training step
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally (no communication) inside this context."""
+        if self.reducer is None:
+            yield
+            return
+        previous = self.reducer.enabled
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = previous
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.reducer is not None and self.reducer.enabled:
+            assert self.model is not None
+            buffers = list(self.model.buffers())
+            if buffers:
+                broadcast_tensors(buffers, src=0, group=self.gradient_group)
+        return super().training_step(*args, **kwargs)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.reducer is None or not self.reducer.enabled:
+            return
+        self.comm_stats.reset()
+        self.reducer.finish(copy_back=self._copy_back_gradients)
+        self.last_sync_bytes = self.comm_stats.reset()
+        self._after_gradient_sync()
+
+    #: whether every rank needs the reduced gradients in ``param.grad`` (False for a central parameter server)
+    _copy_back_gradients: ClassVar[bool] = True
+
+    def _after_gradient_sync(self) -> None:
+        """Hook for schemes that do more once the gradients of a backward are synchronized."""
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Lightning's reduction of logged values and decisions, on the default group."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        pl_module = self.lightning_module
+        if (
+            pl_module is not None
+            and pl_module._trainer is not None
+            and pl_module._trainer.state.fn == TrainerFn.FITTING
+            and self._layer_sync
+        ):
+            assert self.model is not None
+            self.model = self._layer_sync.revert(self.model)
+        super().teardown()
+
+    @classmethod
+    def _register_variants(cls, strategy_registry: Any, name: str, description: str) -> None:
+        """Register ``name`` (popen, like ``ddp``) plus ``name_spawn`` and ``name_fork`` variants."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            strategy_registry.register(
+                name + suffix,
+                cls,
+                description=f"{description} (start_method={start_method!r})",
+                override=True,
+                start_method=start_method,
+            )
