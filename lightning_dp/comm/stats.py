@@ -19,6 +19,12 @@ class CommStats:
             self.bytes_sent += sent
             self.bytes_received += received
 
+    def __getstate__(self) -> dict:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
     def reset(self) -> tuple[int, int]:
         """Zero the counters and return the ``(sent, received)`` they held."""
         with self._lock:

@@ -1,0 +1,46 @@
+"""Run a training script in a subprocess (Lightning's popen launcher starts the other ranks) with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: str, timeout: float = 180, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout; raise on failure."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"tests.scripts.{script}", *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leave no rank behind
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} exited with {proc.returncode}:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def load_ranks(out_dir: Path, world_size: int) -> list[dict]:
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]

@@ -1,0 +1,51 @@
+"""Train ``RegressionModel`` under a strategy and save what every rank saw (run by the tests as a subprocess)."""
+
+import argparse
+import os
+
+import lightning as L
+import torch
+
+import lightning_dp  # noqa: F401 - registers the strategies
+from tests.scripts.models import RegressionModel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--strategy", default="ring_allreduce")
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--batch-size", type=int, default=8)
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--optimizer", default="sgd")
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--batchnorm", action="store_true")
+parser.add_argument("--no-broadcast-buffers", action="store_true")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+strategy = args.strategy
+if args.no_broadcast_buffers:
+    strategy = lightning_dp.RingAllReduceStrategy(broadcast_buffers=False)
+
+model = RegressionModel(args.batch_size, args.optimizer, batchnorm=args.batchnorm)
+trainer = L.Trainer(
+    strategy=strategy,
+    accelerator="cpu",
+    devices=args.devices,
+    max_steps=args.steps,
+    accumulate_grad_batches=args.accumulate,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=True,
+)
+trainer.fit(model)
+os.makedirs(args.out, exist_ok=True)
+torch.save(
+    {
+        "weights": model.history,
+        "buffers": model.buffer_history,
+        "world_size": trainer.world_size,
+        "last_sync_bytes": getattr(trainer.strategy, "last_sync_bytes", None),
+    },
+    os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
+)

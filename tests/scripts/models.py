@@ -1,0 +1,98 @@
+"""Deterministic LightningModules for the equivalence tests, usable with or without a Trainer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+NUM_SAMPLES = 96
+IN_FEATURES = 8
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(NUM_SAMPLES, IN_FEATURES, generator=g)
+    y = torch.randn(NUM_SAMPLES, 4, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+    raise ValueError(name)
+
+
+class RegressionModel(LightningModule):
+    """An MLP with a frozen layer and a branch only some samples use.
+
+    ``branch`` runs only when the batch holds a sample with ``x[:, 0] > 1.5``, and then only those samples
+    contribute through it, so the math is the same whether a batch is split over ranks or not, while on a
+    given step some ranks (or all) produce no gradient for it.
+    """
+
+    def __init__(self, batch_size: int = 8, optimizer: str = "sgd", batchnorm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.frozen = nn.Linear(IN_FEATURES, IN_FEATURES)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(
+            nn.Linear(IN_FEATURES, 16), nn.BatchNorm1d(16) if batchnorm else nn.Identity(), nn.Tanh(), nn.Linear(16, 4)
+        )
+        self.branch = nn.Linear(IN_FEATURES, 4)
+        self.batch_size = batch_size
+        self.optimizer_name = optimizer
+        self.history: list[torch.Tensor] = []
+        self.buffer_history: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(self.frozen(x))
+        mask = x[:, 0] > 1.5
+        if mask.any():
+            out = out + self.branch(x) * mask[:, None]
+        return out
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        buffers = [b.detach().flatten().clone() for b in self.buffers()]
+        if buffers:
+            self.buffer_history.append(torch.cat(buffers))
+        return self.loss(batch)
+
+    def on_train_batch_end(self, *args) -> None:
+        self.history.append(flat_weights(self))
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.optimizer_name, self.parameters())
+
+
+def flat_weights(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+
+def reference_training(global_batch: int, steps: int, optimizer: str, accumulate: int = 1) -> list[torch.Tensor]:
+    """Single-process training on the global batch: the weights after every optimizer step."""
+    model = RegressionModel(global_batch, optimizer)
+    opt = model.configure_optimizers()
+    # Lightning gives each rank a DistributedSampler (shuffled, seed 0); its permutation for one replica is the
+    # global order, and the ranks' step-k batches together are exactly the k-th global batch of that order.
+    order = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    batches = iter(DataLoader(dataset(), batch_size=global_batch, sampler=order))
+    history = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(accumulate):
+            (model.loss(next(batches)) / accumulate).backward()
+        opt.step()
+        history.append(flat_weights(model))
+    return history
