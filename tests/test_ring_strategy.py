@@ -63,5 +63,6 @@ def test_lightning_demo_models_train_unchanged(tmp_path, strategy):
             assert summary[name]["steps"] == 3, name
             assert summary[name]["checked"] == 3, name
     boring = summary["BoringModel"]
-    assert boring["validate"][0]["valid_loss"] > 0 if "valid_loss" in boring["validate"][0] else boring["validate"]
-    assert boring["test"] and boring["predict_batches"] == 2
+    assert len(boring["validate"]) == 1 and len(boring["test"]) == 1
+    if strategy == "ring_allreduce":
+        assert boring["predict_batches"] == 2
