@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -17,12 +18,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results: Any) -> None:
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -31,23 +34,24 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
 
-    Raises ``AssertionError`` with the worker's traceback if any rank fails, and ``TimeoutError`` (after killing
-    every worker) if the deadline passes, so a deadlock fails the test instead of hanging it.
+    ``backend="nccl"`` puts rank ``r`` on GPU ``r``. Raises ``AssertionError`` with the worker's traceback if any rank
+    fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a deadlock fails the test
+    instead of hanging it.
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
         p.start()
-    import time
-
     deadline = time.monotonic() + timeout
     collected: dict[int, Any] = {}
     try:

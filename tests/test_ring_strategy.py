@@ -1,6 +1,7 @@
 """``ring_allreduce`` under Lightning: N ranks must equal one process on the global batch, at every step."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -66,3 +67,53 @@ def test_lightning_demo_models_train_unchanged(tmp_path, strategy):
     assert len(boring["validate"]) == 1 and len(boring["test"]) == 1
     if strategy == "ring_allreduce":
         assert boring["predict_batches"] == 2
+
+
+def test_two_nodes_through_cluster_environment_variables(tmp_path):
+    """Two "nodes" on this machine, joined only through MASTER_ADDR / MASTER_PORT / NODE_RANK as on a cluster."""
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+    from tests.launch import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
+    cmd = [sys.executable, "-m", "tests.scripts.fit", "--devices", "1", "--num-nodes", "2", "--out", str(tmp_path)]
+    nodes = [
+        subprocess.Popen(cmd, cwd=REPO, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for n in range(2)
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    ranks = load_ranks(tmp_path, 2)
+    assert_identical_replicas(ranks)
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torchrun_environment(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+    from tests.launch import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "tests.scripts.fit", "--devices", "2", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 0, out
+    assert_identical_replicas(load_ranks(tmp_path, 2))

@@ -18,6 +18,7 @@ parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--batchnorm", action="store_true")
 parser.add_argument("--no-broadcast-buffers", action="store_true")
+parser.add_argument("--num-nodes", type=int, default=1)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -30,6 +31,7 @@ trainer = L.Trainer(
     strategy=strategy,
     accelerator="cpu",
     devices=args.devices,
+    num_nodes=args.num_nodes,
     max_steps=args.steps,
     accumulate_grad_batches=args.accumulate,
     logger=False,

@@ -1,0 +1,109 @@
+"""Gradient buckets: layout, launch order, overlap with backward, unused parameters."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp.comm.buckets import BucketReducer, assign_buckets
+
+
+def test_buckets_follow_reverse_parameter_order_and_cap():
+    params = [torch.zeros(100), torch.zeros(100), torch.zeros(300), torch.zeros(10, dtype=torch.float64)]
+    # 400 bytes a float32 tensor of 100; cap 900 bytes
+    assert assign_buckets(params, 900) == [[3], [2], [1, 0]]
+    assert assign_buckets(params, 10_000) == [[3], [2, 1, 0]]  # dtype change starts a new bucket
+    assert assign_buckets(params, 1) == [[3], [2], [1], [0]]  # oversize tensors get a bucket each
+
+
+class Chain(nn.Module):
+    def __init__(self, width=64, depth=6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.unused = nn.Linear(width, width)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+def test_buckets_launch_in_order_while_backward_runs():
+    model = Chain()
+    ready_at_launch = []
+    hooks_fired = []
+    order = []
+
+    def reduce_bucket(bucket):
+        order.append(bucket.index)
+        bucket.buffer.mul_(2)  # stands in for the communication
+
+    reducer = BucketReducer(model.parameters(), reduce_bucket, bucket_cap_mb=64 * 65 * 4 / 2**20)
+    original = reducer._launch_ready_buckets
+
+    def spy():
+        ready_at_launch.append(len(hooks_fired))
+        original()
+
+    reducer._launch_ready_buckets = spy
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: hooks_fired.append(p))
+    model(torch.randn(4, 64)).backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    reducer.finish()
+    # one bucket per layer plus one for the unused layer; they ran in bucket order
+    assert len(reducer.buckets) == 7 and order == list(range(7))
+    # the first bucket was handed to the comm thread long before backward produced the last gradient
+    assert ready_at_launch[0] < len(hooks_fired) / 2
+    for name, p in model.named_parameters():
+        if name.startswith("unused"):
+            assert p.grad is None  # no rank used it: stays None, as without data parallelism
+        else:
+            assert torch.equal(p.grad, 2 * reference[name])
+    reducer.close()
+
+
+def test_sync_disabled_accumulates_locally_and_flushes_accumulated_grads():
+    model = Chain(depth=2)
+    calls = []
+    reducer = BucketReducer(model.parameters(), lambda b: calls.append(b.index), bucket_cap_mb=25)
+    reducer.enabled = False
+    model(torch.randn(2, 64)).backward()
+    assert calls == []
+    reducer.enabled = True
+    # second micro-batch uses only the first layer's input path through a detached second layer
+    x = torch.randn(2, 64)
+    (model.layers[0](x).sum()).backward()
+    reducer.finish()
+    assert calls == [0]  # one bucket; layers[1] was flushed with its accumulated gradient
+    assert model.layers[1].weight.grad is not None and model.layers[1].weight.grad.abs().sum() > 0
+    reducer.close()
+
+
+def test_communication_errors_reach_the_caller():
+    model = Chain(depth=1)
+
+    def broken(bucket):
+        raise ConnectionError("peer 1 unreachable")
+
+    reducer = BucketReducer(model.parameters(), broken)
+    model(torch.randn(2, 64)).backward()
+    with pytest.raises(ConnectionError, match="peer 1"):
+        reducer.finish()
+    # the reducer is reusable after a failed round
+    model.zero_grad()
+    reducer.reduce_bucket = lambda b: None
+    model(torch.randn(2, 64)).backward()
+    reducer.finish()
+    reducer.close()
+
+
+def test_reduce_runs_off_the_main_thread():
+    model = Chain(depth=1)
+    threads = set()
+    reducer = BucketReducer(model.parameters(), lambda b: threads.add(threading.current_thread().name))
+    model(torch.randn(2, 64)).backward()
+    reducer.finish()
+    assert threads and all(name.startswith("lightning-dp-comm") for name in threads)
+    reducer.close()

@@ -1,0 +1,49 @@
+"""Registration by name, option validation before any process starts."""
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_dp
+from lightning_dp import RingAllReduceStrategy
+
+
+def test_strategies_are_registered_with_descriptions():
+    available = StrategyRegistry.available_strategies()
+    for name in ("ring_allreduce", "ring_allreduce_spawn", "ring_allreduce_fork"):
+        assert name in available
+        assert StrategyRegistry[name]["strategy"] is RingAllReduceStrategy
+        assert "ring all-reduce" in StrategyRegistry[name]["description"]
+    lightning_dp.register_strategies()  # idempotent
+
+
+def test_trainer_accepts_name_and_instance():
+    trainer = L.Trainer(strategy="ring_allreduce", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, RingAllReduceStrategy)
+    assert trainer.strategy._start_method == "popen"
+    trainer = L.Trainer(strategy="ring_allreduce_spawn", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy._start_method == "spawn"
+    strategy = RingAllReduceStrategy(bucket_cap_mb=1, timeout=30)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=3, logger=False)
+    assert trainer.strategy is strategy and trainer.strategy.num_processes == 3
+    assert strategy.bucket_cap_mb == 1.0 and strategy._timeout == timedelta(seconds=30)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number"),
+        ({"bucket_cap_mb": -5}, "bucket_cap_mb must be a positive number"),
+        ({"bucket_cap_mb": "big"}, "bucket_cap_mb must be a positive number"),
+        ({"process_group_backend": "mpi"}, "process_group_backend='mpi' is not supported; allowed values: 'gloo', 'nccl'"),
+        ({"start_method": "thread"}, "start_method='thread' is not supported"),
+        ({"timeout": 0}, "timeout must be a positive number"),
+        ({"broadcast_buffers": "yes"}, "broadcast_buffers must be True or False"),
+    ],
+)
+def test_bad_options_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RingAllReduceStrategy(**kwargs)
