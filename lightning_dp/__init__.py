@@ -3,10 +3,23 @@
 Importing the package registers the strategies by name, so ``Trainer(strategy="ring_allreduce")`` works.
 """
 
-from lightning_dp.strategies import DataParallelStrategy, RingAllReduceStrategy, register_strategies
+from lightning_dp.strategies import (
+    DataParallelStrategy,
+    ParameterServerStrategy,
+    RingAllReduceStrategy,
+    ShardedParameterServerStrategy,
+    register_strategies,
+)
 
 __version__ = "0.1.0"
 
 register_strategies()
 
-__all__ = ["DataParallelStrategy", "RingAllReduceStrategy", "__version__", "register_strategies"]
+__all__ = [
+    "DataParallelStrategy",
+    "ParameterServerStrategy",
+    "RingAllReduceStrategy",
+    "ShardedParameterServerStrategy",
+    "__version__",
+    "register_strategies",
+]

@@ -84,6 +84,20 @@ class GradientBucket:
         self.ready[i] = True
         self.num_ready += 1
 
+    def pack_params(self, start: int = 0, end: int | None = None) -> None:
+        """Copy the parameters' current values into elements ``[start, end)`` of the gradient region."""
+        end = self.grad_numel if end is None else end
+        for p, (lo, hi) in zip(self.params, self.slices):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                self.buffer[a:b].copy_(p.detach().reshape(-1)[a - lo : b - lo])
+
+    def unpack_params(self) -> None:
+        """Overwrite every parameter with its values from the gradient region (after weights were pulled)."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                p.copy_(self.grad_view(i))
+
     @property
     def complete(self) -> bool:
         return self.num_ready == len(self.params)

@@ -1,11 +1,21 @@
 """Lightning strategies: thin adapters from Lightning's Strategy API to the schemes in :mod:`lightning_dp.comm`."""
 
-from lightning_dp.strategies.base import DataParallelStrategy
+from lightning_dp.strategies.base import DataParallelStrategy, ParameterServerBase
+from lightning_dp.strategies.parameter_server import ParameterServerStrategy
 from lightning_dp.strategies.ring_allreduce import RingAllReduceStrategy
+from lightning_dp.strategies.sharded_ps import ShardedParameterServerStrategy
 
-STRATEGIES = (RingAllReduceStrategy,)
+STRATEGIES = (RingAllReduceStrategy, ParameterServerStrategy, ShardedParameterServerStrategy)
 
-__all__ = ["STRATEGIES", "DataParallelStrategy", "RingAllReduceStrategy", "register_strategies"]
+__all__ = [
+    "STRATEGIES",
+    "DataParallelStrategy",
+    "ParameterServerBase",
+    "ParameterServerStrategy",
+    "RingAllReduceStrategy",
+    "ShardedParameterServerStrategy",
+    "register_strategies",
+]
 
 
 def register_strategies() -> None:

@@ -116,8 +116,9 @@ class DataParallelStrategy(ParallelStrategy):
         self.gradient_group: Optional[dist.ProcessGroup] = None
         self.reducer: Optional[BucketReducer] = None
         self.comm_stats = CommStats()
-        #: bytes this rank sent / received for the last gradient synchronization
-        self.last_sync_bytes: tuple[int, int] = (0, 0)
+        #: ``(sent, received)`` bytes of gradient and weight traffic this rank moved for the last optimizer step
+        self.last_step_bytes: tuple[int, int] = (0, 0)
+        self.sync_bytes = 0
 
     # ------------------------------------------------------------------ ranks, devices, launching
     @property
@@ -150,11 +151,16 @@ class DataParallelStrategy(ParallelStrategy):
         return self._process_group_backend
 
     def _configure_launcher(self) -> None:
+        # called in the launching process once the world size is known: check options that depend on it now
+        self._check_world_size(self.num_nodes * self.num_processes)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _check_world_size(self, world_size: int) -> None:
+        """Validate options against the number of processes (subclasses)."""
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -207,6 +213,8 @@ class DataParallelStrategy(ParallelStrategy):
         if self.reducer is not None:
             self.reducer.close()
         self.reducer = BucketReducer(self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb)
+        #: S, the bytes one rank's gradient buckets hold (gradients plus one used-flag per parameter)
+        self.sync_bytes = sum(b.nbytes for b in self.reducer.buckets)
 
     def _run_on_device(self, fn: Callable[[GradientBucket], None]) -> Callable[[GradientBucket], None]:
         device = self.root_device
@@ -252,16 +260,23 @@ class DataParallelStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.reducer is None or not self.reducer.enabled:
             return
-        self.comm_stats.reset()
         self.reducer.finish(copy_back=self._copy_back_gradients)
-        self.last_sync_bytes = self.comm_stats.reset()
-        self._after_gradient_sync()
 
-    #: whether every rank needs the reduced gradients in ``param.grad`` (False for a central parameter server)
+    #: whether every rank takes the reduced gradients into ``param.grad`` right after backward
     _copy_back_gradients: ClassVar[bool] = True
 
-    def _after_gradient_sync(self) -> None:
-        """Hook for schemes that do more once the gradients of a backward are synchronized."""
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.last_step_bytes = self.comm_stats.reset()
+        return result
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state (tensors in ``optimizer.state``) this rank holds."""
+        return sum(_state_bytes(opt) for opt in self._stepping_optimizers())
+
+    def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that run (and hold state) on this rank."""
+        return [_unwrap(o) for o in self.optimizers]
 
     # ------------------------------------------------------------------ collectives for Lightning
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -313,3 +328,76 @@ class DataParallelStrategy(ParallelStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+#: optimizers that re-evaluate the closure within one step; a server cannot re-run the workers' forward passes
+CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class ParameterServerBase(DataParallelStrategy):
+    """Shared step logic of the parameter-server schemes: servers run the optimizer, every rank pulls weights.
+
+    A step is: the closure (forward, backward; gradients are pushed to their servers bucket by bucket during
+    backward), then :meth:`_prepare_server_gradients`, Lightning's ``on_before_optimizer_step`` hooks and
+    gradient clipping, then :meth:`_server_update` and :meth:`_pull` of the new weights. Ranks that serve
+    nothing never call the optimizer, so they hold no optimizer state. ``param.grad`` on a rank keeps its local
+    gradient except where the scheme writes the average for its own update.
+    """
+
+    _copy_back_gradients = False
+
+    def _check_optimizers(self) -> None:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        for optimizer in map(_unwrap, self.optimizers):
+            if isinstance(optimizer, CLOSURE_OPTIMIZERS):
+                raise ValueError(
+                    f"strategy {self.strategy_name!r} cannot run optimizer {type(optimizer).__name__}: it "
+                    "re-evaluates the closure several times per step, which only the rank running forward can do. "
+                    "Use a per-parameter optimizer (SGD, Adam, AdamW, ...) or strategy='ring_allreduce'."
+                )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            raise ValueError(
+                f"strategy {self.strategy_name!r} does not support precision='16-mixed' (its gradient scaler "
+                "would need to run on the servers); use precision='bf16-mixed' or '32-true'."
+            )
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        model = model or self.lightning_module
+        optimizer = _unwrap(optimizer)
+        result = closure()
+        self._prepare_server_gradients(optimizer)
+        self.precision_plugin._after_closure(model, optimizer)
+        self._server_update(optimizer, **kwargs)
+        self._pull(optimizer)
+        self.last_step_bytes = self.comm_stats.reset()
+        return result
+
+    def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    def _server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def _pull(self, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+    def _buckets_of(self, optimizer: torch.optim.Optimizer) -> list[GradientBucket]:
+        """The buckets holding any parameter of ``optimizer`` (only those need new weights after its step)."""
+        assert self.reducer is not None
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [b for b in self.reducer.buckets if any(id(p) in ids for p in b.params)]
+
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, Tensor)
+    )

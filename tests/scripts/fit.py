@@ -19,12 +19,30 @@ parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--batchnorm", action="store_true")
 parser.add_argument("--no-broadcast-buffers", action="store_true")
 parser.add_argument("--num-nodes", type=int, default=1)
+parser.add_argument("--clip", choices=["norm", "value"], default=None)
+parser.add_argument("--clip-val", type=float, default=0.05)
+parser.add_argument("--server-rank", type=int, default=None)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 strategy = args.strategy
 if args.no_broadcast_buffers:
     strategy = lightning_dp.RingAllReduceStrategy(broadcast_buffers=False)
+if args.server_rank is not None:
+    strategy = lightning_dp.ParameterServerStrategy(server_rank=args.server_rank)
+
+
+class Record(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        s = trainer.strategy
+        self.result = {
+            "last_step_bytes": getattr(s, "last_step_bytes", None),
+            "sync_bytes": getattr(s, "sync_bytes", None),
+            "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
+        }
+
+
+record = Record()
 
 model = RegressionModel(args.batch_size, args.optimizer, batchnorm=args.batchnorm)
 trainer = L.Trainer(
@@ -34,6 +52,9 @@ trainer = L.Trainer(
     num_nodes=args.num_nodes,
     max_steps=args.steps,
     accumulate_grad_batches=args.accumulate,
+    gradient_clip_val=args.clip_val if args.clip else None,
+    gradient_clip_algorithm=args.clip,
+    callbacks=[record],
     logger=False,
     enable_checkpointing=False,
     enable_progress_bar=False,
@@ -47,7 +68,7 @@ torch.save(
         "weights": model.history,
         "buffers": model.buffer_history,
         "world_size": trainer.world_size,
-        "last_sync_bytes": getattr(trainer.strategy, "last_sync_bytes", None),
+        **record.result,
     },
     os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
 )

@@ -80,7 +80,9 @@ def flat_weights(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
 
 
-def reference_training(global_batch: int, steps: int, optimizer: str, accumulate: int = 1) -> list[torch.Tensor]:
+def reference_training(
+    global_batch: int, steps: int, optimizer: str, accumulate: int = 1, clip: str | None = None, clip_val: float = 0.05
+) -> list[torch.Tensor]:
     """Single-process training on the global batch: the weights after every optimizer step."""
     model = RegressionModel(global_batch, optimizer)
     opt = model.configure_optimizers()
@@ -93,6 +95,10 @@ def reference_training(global_batch: int, steps: int, optimizer: str, accumulate
         opt.zero_grad(set_to_none=True)
         for _ in range(accumulate):
             (model.loss(next(batches)) / accumulate).backward()
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_val)
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_([p for p in model.parameters() if p.grad is not None], clip_val)
         opt.step()
         history.append(flat_weights(model))
     return history

@@ -1,0 +1,181 @@
+"""Parameter-server exchanges on point-to-point ``torch.distributed`` messages.
+
+Central server (one rank aggregates for everyone):
+
+- :func:`push_gradients`: fan-in. Every other rank sends its buffer to the server, which sums them with its
+  own and divides by the group size. The server receives ``(N - 1) S`` bytes, a worker sends ``S``.
+- :func:`pull_weights`: fan-out. The server sends its buffer to every other rank. The server sends
+  ``(N - 1) S`` bytes, a worker receives ``S``.
+
+Sharded servers (rank ``i`` serves shard ``i`` of every buffer):
+
+- :func:`push_shards`: each rank sends segment ``i`` of its buffer to rank ``i`` and averages the segments it
+  serves. Every rank sends and receives about ``(N - 1) / N S`` bytes.
+- :func:`pull_shards`: each rank sends the segment it serves to every other rank. Again ``(N - 1) / N S``.
+
+The sums run in rank order on the serving rank, and the result is then copied, so every rank ends with the
+same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm.stats import CommStats
+
+Segment = tuple[int, int]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def push_gradients(
+    buffer: torch.Tensor,
+    server: int,
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    scratch: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Fan-in: on group rank ``server`` leave the average of every rank's ``buffer`` (1-D); others only send.
+
+    ``scratch`` (optional, server only) are ``N - 1`` receive buffers of ``buffer``'s size and dtype.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1 or buffer.numel() == 0:
+        return
+    if rank != server:
+        dist.send(buffer, group=group, group_dst=server)
+        if stats is not None:
+            stats.add(sent=_nbytes(buffer))
+        return
+    peers = [r for r in range(size) if r != server]
+    if scratch is None:
+        scratch = [torch.empty_like(buffer) for _ in peers]
+    works = [dist.irecv(scratch[k], group=group, group_src=peer) for k, peer in enumerate(peers)]
+    # add in rank order; each add waits only for its own message
+    total = None
+    for peer_rank in range(size):
+        if peer_rank == server:
+            contribution = buffer
+        else:
+            k = peers.index(peer_rank)
+            works[k].wait()
+            contribution = scratch[k]
+        total = contribution.clone() if total is None else total.add_(contribution)
+    buffer.copy_(total.div_(size))
+    if stats is not None:
+        stats.add(received=_nbytes(buffer) * len(peers))
+
+
+def pull_weights(
+    buffer: torch.Tensor, server: int, group: dist.ProcessGroup | None = None, stats: CommStats | None = None
+) -> None:
+    """Fan-out: every rank's ``buffer`` becomes a copy of the server's."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1 or buffer.numel() == 0:
+        return
+    if rank == server:
+        _wait([dist.isend(buffer, group=group, group_dst=peer) for peer in range(size) if peer != server])
+        if stats is not None:
+            stats.add(sent=_nbytes(buffer) * (size - 1))
+    else:
+        dist.recv(buffer, group=group, group_src=server)
+        if stats is not None:
+            stats.add(received=_nbytes(buffer))
+
+
+def push_shards(
+    buffer: torch.Tensor,
+    segments: Sequence[Segment],
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+) -> None:
+    """Sharded fan-in: ``buffer[segments[i]]`` goes to rank ``i``; this rank's own segment ends up averaged.
+
+    ``segments`` has one ``(start, end)`` per group rank, the same on every rank. Other segments of ``buffer`` are
+    left as they were.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1:
+        return
+    mine = buffer[segments[rank][0] : segments[rank][1]]
+    scratch = {peer: torch.empty_like(mine) for peer in range(size) if peer != rank and mine.numel()}
+    works = [dist.irecv(scratch[peer], group=group, group_src=peer) for peer in sorted(scratch)]
+    sent = 0
+    for peer, (start, end) in enumerate(segments):
+        if peer != rank and end > start:
+            works.append(dist.isend(buffer[start:end], group=group, group_dst=peer))
+            sent += (end - start) * buffer.element_size()
+    _wait(works)
+    if mine.numel():
+        total = None
+        for peer in range(size):
+            contribution = mine if peer == rank else scratch[peer]
+            total = contribution.clone() if total is None else total.add_(contribution)
+        mine.copy_(total.div_(size))
+    if stats is not None:
+        stats.add(sent=sent, received=_nbytes(mine) * (size - 1))
+
+
+def pull_shards(
+    buffer: torch.Tensor,
+    segments: Sequence[Segment],
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+) -> None:
+    """Sharded fan-out: this rank's segment goes to every peer; every other segment arrives from its server."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1:
+        return
+    start, end = segments[rank]
+    works, received = [], 0
+    for peer, (s, e) in enumerate(segments):
+        if peer != rank and e > s:
+            works.append(dist.irecv(buffer[s:e], group=group, group_src=peer))
+            received += (e - s) * buffer.element_size()
+    if end > start:
+        for peer in range(size):
+            if peer != rank:
+                works.append(dist.isend(buffer[start:end], group=group, group_dst=peer))
+    _wait(works)
+    if stats is not None:
+        stats.add(sent=(end - start) * buffer.element_size() * (size - 1), received=received)
+
+
+def shard_segments(sizes: Sequence[int], element_sizes: Sequence[int], num_shards: int) -> list[list[Segment]]:
+    """Split buffers of ``sizes`` elements into ``num_shards`` shards balanced by bytes, at element granularity.
+
+    The buffers are laid end to end in bytes and cut into ``num_shards`` equal byte ranges; returns, for every
+    buffer, the ``(start, end)`` element range of each shard inside it (empty where a shard does not reach it).
+    A single huge buffer is therefore split across all shards instead of landing on one.
+    """
+    total = sum(n * e for n, e in zip(sizes, element_sizes))
+    cuts = [total * i // num_shards for i in range(num_shards + 1)]
+    result = []
+    base = 0
+    for numel, esize in zip(sizes, element_sizes):
+        segments = []
+        for i in range(num_shards):
+            lo = min(max(-(-(cuts[i] - base) // esize), 0), numel)
+            hi = min(max(-(-(cuts[i + 1] - base) // esize), 0), numel)
+            segments.append((lo, hi))
+        result.append(segments)
+        base += numel * esize
+    return result
+
+
+def shard_owner(element: int, segments: Sequence[Segment]) -> int:
+    """The rank that serves ``element`` of a buffer split by ``segments``."""
+    for rank, (start, end) in enumerate(segments):
+        if start <= element < end:
+            return rank
+    raise IndexError(f"element {element} is outside the buffer")
