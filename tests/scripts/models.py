@@ -35,7 +35,9 @@ class RegressionModel(LightningModule):
     given step some ranks (or all) produce no gradient for it.
     """
 
-    def __init__(self, batch_size: int = 8, optimizer: str = "sgd", batchnorm: bool = False) -> None:
+    def __init__(
+        self, batch_size: int = 8, optimizer: str = "sgd", batchnorm: bool = False, explicit_sampler: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.frozen = nn.Linear(IN_FEATURES, IN_FEATURES)
@@ -46,6 +48,7 @@ class RegressionModel(LightningModule):
         self.branch = nn.Linear(IN_FEATURES, 4)
         self.batch_size = batch_size
         self.optimizer_name = optimizer
+        self.explicit_sampler = explicit_sampler
         self.history: list[torch.Tensor] = []
         self.buffer_history: list[torch.Tensor] = []
 
@@ -70,6 +73,9 @@ class RegressionModel(LightningModule):
         self.history.append(flat_weights(self))
 
     def train_dataloader(self):
+        if self.explicit_sampler:  # one process, visiting the data in the order the distributed ranks share
+            order = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
+            return DataLoader(dataset(), batch_size=self.batch_size, sampler=order)
         return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)
 
     def configure_optimizers(self):
@@ -89,7 +95,16 @@ def reference_training(
     # Lightning gives each rank a DistributedSampler (shuffled, seed 0); its permutation for one replica is the
     # global order, and the ranks' step-k batches together are exactly the k-th global batch of that order.
     order = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
-    batches = iter(DataLoader(dataset(), batch_size=global_batch, sampler=order))
+    loader = DataLoader(dataset(), batch_size=global_batch, sampler=order)
+
+    def epochs():
+        epoch = 0
+        while True:
+            order.set_epoch(epoch)  # reshuffled every epoch, like Lightning does
+            yield from loader
+            epoch += 1
+
+    batches = epochs()
     history = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
