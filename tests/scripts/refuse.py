@@ -1,0 +1,28 @@
+"""Fit a small module with a given optimizer under a strategy (the tests expect some combinations to be refused)."""
+
+import argparse
+
+import lightning as L
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_dp  # noqa: F401 - registers the strategies
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--strategy", required=True)
+parser.add_argument("--optimizer", required=True)
+parser.add_argument("--devices", type=int, default=2)
+args = parser.parse_args()
+
+
+class Model(BoringModel):
+    def configure_optimizers(self):
+        cls = getattr(torch.optim, args.optimizer)
+        return cls(self.parameters(), lr=0.1)
+
+
+L.Trainer(
+    strategy=args.strategy, accelerator="cpu", devices=args.devices, max_steps=1, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+).fit(Model())  # fmt: skip
+print("TRAINED")

@@ -1,0 +1,48 @@
+"""What a scheme cannot run is refused with an error that names the strategy, the option or the optimizer."""
+
+import lightning as L
+import pytest
+
+from lightning_dp import ParameterServerStrategy, ShardedParameterServerStrategy
+from tests.launch import run_script
+
+
+@pytest.mark.parametrize(
+    "strategy, optimizer, message",
+    [
+        ("parameter_server", "LBFGS", "strategy 'parameter_server' cannot run optimizer LBFGS"),
+        ("sharded_ps", "LBFGS", "strategy 'sharded_ps' cannot run optimizer LBFGS"),
+        ("sharded_ps", "Adafactor", "strategy 'sharded_ps' cannot shard optimizer Adafactor"),
+    ],
+)
+def test_optimizers_the_scheme_cannot_run_are_refused_at_setup(strategy, optimizer, message):
+    result = run_script("refuse", "--strategy", strategy, "--optimizer", optimizer, check=False, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stdout
+    assert "TRAINED" not in result.stdout
+
+
+def test_parameter_server_runs_adafactor():
+    # the central server holds whole tensors, so factored (non-element-wise) optimizers are fine there
+    result = run_script("refuse", "--strategy", "parameter_server", "--optimizer", "Adafactor", timeout=120)
+    assert "TRAINED" in result.stdout
+
+
+@pytest.mark.parametrize("server_rank", [-1, 1.5, True, "0"])
+def test_bad_server_rank_fails_at_construction(server_rank):
+    with pytest.raises(ValueError, match="server_rank must be a rank in"):
+        ParameterServerStrategy(server_rank=server_rank)
+
+
+def test_server_rank_outside_world_fails_before_launch():
+    with pytest.raises(ValueError, match=r"server_rank=4 is outside \[0, 4\) for a run of 4 processes"):
+        L.Trainer(strategy=ParameterServerStrategy(server_rank=4), accelerator="cpu", devices=4, logger=False)
+    trainer = L.Trainer(strategy=ParameterServerStrategy(server_rank=3), accelerator="cpu", devices=4, logger=False)
+    assert trainer.strategy.server_rank == 3
+
+
+def test_sharded_long_name_and_options():
+    trainer = L.Trainer(strategy="sharded_parameter_server", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ShardedParameterServerStrategy)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+        ShardedParameterServerStrategy(bucket_cap_mb=0)
