@@ -7,15 +7,24 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dp
-from lightning_dp import RingAllReduceStrategy
+from lightning_dp import ParameterServerStrategy, RingAllReduceStrategy, ShardedParameterServerStrategy
 
 
-def test_strategies_are_registered_with_descriptions():
+@pytest.mark.parametrize(
+    "name, cls, words",
+    [
+        ("ring_allreduce", RingAllReduceStrategy, "ring all-reduce"),
+        ("parameter_server", ParameterServerStrategy, "central parameter server"),
+        ("sharded_ps", ShardedParameterServerStrategy, "sharded over all ranks"),
+        ("sharded_parameter_server", ShardedParameterServerStrategy, "sharded over all ranks"),
+    ],
+)
+def test_strategies_are_registered_with_descriptions(name, cls, words):
     available = StrategyRegistry.available_strategies()
-    for name in ("ring_allreduce", "ring_allreduce_spawn", "ring_allreduce_fork"):
-        assert name in available
-        assert StrategyRegistry[name]["strategy"] is RingAllReduceStrategy
-        assert "ring all-reduce" in StrategyRegistry[name]["description"]
+    for variant in (name, f"{name}_spawn", f"{name}_fork"):
+        assert variant in available
+        assert StrategyRegistry[variant]["strategy"] is cls
+        assert words in StrategyRegistry[variant]["description"]
     lightning_dp.register_strategies()  # idempotent
 
 

@@ -117,3 +117,88 @@ def reference_training(
         opt.step()
         history.append(flat_weights(model))
     return history
+
+
+class TwoOptimizerModel(LightningModule):
+    """GAN-style manual optimization: two optimizers, ``toggle_optimizer``, StepLR and ReduceLROnPlateau."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Tanh(), nn.Linear(16, IN_FEATURES))
+        self.disc = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.batch_size = batch_size
+        self.history: list[torch.Tensor] = []
+        self.lrs: list[tuple[float, float]] = []
+
+    def generator_loss(self, x):
+        return F.softplus(-self.disc(self.gen(x))).mean()
+
+    def discriminator_loss(self, x):
+        return F.softplus(-self.disc(x)).mean() + F.softplus(self.disc(self.gen(x).detach())).mean()
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        sched_g, sched_d = self.lr_schedulers()
+        self.toggle_optimizer(opt_g)
+        opt_g.zero_grad()
+        self.manual_backward(self.generator_loss(x))
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        opt_d.zero_grad()
+        d_loss = self.discriminator_loss(x)
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.log("d_loss", d_loss, sync_dist=True)
+        sched_g.step()
+        sched_d.step(self.trainer.strategy.reduce(d_loss.detach()))
+        self.history.append(flat_weights(self))
+        self.lrs.append((opt_g.param_groups[0]["lr"], opt_d.param_groups[0]["lr"]))
+
+    def configure_optimizers(self):
+        opt_g, opt_d = make_two_optimizers(self)
+        return [opt_g, opt_d], [
+            torch.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.7),
+            torch.optim.lr_scheduler.ReduceLROnPlateau(opt_d, factor=0.5, patience=0, threshold=0.5),
+        ]
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)
+
+
+def make_two_optimizers(model):
+    return (
+        torch.optim.Adam(model.gen.parameters(), lr=0.01),
+        torch.optim.SGD(model.disc.parameters(), lr=0.1, momentum=0.9),
+    )
+
+
+def reference_two_optimizers(global_batch: int, steps: int) -> tuple[list[torch.Tensor], list[tuple[float, float]]]:
+    """Single-process version of ``TwoOptimizerModel``'s loop on the global batch."""
+    model = TwoOptimizerModel(global_batch)
+    (opt_g, opt_d), (sched_g, sched_d) = model.configure_optimizers()
+    order = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    batches = iter(DataLoader(dataset(), batch_size=global_batch, sampler=order))
+    history, lrs = [], []
+    for _ in range(steps):
+        x, _ = next(batches)
+        model.disc.requires_grad_(False)
+        opt_g.zero_grad()
+        model.generator_loss(x).backward()
+        opt_g.step()
+        model.disc.requires_grad_(True)
+        model.gen.requires_grad_(False)
+        opt_d.zero_grad()
+        d_loss = model.discriminator_loss(x)
+        d_loss.backward()
+        opt_d.step()
+        model.gen.requires_grad_(True)
+        sched_g.step()
+        sched_d.step(d_loss.detach())
+        history.append(flat_weights(model))
+        lrs.append((opt_g.param_groups[0]["lr"], opt_d.param_groups[0]["lr"]))
+    return history, lrs
