@@ -1,0 +1,90 @@
+"""Train any LightningModule under any strategy, configured by Hydra.
+
+    python examples/train.py                                    # reference CNN, digits, 2 CPU processes, ring_allreduce
+    python examples/train.py strategy=sharded_ps trainer.devices=4
+    python examples/train.py strategy=parameter_server strategy.server_rank=1
+    python examples/train.py -m strategy=ring_allreduce,parameter_server,sharded_ps,ddp
+    python examples/train.py model=boring
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_dp
+from lightning_dp import hydra_support
+
+
+def world_size(cfg: DictConfig) -> int:
+    devices = cfg.trainer.devices
+    count = len(devices) if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices) else int(devices)
+    return count * int(cfg.trainer.get("num_nodes", 1))
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Fail before any process starts on values only the app can judge."""
+    devices = cfg.trainer.devices
+    if cfg.trainer.accelerator == "cpu" and isinstance(devices, int):
+        cpus = os.cpu_count() or 1
+        if devices < 1 or devices > cfg.max_processes_per_cpu * cpus:
+            raise ValueError(
+                f"trainer.devices={devices} is not possible with accelerator=cpu on this machine: allowed values are "
+                f"1..{cfg.max_processes_per_cpu * cpus} ({cpus} CPUs x max_processes_per_cpu="
+                f"{cfg.max_processes_per_cpu})"
+            )
+    if cfg.global_batch_size % world_size(cfg):
+        raise ValueError(
+            f"global_batch_size={cfg.global_batch_size} must be divisible by the number of processes "
+            f"({world_size(cfg)})"
+        )
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> dict:
+    hydra_support.install()
+    check_config(cfg)
+    with hydra_support.job_scope():
+        return train(cfg)
+
+
+def train(cfg: DictConfig) -> dict:
+    L.seed_everything(cfg.seed, workers=True)
+    strategy = instantiate(cfg.strategy)  # options are validated here, before launching
+    model = instantiate(cfg.model)
+    datamodule = None
+    if cfg.get("data") is not None:
+        datamodule = instantiate(cfg.data, batch_size=cfg.global_batch_size // world_size(cfg))
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
+    if datamodule is None:  # a module with its own data may log no val_loss to monitor
+        callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.ModelCheckpoint)] + [
+            L.pytorch.callbacks.ModelCheckpoint(dirpath=Path(HydraConfig.get().runtime.output_dir) / "checkpoints")
+        ]
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy,
+                        callbacks=callbacks, logger=logger)  # fmt: skip
+
+    trainer.fit(model, datamodule=datamodule)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    has_test = datamodule is not None or L.pytorch.utilities.model_helpers.is_overridden("test_step", model)
+    if cfg.test and has_test:
+        for result in trainer.test(model, datamodule=datamodule, ckpt_path=None, verbose=False):
+            metrics.update({k: float(v) for k, v in result.items()})
+    if trainer.is_global_zero:
+        output = Path(HydraConfig.get().runtime.output_dir)
+        summary = {"strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size,
+                   "global_step": trainer.global_step, "metrics": metrics}  # fmt: skip
+        (output / "metrics.json").write_text(json.dumps(summary, indent=2))
+        print("final metrics:", json.dumps(metrics, sort_keys=True))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

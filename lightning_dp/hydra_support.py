@@ -1,0 +1,81 @@
+"""Hydra support: correct child-process commands for Lightning's popen launcher, and a config search path.
+
+Lightning re-runs the script for every extra rank. Under Hydra it builds that command from ``sys.argv``, which
+under ``--multirun`` still holds ``-m`` and the whole sweep (each rank would start a sweep of its own) and points
+the ranks at the unused single-run directory. :func:`subprocess_command` instead re-runs exactly this job: its
+own resolved overrides, in its own output directory, without ``-m``, writing no second ``.hydra`` folder.
+:func:`install` puts it in place of Lightning's; ``examples/train.py`` calls it before building the Trainer.
+
+A sweep runs its jobs one after another in one process, so each job must also leave no process group and none
+of the rendezvous variables Lightning exported behind: :func:`job_scope` takes care of that.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+_CONFIG_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn", "-cd")
+
+
+def _config_flags(argv: Sequence[str]) -> list[str]:
+    """The ``--config-path/-name/-dir`` arguments of ``argv`` (both ``--flag=value`` and ``--flag value`` forms)."""
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.split("=", 1)[0] in _CONFIG_FLAGS:
+            kept.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                kept.append(argv[i + 1])
+                i += 1
+        i += 1
+    return kept
+
+
+def subprocess_command(local_rank: int) -> tuple[list[str], str]:
+    """The command and working directory that start rank ``local_rank`` of the current Hydra job."""
+    import __main__
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    config = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += _config_flags(sys.argv[1:])
+    command += list(config.overrides.task)
+    command += [
+        f'hydra.run.dir="{config.runtime.output_dir}"',
+        f"hydra.job.name={config.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",
+    ]
+    return command, get_original_cwd()
+
+
+def install() -> None:
+    """Make Lightning's popen launcher (``ddp`` and every lightning-dp strategy) use :func:`subprocess_command`."""
+    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
+    from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+
+    for module in (fabric_launcher, pytorch_launcher):
+        module._hydra_subprocess_cmd = subprocess_command
+
+
+@contextmanager
+def job_scope() -> Iterator[None]:
+    """Run one training job so that the next job of a sweep starts clean: afterwards the process groups are
+    destroyed and the environment variables the launcher exported (``MASTER_PORT``, ``LOCAL_RANK``, ...) are gone."""
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

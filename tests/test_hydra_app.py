@@ -1,0 +1,187 @@
+"""The Hydra front door: every config composes and instantiates; examples/train.py runs end to end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from lightning_dp.hydra_support import _config_flags
+from tests.launch import REPO
+
+CONF = REPO / "conf"
+STRATEGY_ARGS_NOT_IN_CONFIG = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
+def compose_train(overrides=()):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+
+
+def resolved(cfg, node):
+    # ${hydra:...} needs a HydraConfig; give it the composed one
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+    return cfg[node]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "strategy").glob("*.yaml")))
+def test_every_strategy_config_instantiates(name):
+    cfg = compose_train([f"strategy={name}"])
+    strategy = instantiate(cfg.strategy)
+    assert type(strategy).__name__.endswith("Strategy")
+
+
+@pytest.mark.parametrize("name", ["ring_allreduce", "parameter_server", "sharded_ps"])
+def test_strategy_configs_list_every_constructor_option_with_its_default(name):
+    import inspect
+
+    import lightning_dp
+
+    cfg = OmegaConf.load(CONF / "strategy" / f"{name}.yaml")
+    cls = {"ring_allreduce": lightning_dp.RingAllReduceStrategy, "parameter_server": lightning_dp.ParameterServerStrategy,
+           "sharded_ps": lightning_dp.ShardedParameterServerStrategy}[name]  # fmt: skip
+    options = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in vars(klass) and klass.__module__.startswith("lightning_dp"):
+            options.update({k: p.default for k, p in inspect.signature(klass.__init__).parameters.items()
+                            if k not in ("self", "kwargs") and k not in STRATEGY_ARGS_NOT_IN_CONFIG})  # fmt: skip
+    keys = set(cfg) - {"_target_"}
+    assert keys == set(options), (keys ^ set(options))
+    for key, default in options.items():
+        value = cfg[key]
+        if key == "timeout":
+            assert value == default.total_seconds()
+        else:
+            assert value == default, key
+
+
+@pytest.mark.parametrize("group", ["model", "data", "callbacks", "logger", "trainer"])
+def test_every_group_option_composes_and_instantiates(group, tmp_path):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        if option == "tensorboard":
+            pytest.importorskip("tensorboard")
+        cfg = compose_train([f"{group}={option}", f"hydra.runtime.output_dir={tmp_path}"])
+        node = resolved(cfg, group)
+        if node is None:
+            continue
+        if group == "trainer":
+            assert OmegaConf.to_container(node, resolve=True)["devices"] == 2
+        elif group == "callbacks":
+            assert all(instantiate(c) is not None for c in node.values())
+        elif group == "data":
+            instantiate(node, batch_size=4)
+        else:
+            assert instantiate(node) is not None
+
+
+def test_config_flags_are_forwarded_to_ranks():
+    argv = ["-m", "--config-name=other", "-cp", "/x", "strategy=a,b", "--config-dir", "/y"]
+    assert _config_flags(argv) == ["--config-name=other", "-cp", "/x", "--config-dir", "/y"]
+
+
+def run_app(args, cwd, timeout=300, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train.py"), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        raise AssertionError(f"train.py {args} timed out:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if check:
+        assert proc.returncode == 0, out[-6000:]
+    return proc.returncode, out
+
+
+QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+         "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false"]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps", "ddp", "single_device"])
+def test_train_py_end_to_end(tmp_path, strategy):
+    extra = ["strategy.server_rank=1"] if strategy == "parameter_server" else []
+    run_app([f"strategy={strategy}", *extra, *QUICK, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["world_size"] == (1 if strategy == "single_device" else 2)
+    assert summary["global_step"] == 3
+    assert 0.0 <= summary["metrics"]["test_acc"] <= 1.0
+    # one run directory: the ranks wrote into it, logs and checkpoints landed once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert len(list((run_dir / "logs").glob("version_*"))) == 1
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name == "last.ckpt"] == ["last.ckpt"]
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+
+def test_train_py_runs_a_module_from_lightning_demos(tmp_path):
+    run_app(["model=boring", *QUICK, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 3
+
+
+def test_sweep_runs_each_job_with_its_own_processes(tmp_path):
+    code, out = run_app(["-m", "strategy=ring_allreduce,sharded_ps", *QUICK, f"hydra.sweep.dir={tmp_path}/sweep"],
+                        cwd=tmp_path)  # fmt: skip
+    jobs = sorted((tmp_path / "sweep").iterdir())
+    assert [j.name for j in jobs if j.is_dir()] == ["0", "1"], out[-3000:]
+    strategies = [json.loads((j / "metrics.json").read_text())["strategy"] for j in jobs if j.is_dir()]
+    assert strategies == ["RingAllReduceStrategy", "ShardedParameterServerStrategy"]
+    for job in (j for j in jobs if j.is_dir()):
+        assert json.loads((job / "metrics.json").read_text())["world_size"] == 2
+        assert len(list((job / "logs").glob("version_*"))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray single-run directories
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("strategy=ring_all_reduce", "Could not find 'strategy/ring_all_reduce'"),
+        ("strategy.bucket_cap_mb=-1", "bucket_cap_mb must be a positive number"),
+        ("strategy=parameter_server strategy.server_rank=2", "server_rank=2 is outside [0, 2)"),
+        ("trainer.devices=100000", "trainer.devices=100000 is not possible with accelerator=cpu"),
+    ],
+)
+def test_bad_overrides_fail_before_processes_start(tmp_path, override, message):
+    code, out = run_app([*override.split(), f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120, check=False)
+    assert code != 0 and message in out, out[-3000:]
+    assert "Initializing distributed" not in out
+
+
+def test_a_users_own_hydra_app_composes_lightning_dp_strategies(tmp_path):
+    """Outside this repository, with only the installed package: the search-path plugin provides the groups."""
+    import hydra_plugins
+
+    if any("__editable__" in str(p) for p in hydra_plugins.__path__):
+        pytest.skip("Hydra cannot scan plugins of a strict editable install; use a regular install or "
+                    "pip install -e . --config-settings editable_mode=compat")  # fmt: skip
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("defaults:\n  - strategy: ring_allreduce\n  - _self_\n")
+    (tmp_path / "app.py").write_text(
+        "import hydra\n"
+        "from hydra.utils import instantiate\n\n"
+        "@hydra.main(version_base='1.3', config_path='conf', config_name='config')\n"
+        "def main(cfg):\n"
+        "    strategy = instantiate(cfg.strategy)\n"
+        "    print('STRATEGY', type(strategy).__name__, getattr(strategy, 'server_rank', None))\n\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for overrides, expected in [([], "RingAllReduceStrategy None"),
+                                (["strategy=parameter_server", "strategy.server_rank=1"], "ParameterServerStrategy 1"),
+                                (["strategy=sharded_ps"], "ShardedParameterServerStrategy None")]:  # fmt: skip
+        out = subprocess.run([sys.executable, "app.py", *overrides, "hydra.run.dir=out"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert f"STRATEGY {expected}" in out.stdout, out.stdout + out.stderr
