@@ -14,6 +14,7 @@ parameters costs no extra message.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence
 
@@ -136,6 +137,10 @@ class BucketReducer:
         ]
         self._location = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.enabled = True
+        #: seconds the communication thread spent reducing buckets, and seconds :meth:`finish` waited for it;
+        #: their difference is communication hidden behind backward (see :meth:`take_timing`)
+        self.comm_seconds = 0.0
+        self.wait_seconds = 0.0
         self._next_launch = 0
         self._futures: list[Future] = []
         self._lock = threading.Lock()
@@ -159,8 +164,21 @@ class BucketReducer:
         with self._lock:
             while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
                 bucket = self.buckets[self._next_launch]
-                self._futures.append(self._executor.submit(self.reduce_bucket, bucket))
+                self._futures.append(self._executor.submit(self._timed_reduce, bucket))
                 self._next_launch += 1
+
+    def _timed_reduce(self, bucket: GradientBucket) -> None:
+        start = time.perf_counter()
+        try:
+            self.reduce_bucket(bucket)
+        finally:
+            self.comm_seconds += time.perf_counter() - start
+
+    def take_timing(self) -> tuple[float, float]:
+        """``(communication seconds, seconds backward's caller waited for it)`` since the last call; resets both."""
+        timing = (self.comm_seconds, self.wait_seconds)
+        self.comm_seconds = self.wait_seconds = 0.0
+        return timing
 
     def finish(self, copy_back: bool = True) -> None:
         """Complete this round of synchronization (see class docstring). Re-raises any communication error."""
@@ -170,10 +188,12 @@ class BucketReducer:
                     # no gradient this backward; an accumulated one from earlier micro-batches still counts
                     bucket.fill(i, p.grad)
         self._launch_ready_buckets()
+        start = time.perf_counter()
         try:
             for future in self._futures:
                 future.result()
         finally:
+            self.wait_seconds += time.perf_counter() - start
             self._futures.clear()
             self._next_launch = 0
             for bucket in self.buckets:

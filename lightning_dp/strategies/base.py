@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Generator, Literal, Optional, Union
@@ -119,6 +120,10 @@ class DataParallelStrategy(ParallelStrategy):
         #: ``(sent, received)`` bytes of gradient and weight traffic this rank moved for the last optimizer step
         self.last_step_bytes: tuple[int, int] = (0, 0)
         self.sync_bytes = 0
+        #: seconds of gradient/weight communication so far, and the part of it the training loop waited for
+        #: (the rest ran hidden behind backward)
+        self.comm_seconds = 0.0
+        self.exposed_comm_seconds = 0.0
 
     # ------------------------------------------------------------------ ranks, devices, launching
     @property
@@ -267,8 +272,16 @@ class DataParallelStrategy(ParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.last_step_bytes = self.comm_stats.reset()
+        self._end_step()
         return result
+
+    def _end_step(self, blocking_seconds: float = 0.0) -> None:
+        """Book-keeping after an optimizer step; ``blocking_seconds`` of communication ran on the main thread."""
+        self.last_step_bytes = self.comm_stats.reset()
+        if self.reducer is not None:
+            comm, waited = self.reducer.take_timing()
+            self.comm_seconds += comm + blocking_seconds
+            self.exposed_comm_seconds += waited + blocking_seconds
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (tensors in ``optimizer.state``) this rank holds."""
@@ -373,8 +386,9 @@ class ParameterServerBase(DataParallelStrategy):
         self._prepare_server_gradients(optimizer)
         self.precision_plugin._after_closure(model, optimizer)
         self._server_update(optimizer, **kwargs)
+        start = time.perf_counter()
         self._pull(optimizer)
-        self.last_step_bytes = self.comm_stats.reset()
+        self._end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
     def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,185 @@
+"""Collectives benchmark (no Lightning): this project's ring all-reduce, gloo's all_reduce, the central and the
+sharded parameter server (push + pull), and the point-to-point bandwidth of the same transport, in one run.
+
+    python benchmarks/collectives.py                 # N = 2, 3, 4; buffers 1, 4, 16, 64 MB
+    python benchmarks/collectives.py --quick         # N = 2, 3; buffers 1, 4, 16 MB; fewer repeats
+
+Bus bandwidth follows nccl-tests: busbw = S / t * 2 (N - 1) / N, the rate each rank's link must sustain for an
+all-reduce of S bytes in t seconds; a bandwidth-optimal algorithm approaches the point-to-point bandwidth.
+Times are medians over repeats of the slowest rank. Writes results/collectives.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_dp.comm import Ring, ring_allreduce  # noqa: E402
+from lightning_dp.comm.parameter_server import (  # noqa: E402
+    pull_shards,
+    pull_weights,
+    push_gradients,
+    push_shards,
+    shard_segments,
+)
+
+MB = 1024 * 1024
+
+
+def timed(fn, repeats: int, warmup: int = 1) -> float:
+    """Median over ``repeats`` of the slowest rank's time for ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int) -> list[dict]:
+    rows = []
+    ring = Ring()
+    for size_mb in sizes_mb:
+        numel = int(size_mb * MB) // 4
+        nbytes = numel * 4
+        buf = torch.randn(numel)
+        segments = shard_segments([numel], [4], world_size)[0]
+        peer_buf = torch.empty(numel)
+
+        def p2p():
+            # one link, one direction: rank 0 sends S bytes to rank 1
+            if rank == 0:
+                dist.send(buf, dst=1)
+            elif rank == 1:
+                dist.recv(peer_buf, src=0)
+
+        ops = {
+            "p2p": p2p,
+            "ring_allreduce": lambda: ring_allreduce(buf, ring=ring),
+            "gloo_all_reduce": lambda: dist.all_reduce(buf),
+            "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
+            "sharded_ps": lambda: (push_shards(buf, segments), pull_shards(buf, segments)),
+        }
+        times = {name: timed(fn, repeats) for name, fn in ops.items()}
+        link = nbytes / times["p2p"]
+        for name, t in times.items():
+            row = {"world_size": world_size, "size_mb": size_mb, "op": name, "time_s": t}
+            if name == "p2p":
+                row["bandwidth_GBps"] = link / 1e9
+            else:
+                busbw = nbytes / t * 2 * (world_size - 1) / world_size
+                row["busbw_GBps"] = busbw / 1e9
+                row["busbw_vs_p2p"] = busbw / link
+                row["vs_gloo"] = times["gloo_all_reduce"] / t
+            rows.append(row)
+        if rank == 0:
+            summary = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items())
+            print(f"N={world_size} S={size_mb} MB: {summary}", flush=True)
+    return rows
+
+
+def worker(rank: int, world_size: int, port: int, sizes_mb, repeats, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    rows = measure(rank, world_size, sizes_mb, repeats)
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, sizes_mb, repeats, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    rows = queue.get()
+    for p in procs:
+        p.join(timeout=120)
+    return rows
+
+
+def write_report(rows: list[dict], out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "collectives.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo over loopback TCP",
+        "",
+        "| N | S (MB) | p2p GB/s | ring busbw GB/s | gloo busbw GB/s | ring / gloo | ring / p2p | central PS busbw | sharded PS busbw |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
+    for (n, size) in sorted({key(r) for r in rows}):
+        by = {r["op"]: r for r in rows if key(r) == (n, size)}
+        lines.append(
+            f"| {n} | {size:g} | {by['p2p']['bandwidth_GBps']:.2f} | {by['ring_allreduce']['busbw_GBps']:.2f} | "
+            f"{by['gloo_all_reduce']['busbw_GBps']:.2f} | {by['ring_allreduce']['vs_gloo']:.2f} | "
+            f"{by['ring_allreduce']['busbw_vs_p2p']:.2f} | {by['central_ps']['busbw_GBps']:.2f} | "
+            f"{by['sharded_ps']['busbw_GBps']:.2f} |"
+        )
+    (out / "collectives.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install '.[bench]')")
+        return
+    sizes = sorted({n for n, _ in map(key, rows)})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for ax, n in zip(axes[0], sizes):
+        for op in ("ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"):
+            pts = sorted((r["size_mb"], r["busbw_GBps"]) for r in rows if r["world_size"] == n and r["op"] == op)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
+        pts = sorted((r["size_mb"], r["bandwidth_GBps"]) for r in rows if r["world_size"] == n and r["op"] == "p2p")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "k--", label="p2p link")
+        ax.set(xscale="log", xlabel="buffer (MB)", ylabel="bus bandwidth (GB/s)", title=f"N = {n}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "collectives.png", dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--world-sizes", type=int, nargs="+")
+    parser.add_argument("--sizes-mb", type=float, nargs="+")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    world_sizes = args.world_sizes or ([2, 3] if args.quick else [2, 3, 4])
+    sizes = args.sizes_mb or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
+    repeats = args.repeats or (3 if args.quick else 7)
+    rows = []
+    for n in world_sizes:
+        rows += run_local(n, sizes, repeats)
+    write_report(rows, Path(args.out), f"python benchmarks/{Path(sys.argv[0]).name} " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

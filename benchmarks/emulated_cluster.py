@@ -1,0 +1,193 @@
+"""Emulated cluster: N hosts in network namespaces, each behind a rate-limited link to one switch, so the
+network (not memory copies) is the bottleneck. Measures the communication time of one gradient exchange of S
+bytes under each scheme beside the analytic time of the classic bandwidth model:
+
+    ring all-reduce and sharded PS:   2 (N - 1) / N * S / B   (every link carries the same load)
+    central PS (the server's link):   2 (N - 1) * S / B       (fan-in then fan-out through one link)
+
+    sudo python benchmarks/emulated_cluster.py                       # N = 2, 3, 4 hosts, S = 16 MB, 1 Gbit/s
+    sudo python benchmarks/emulated_cluster.py --quick               # N = 3, S = 8 MB
+    sudo python benchmarks/emulated_cluster.py --rate-mbit 500 --size-mb 32
+
+Needs root and iproute2. Namespaces are named lddp-*; addresses 10.77.0.0/24 exist only inside them. All of it
+is removed at the end, also on errors. Writes results/emulated_cluster.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+SUBNET = "10.77.0"
+PREFIX = "lddp"
+IFNAME = "lddp0"
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def host_ns(i: int) -> str:
+    return f"{PREFIX}-h{i}"
+
+
+@contextmanager
+def emulated_hosts(n: int, rate_mbit: float, delay_ms: float = 0.0):
+    """Create ``n`` hosts joined by a bridge in a switch namespace; every link shaped to ``rate_mbit`` both ways."""
+    switch = f"{PREFIX}-sw"
+    created = []
+    try:
+        sh("ip", "netns", "add", switch)
+        created.append(switch)
+        sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", switch, "link", "set", "br0", "up")
+        sh("ip", "-n", switch, "link", "set", "lo", "up")
+        for i in range(n):
+            ns = host_ns(i)
+            sh("ip", "netns", "add", ns)
+            created.append(ns)
+            sh("ip", "link", "add", f"{PREFIX}v{i}", "type", "veth", "peer", "name", f"{PREFIX}s{i}")
+            sh("ip", "link", "set", f"{PREFIX}v{i}", "netns", ns)
+            sh("ip", "link", "set", f"{PREFIX}s{i}", "netns", switch)
+            sh("ip", "-n", ns, "link", "set", f"{PREFIX}v{i}", "name", IFNAME)
+            sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", IFNAME)
+            sh("ip", "-n", ns, "link", "set", IFNAME, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", switch, "link", "set", f"{PREFIX}s{i}", "master", "br0")
+            sh("ip", "-n", switch, "link", "set", f"{PREFIX}s{i}", "up")
+            for netns, dev in ((ns, IFNAME), (switch, f"{PREFIX}s{i}")):  # upload and download of host i
+                shape = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", "200ms"]
+                if delay_ms:
+                    sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
+                       "netem", "delay", f"{delay_ms}ms")  # fmt: skip
+                    sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle",
+                       "2:", *shape)  # fmt: skip
+                else:
+                    sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root", *shape)
+        yield [host_ns(i) for i in range(n)]
+    finally:
+        for ns in reversed(created):
+            sh("ip", "netns", "del", ns, check=False)
+
+
+def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lightning_dp.comm import ring_allreduce
+    from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{port}", rank=rank, world_size=world_size)
+    numel = int(size_mb * 2**20) // 4
+    buf = torch.randn(numel)
+    segments = shard_segments([numel], [4], world_size)[0]
+    ops = {
+        "ring_allreduce": lambda: ring_allreduce(buf),
+        "sharded_ps": lambda: (push_shards(buf, segments), pull_shards(buf, segments)),
+        "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
+        "gloo_all_reduce": lambda: dist.all_reduce(buf),
+    }
+    results = {}
+    for name, fn in ops.items():
+        fn()
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            samples.append(float(t))
+        results[name] = statistics.median(samples)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(n: int, size_mb: float, rate_mbit: float, repeats: int, tmp: Path) -> dict:
+    out = tmp / f"n{n}.json"
+    port = 29500 + n
+    with emulated_hosts(n, rate_mbit) as hosts:
+        procs = [
+            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", str(rank), str(n),
+                              str(size_mb), str(repeats), str(port), str(out)])  # fmt: skip
+            for rank, ns in enumerate(hosts)
+        ]
+        try:
+            for p in procs:
+                p.wait(timeout=600)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+    measured = json.loads(out.read_text())
+    s, b = size_mb * 2**20, rate_mbit * 1e6 / 8
+    analytic = {
+        "ring_allreduce": 2 * (n - 1) / n * s / b,
+        "sharded_ps": 2 * (n - 1) / n * s / b,
+        "central_ps": 2 * (n - 1) * s / b,
+        "gloo_all_reduce": 2 * (n - 1) / n * s / b,
+    }
+    return {"world_size": n, "size_mb": size_mb, "rate_mbit": rate_mbit, "measured_s": measured, "analytic_s": analytic}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        rank, n, size_mb, repeats, port, out = sys.argv[2:8]
+        worker(int(rank), int(n), float(size_mb), int(repeats), int(port), out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--world-sizes", type=int, nargs="+")
+    parser.add_argument("--size-mb", type=float)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("emulated_cluster.py needs root (network namespaces and tc)")
+    world_sizes = args.world_sizes or ([3] if args.quick else [2, 3, 4])
+    size_mb = args.size_mb or (8.0 if args.quick else 16.0)
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in world_sizes:
+            row = measure(n, size_mb, args.rate_mbit, args.repeats, Path(tmp))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "emulated_cluster.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {os.cpu_count()} CPUs; hosts are network namespaces, each link shaped with tc tbf to "
+        f"{args.rate_mbit:g} Mbit/s in both directions; S = {size_mb:g} MB",
+        "",
+        "| N | scheme | measured s | analytic s | measured / analytic | vs ring |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for scheme in ("ring_allreduce", "sharded_ps", "central_ps", "gloo_all_reduce"):
+            m, a = r["measured_s"][scheme], r["analytic_s"][scheme]
+            lines.append(f"| {r['world_size']} | {scheme} | {m:.3f} | {a:.3f} | {m / a:.2f} | "
+                         f"{m / r['measured_s']['ring_allreduce']:.2f} |")  # fmt: skip
+    (out / "emulated_cluster.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""End-to-end benchmark: optimizer steps per second, peak memory, optimizer-state bytes and hidden communication
+per rank, for every strategy against Lightning's ``ddp`` in the same run.
+
+    python benchmarks/end_to_end.py                  # reference CNN and ResNet-18, N = 2 and 4
+    python benchmarks/end_to_end.py --quick          # reference CNN and ResNet-18, N = 2, fewer steps
+
+Each (model, N, strategy) is a separate ``Trainer.fit`` on fake data, started the way users start it (the popen
+launcher re-runs this script per rank). Steps/s is measured after warm-up steps, as the median over ranks of
+(timed steps / time). Writes results/end_to_end.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STRATEGIES = ("ddp", "ring_allreduce", "parameter_server", "sharded_ps")
+MODELS = {
+    # name: (image shape, per-rank batch)
+    "reference_cnn": ((1, 28, 28), 64),
+    "resnet18": ((3, 32, 32), 32),
+}
+
+
+def build_model(name: str):
+    import torch
+    import torch.nn.functional as F
+    from lightning import LightningModule
+
+    from lightning_dp.demos import ReferenceCNN
+
+    if name == "reference_cnn":
+        return ReferenceCNN(dropout=0.0)
+
+    class ResNet18(LightningModule):
+        def __init__(self):
+            super().__init__()
+            import torchvision
+
+            self.net = torchvision.models.resnet18(num_classes=10)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    return ResNet18()
+
+
+def worker(args) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    import lightning_dp  # noqa: F401 - registers the strategies
+    from lightning_dp.demos import FakeDataModule
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
+    shape, batch = MODELS[args.model]
+
+    class StepTimer(Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_end(self, trainer, *_):
+            self.times.append(time.perf_counter())
+
+    timer = StepTimer()
+    trainer = L.Trainer(
+        strategy=args.strategy, accelerator="cpu", devices=args.devices, max_steps=args.warmup + args.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[timer],
+    )  # fmt: skip
+    data = FakeDataModule(num_samples=batch * args.devices * (args.warmup + args.steps), image_shape=shape, batch_size=batch)
+    model = build_model(args.model)
+    trainer.fit(model, datamodule=data)
+    strategy = trainer.strategy
+    timed = timer.times[args.warmup - 1 :]
+    if hasattr(strategy, "optimizer_state_bytes"):
+        state_bytes = strategy.optimizer_state_bytes()
+    else:
+        state_bytes = sum(v.numel() * v.element_size() for o in trainer.optimizers for s in o.state.values()
+                          for v in s.values() if torch.is_tensor(v))  # fmt: skip
+    result = {
+        "rank": trainer.global_rank,
+        "steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "optimizer_state_bytes": state_bytes,
+        "params": sum(p.numel() for p in model.parameters()),
+        "comm_seconds": getattr(strategy, "comm_seconds", None),
+        "exposed_comm_seconds": getattr(strategy, "exposed_comm_seconds", None),
+    }
+    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
+    result_dir = tmp / f"{model}-{devices}-{strategy}"
+    cmd = [sys.executable, __file__, "--worker", "--model", model, "--devices", str(devices), "--strategy", strategy,
+           "--steps", str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(devices)]
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="reference_cnn")
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--world-sizes", type=int, nargs="+")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS))
+    parser.add_argument("--result-dir", default="")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import tempfile
+
+    steps = args.steps or (10 if args.quick else 30)
+    world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
+    models = args.models or sorted(MODELS)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            for n in world_sizes:
+                baseline = None
+                for strategy in STRATEGIES:
+                    ranks = run_case(model, n, strategy, steps, args.warmup, Path(tmp))
+                    row = {
+                        "model": model, "world_size": n, "strategy": strategy,
+                        "params": ranks[0]["params"],
+                        "steps_per_s": median([r["steps_per_s"] for r in ranks]),
+                        "peak_rss_mb_max": max(r["peak_rss_mb"] for r in ranks),
+                        "optimizer_state_mb": [round(r["optimizer_state_bytes"] / 2**20, 2) for r in ranks],
+                    }  # fmt: skip
+                    comm = [r["comm_seconds"] for r in ranks if r["comm_seconds"]]
+                    if comm:
+                        exposed = sum(r["exposed_comm_seconds"] for r in ranks if r["comm_seconds"])
+                        row["hidden_comm_fraction"] = max(0.0, 1 - exposed / sum(comm))
+                    if strategy == "ddp":
+                        baseline = row
+                    row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
+                    ddp_state = max(baseline["optimizer_state_mb"])
+                    row["state_vs_ddp"] = [round(s / ddp_state, 3) for s in row["optimizer_state_mb"]]
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "end_to_end.json").write_text(json.dumps(rows, indent=1))
+    lines = [
+        f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {os.cpu_count()} CPUs, gloo over loopback; {steps} timed steps after {args.warmup} warm-up steps",
+        "",
+        "| model | N | strategy | steps/s | vs ddp | hidden comm | peak RSS MB | Adam state MB per rank | state vs ddp |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hidden = f"{r['hidden_comm_fraction']:.0%}" if "hidden_comm_fraction" in r else "n/a"
+        lines.append(
+            f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['world_size']} | {r['strategy']} | {r['steps_per_s']:.2f} | "
+            f"{r['vs_ddp']:.2f} | {hidden} | {r['peak_rss_mb_max']:.0f} | {r['optimizer_state_mb']} | {r['state_vs_ddp']} |"
+        )
+    (out / "end_to_end.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
