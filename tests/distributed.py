@@ -77,3 +77,37 @@ def run_distributed(
                 p.kill()
                 p.join()
     return [collected[r] for r in range(world_size)]
+
+
+def run_distributed_allow_deaths(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Like :func:`run_distributed`, for tests that kill ranks: a rank that dies without reporting gives ``None``.
+
+    Still fails on a worker's exception and on the deadline (after killing every worker).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, "gloo", fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    collected: dict[int, Any] = {}
+    try:
+        while any(p.is_alive() for p in procs) or not results.empty():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {timeout}s (ranks done: {sorted(collected)})")
+            while not results.empty():
+                rank, status, value = results.get()
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{value}")
+                collected[rank] = value
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [collected.get(r) for r in range(world_size)]

@@ -63,23 +63,25 @@ def test_strategy_configs_list_every_constructor_option_with_its_default(name):
             assert value == default, key
 
 
-@pytest.mark.parametrize("group", ["model", "data", "callbacks", "logger", "trainer"])
-def test_every_group_option_composes_and_instantiates(group, tmp_path):
-    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        if option == "tensorboard":
-            pytest.importorskip("tensorboard")
-        cfg = compose_train([f"{group}={option}", f"hydra.runtime.output_dir={tmp_path}"])
-        node = resolved(cfg, group)
-        if node is None:
-            continue
-        if group == "trainer":
-            assert OmegaConf.to_container(node, resolve=True)["devices"] == 2
-        elif group == "callbacks":
-            assert all(instantiate(c) is not None for c in node.values())
-        elif group == "data":
-            instantiate(node, batch_size=4)
-        else:
-            assert instantiate(node) is not None
+GROUP_OPTIONS = [
+    (group, p.stem) for group in ("model", "data", "callbacks", "logger", "trainer") for p in sorted((CONF / group).glob("*.yaml"))
+]
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
+    if option == "tensorboard":
+        pytest.importorskip("tensorboard", reason="the tensorboard logger needs `pip install tensorboard`")
+    cfg = compose_train([f"{group}={option}", f"hydra.runtime.output_dir={tmp_path}"])
+    node = resolved(cfg, group)
+    if group == "trainer":
+        assert OmegaConf.to_container(node, resolve=True)["devices"] == 2
+    elif group == "callbacks":
+        assert all(instantiate(c) is not None for c in node.values())
+    elif group == "data":
+        instantiate(node, batch_size=4)
+    else:
+        assert instantiate(node) is not None
 
 
 def test_config_flags_are_forwarded_to_ranks():

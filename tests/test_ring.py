@@ -106,3 +106,35 @@ def _single(rank, world_size):
 
 def test_world_size_one_is_a_no_op():
     assert run_distributed(_single, 1, timeout=60) == [True]
+
+
+def _ring_until_peer_dies(rank, world_size):
+    import os
+    import signal
+    import time
+
+    from lightning_dp.comm.errors import PeerUnreachableError
+
+    x = torch.ones(100_000)
+    for step in range(1000):
+        if rank == world_size - 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # the last rank dies mid-training
+        start = time.monotonic()
+        try:
+            ring_allreduce(x, op="avg")
+        except PeerUnreachableError as error:
+            return str(error), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_a_killed_peer_stops_the_others_with_an_error_naming_it():
+    from tests.distributed import run_distributed_allow_deaths
+
+    results = run_distributed_allow_deaths(_ring_until_peer_dies, 3, timeout=120)
+    assert results[2] is None  # killed
+    for rank in (0, 1):
+        message, seconds = results[rank]
+        assert "could not" in message and "rank" in message, message
+        assert seconds < 30
+    # rank 0 receives from rank 2 in the ring: it names the dead peer
+    assert "rank 2" in results[0][0]

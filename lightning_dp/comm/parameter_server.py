@@ -19,11 +19,12 @@ same bits.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lightning_dp.comm.errors import wait_for
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -33,9 +34,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+def _wait(works: list[tuple[Optional[dist.Work], int, str]], group: dist.ProcessGroup | None) -> None:
+    for work, peer, action in works:
+        wait_for(work, group, peer, action)
 
 
 def push_gradients(
@@ -53,7 +54,7 @@ def push_gradients(
     if size == 1 or buffer.numel() == 0:
         return
     if rank != server:
-        dist.send(buffer, group=group, group_dst=server)
+        wait_for(dist.isend(buffer, group=group, group_dst=server), group, server, "push gradients to")
         if stats is not None:
             stats.add(sent=_nbytes(buffer))
         return
@@ -68,7 +69,7 @@ def push_gradients(
             contribution = buffer
         else:
             k = peers.index(peer_rank)
-            works[k].wait()
+            wait_for(works[k], group, peer_rank, "receive gradients from")
             contribution = scratch[k]
         total = contribution.clone() if total is None else total.add_(contribution)
     buffer.copy_(total.div_(size))
@@ -84,11 +85,12 @@ def pull_weights(
     if size == 1 or buffer.numel() == 0:
         return
     if rank == server:
-        _wait([dist.isend(buffer, group=group, group_dst=peer) for peer in range(size) if peer != server])
+        _wait([(dist.isend(buffer, group=group, group_dst=p), p, "send weights to") for p in range(size) if p != server],
+              group)  # fmt: skip
         if stats is not None:
             stats.add(sent=_nbytes(buffer) * (size - 1))
     else:
-        dist.recv(buffer, group=group, group_src=server)
+        wait_for(dist.irecv(buffer, group=group, group_src=server), group, server, "pull weights from")
         if stats is not None:
             stats.add(received=_nbytes(buffer))
 
@@ -109,13 +111,13 @@ def push_shards(
         return
     mine = buffer[segments[rank][0] : segments[rank][1]]
     scratch = {peer: torch.empty_like(mine) for peer in range(size) if peer != rank and mine.numel()}
-    works = [dist.irecv(scratch[peer], group=group, group_src=peer) for peer in sorted(scratch)]
+    works = [(dist.irecv(scratch[p], group=group, group_src=p), p, "receive a gradient shard from") for p in sorted(scratch)]
     sent = 0
     for peer, (start, end) in enumerate(segments):
         if peer != rank and end > start:
-            works.append(dist.isend(buffer[start:end], group=group, group_dst=peer))
+            works.append((dist.isend(buffer[start:end], group=group, group_dst=peer), peer, "push a gradient shard to"))
             sent += (end - start) * buffer.element_size()
-    _wait(works)
+    _wait(works, group)
     if mine.numel():
         total = None
         for peer in range(size):
@@ -140,13 +142,13 @@ def pull_shards(
     works, received = [], 0
     for peer, (s, e) in enumerate(segments):
         if peer != rank and e > s:
-            works.append(dist.irecv(buffer[s:e], group=group, group_src=peer))
+            works.append((dist.irecv(buffer[s:e], group=group, group_src=peer), peer, "pull a weight shard from"))
             received += (e - s) * buffer.element_size()
     if end > start:
         for peer in range(size):
             if peer != rank:
-                works.append(dist.isend(buffer[start:end], group=group, group_dst=peer))
-    _wait(works)
+                works.append((dist.isend(buffer[start:end], group=group, group_dst=peer), peer, "send a weight shard to"))
+    _wait(works, group)
     if stats is not None:
         stats.add(sent=(end - start) * buffer.element_size() * (size - 1), received=received)
 

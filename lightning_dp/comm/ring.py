@@ -11,11 +11,12 @@ Every chunk is reduced on exactly one rank and then copied, so all ranks end wit
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
+from lightning_dp.comm.errors import wait_for
 from lightning_dp.comm.stats import CommStats
 
 ReduceOpName = Literal["sum", "avg"]
@@ -40,33 +41,35 @@ def chunk_bounds(numel: int, num_chunks: int) -> list[tuple[int, int]]:
 class Ring:
     """The ring order of a process group: who this rank sends to (right) and receives from (left).
 
-    Ranks are *group* ranks, so a ring can run on any sub-group.
+    Ranks are *group* ranks, so a ring can run on any sub-group. ``segment_bytes`` sets the pipelining: each
+    chunk travels as pieces of about that size, and a piece moves on to the next step as soon as it has arrived
+    (and, in the reduce-scatter, been added), so the link stays busy while the previous pieces are still in
+    flight.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 1 << 20) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
+        if segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+        self.segment_bytes = segment_bytes
 
-    def exchange(
-        self, send: torch.Tensor, recv: torch.Tensor, stats: CommStats | None = None
-    ) -> None:
-        """Send ``send`` to the right neighbour while receiving ``recv`` from the left one; blocks until both are done.
-
-        The receive is posted before the send, so neither side can wait on the other. Empty tensors are skipped on
-        both ends (chunk sizes are known to every rank).
-        """
-        works = []
-        if recv.numel():
-            works.append(dist.irecv(recv, group=self.group, group_src=self.left))
-        if send.numel():
-            works.append(dist.isend(send, group=self.group, group_dst=self.right))
-        for work in works:
-            work.wait()
+    def send(self, tensor: torch.Tensor, tag: int, stats: CommStats | None) -> Optional[dist.Work]:
+        if not tensor.numel():
+            return None
         if stats is not None:
-            stats.add(sent=send.numel() * send.element_size(), received=recv.numel() * recv.element_size())
+            stats.add(sent=tensor.numel() * tensor.element_size())
+        return dist.isend(tensor, group=self.group, group_dst=self.right, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int, stats: CommStats | None) -> Optional[dist.Work]:
+        if not tensor.numel():
+            return None
+        if stats is not None:
+            stats.add(received=tensor.numel() * tensor.element_size())
+        return dist.irecv(tensor, group=self.group, group_src=self.left, tag=tag)
 
 
 def _check_op(op: str, tensor: torch.Tensor) -> None:
@@ -74,6 +77,62 @@ def _check_op(op: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"op={op!r} is not supported; choose one of {REDUCE_OPS}")
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"op='avg' needs a floating point tensor, got dtype {tensor.dtype}")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pieces(flat: torch.Tensor, ring: Ring) -> tuple[int, int, Callable[[int, int], tuple[int, int]]]:
+    """Pieces per chunk, the largest piece's length, and ``piece(chunk, p) -> (start, end)`` in ``flat``."""
+    bounds = chunk_bounds(flat.numel(), ring.size)
+    largest_chunk = bounds[0][1] - bounds[0][0]
+    num_pieces = max(1, min(64, _ceil_div(largest_chunk * flat.element_size(), ring.segment_bytes)))
+
+    def piece(chunk: int, p: int) -> tuple[int, int]:
+        start, end = bounds[chunk]
+        a, b = chunk_bounds(end - start, num_pieces)[p]
+        return start + a, start + b
+
+    return num_pieces, _ceil_div(largest_chunk, num_pieces), piece
+
+
+def _pipelined_phase(
+    flat: torch.Tensor,
+    ring: Ring,
+    send_chunk: Callable[[int], int],
+    recv_chunk: Callable[[int], int],
+    reduce: bool,
+    tag_base: int,
+    stats: CommStats | None,
+) -> None:
+    """``N - 1`` ring steps; at step ``s`` chunk ``send_chunk(s)`` goes right and ``recv_chunk(s)`` arrives from
+    the left (added in place when ``reduce``, else copied). Step ``s + 1`` sends what step ``s`` received, piece
+    by piece, as soon as that piece is ready."""
+    n = ring.size
+    num_pieces, largest_piece, piece = _pieces(flat, ring)
+    scratch = torch.empty(num_pieces * largest_piece, dtype=flat.dtype, device=flat.device) if reduce else None
+    sends: list[Optional[dist.Work]] = []
+
+    def post(step: int, p: int) -> Optional[dist.Work]:
+        s0, s1 = piece(send_chunk(step), p)
+        r0, r1 = piece(recv_chunk(step), p)
+        target = scratch[p * largest_piece : p * largest_piece + r1 - r0] if reduce else flat[r0:r1]
+        work = ring.recv(target, tag_base + p, stats)  # receive posted before the send
+        sends.append(ring.send(flat[s0:s1], tag_base + p, stats))
+        return work
+
+    pending = [post(0, p) for p in range(num_pieces)]
+    for step in range(n - 1):
+        for p in range(num_pieces):
+            wait_for(pending[p], ring.group, ring.left, "receive from")
+            if reduce:
+                r0, r1 = piece(recv_chunk(step), p)
+                flat[r0:r1].add_(scratch[p * largest_piece : p * largest_piece + r1 - r0])
+            if step + 1 < n - 1:
+                pending[p] = post(step + 1, p)
+    for work in sends:
+        wait_for(work, ring.group, ring.right, "send to")
 
 
 def ring_reduce_scatter(
@@ -85,28 +144,17 @@ def ring_reduce_scatter(
     size when ``op == "avg"``). The other chunks hold partial sums.
     """
     n, r = ring.size, ring.rank
-    bounds = chunk_bounds(flat.numel(), n)
-    scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
-    for step in range(n - 1):
-        s0, s1 = bounds[(r - step) % n]
-        r0, r1 = bounds[(r - step - 1) % n]
-        incoming = scratch[: r1 - r0]
-        ring.exchange(flat[s0:s1], incoming, stats)
-        flat[r0:r1].add_(incoming)
-    owned = bounds[(r + 1) % n]
+    _pipelined_phase(flat, ring, lambda s: (r - s) % n, lambda s: (r - s - 1) % n, True, 0, stats)
+    start, end = chunk_bounds(flat.numel(), n)[(r + 1) % n]
     if op == "avg":
-        flat[owned[0] : owned[1]].div_(n)
-    return owned
+        flat[start:end].div_(n)
+    return start, end
 
 
 def ring_allgather(flat: torch.Tensor, ring: Ring, stats: CommStats | None = None) -> None:
     """All-gather phase, in place: rank ``r`` starts owning chunk ``(r + 1) % N`` and ends with every chunk."""
     n, r = ring.size, ring.rank
-    bounds = chunk_bounds(flat.numel(), n)
-    for step in range(n - 1):
-        s0, s1 = bounds[(r + 1 - step) % n]
-        r0, r1 = bounds[(r - step) % n]
-        ring.exchange(flat[s0:s1], flat[r0:r1], stats)
+    _pipelined_phase(flat, ring, lambda s: (r + 1 - s) % n, lambda s: (r - s) % n, False, 64, stats)
 
 
 def ring_allreduce(

@@ -44,6 +44,7 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class DataParallelStrategy(ParallelStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        check_replicas_match(self.model, self.gradient_group)
         # every replica starts from rank 0's parameters and buffers
         broadcast_tensors(self._module_state(), src=0, group=self.gradient_group)
         if fitting:
