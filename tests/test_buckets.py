@@ -15,6 +15,8 @@ def test_buckets_follow_reverse_parameter_order_and_cap():
     assert assign_buckets(params, 900) == [[3], [2], [1, 0]]
     assert assign_buckets(params, 10_000) == [[3], [2, 1, 0]]  # dtype change starts a new bucket
     assert assign_buckets(params, 1) == [[3], [2], [1], [0]]  # oversize tensors get a bucket each
+    # the first bucket is small (here 500 bytes) so communication starts early; later ones use the full cap
+    assert assign_buckets(params[:3], 10_000, first_bucket_cap_bytes=500) == [[2], [1, 0]]
 
 
 class Chain(nn.Module):

@@ -23,11 +23,17 @@ from torch import Tensor
 from torch.nn import Parameter
 
 
-def assign_buckets(params: Sequence[Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+#: the first bucket is small, as in DistributedDataParallel, so communication starts early in backward
+FIRST_BUCKET_CAP_BYTES = 1024 * 1024
+
+
+def assign_buckets(
+    params: Sequence[Tensor], bucket_cap_bytes: int, first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES
+) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``bucket_cap_bytes`` (a larger tensor gets its own bucket).
 
-    Parameters are taken in reverse order (the order backward produces their gradients). A bucket holds one
-    dtype on one device.
+    Parameters are taken in reverse order (the order backward produces their gradients). The first bucket is
+    capped at ``min(first_bucket_cap_bytes, bucket_cap_bytes)``. A bucket holds one dtype on one device.
     """
     buckets: list[list[int]] = []
     current: list[int] = []
@@ -37,7 +43,8 @@ def assign_buckets(params: Sequence[Tensor], bucket_cap_bytes: int) -> list[list
         p = params[index]
         kind = (p.dtype, p.device)
         size = p.numel() * p.element_size()
-        if current and (kind != current_kind or current_bytes + size > bucket_cap_bytes):
+        cap = min(first_bucket_cap_bytes, bucket_cap_bytes) if not buckets else bucket_cap_bytes
+        if current and (kind != current_kind or current_bytes + size > cap):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(index)

@@ -1,0 +1,44 @@
+"""The benchmark scripts still run (smallest settings; the numbers themselves are not asserted here)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO
+
+
+def run(args, timeout=240):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_collectives_benchmark_runs(tmp_path):
+    out = run(["benchmarks/collectives.py", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1", "--out", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "collectives.json").read_text())
+    assert {r["op"] for r in rows} == {"p2p", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"}
+    assert "| N | S (MB) |" in (tmp_path / "collectives.md").read_text()
+
+
+def _can_make_namespaces() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "lddp-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "lddp-probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and tc to create network namespaces")
+def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
+    out = run(["benchmarks/emulated_cluster.py", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",
+               "--out", str(tmp_path)])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads((tmp_path / "emulated_cluster.json").read_text())[0]
+    # a rate limit of 1 Gbit/s really binds: the central server cannot beat the analytic time
+    assert row["measured_s"]["central_ps"] >= 0.9 * row["analytic_s"]["central_ps"]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "lddp-" not in namespaces
