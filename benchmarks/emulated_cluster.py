@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,7 +79,8 @@ def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, 
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+    from collectives import timed
     from lightning_dp.comm import ring_allreduce
     from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
 
@@ -97,18 +96,7 @@ def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, 
         "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
         "gloo_all_reduce": lambda: dist.all_reduce(buf),
     }
-    results = {}
-    for name, fn in ops.items():
-        fn()
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            samples.append(float(t))
-        results[name] = statistics.median(samples)
+    results = {name: timed(fn, repeats) for name, fn in ops.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()

@@ -34,15 +34,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
             dist.destroy_process_group()
 
 
-def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
-
-    ``backend="nccl"`` puts rank ``r`` on GPU ``r``. Raises ``AssertionError`` with the worker's traceback if any rank
-    fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a deadlock fails the test
-    instead of hanging it.
-    """
+def _start_workers(fn: Callable, world_size: int, args: tuple, backend: str) -> tuple[list, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
@@ -52,6 +44,19 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    return procs, results
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
+
+    ``backend="nccl"`` puts rank ``r`` on GPU ``r``. Raises ``AssertionError`` with the worker's traceback if any rank
+    fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a deadlock fails the test
+    instead of hanging it.
+    """
+    procs, results = _start_workers(fn, world_size, args, backend)
     deadline = time.monotonic() + timeout
     collected: dict[int, Any] = {}
     try:
@@ -84,15 +89,7 @@ def run_distributed_allow_deaths(fn: Callable, world_size: int, *args: Any, time
 
     Still fails on a worker's exception and on the deadline (after killing every worker).
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, "gloo", fn, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results = _start_workers(fn, world_size, args, "gloo")
     deadline = time.monotonic() + timeout
     collected: dict[int, Any] = {}
     try:
