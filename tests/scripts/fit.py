@@ -22,6 +22,7 @@ parser.add_argument("--num-nodes", type=int, default=1)
 parser.add_argument("--clip", choices=["norm", "value"], default=None)
 parser.add_argument("--clip-val", type=float, default=0.05)
 parser.add_argument("--server-rank", type=int, default=None)
+parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -30,6 +31,11 @@ if args.no_broadcast_buffers:
     strategy = lightning_dp.RingAllReduceStrategy(broadcast_buffers=False)
 if args.server_rank is not None:
     strategy = lightning_dp.ParameterServerStrategy(server_rank=args.server_rank)
+if args.timeout is not None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[strategy]
+    strategy = entry["strategy"](**entry["init_params"], timeout=args.timeout)
 
 
 class Record(L.Callback):

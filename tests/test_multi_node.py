@@ -1,0 +1,71 @@
+"""A real multi-node run: one Lightning node per emulated host (network namespace), joined only through
+MASTER_ADDR / MASTER_PORT / NODE_RANK as on a cluster; then a link goes down mid-run."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.launch import REPO, load_ranks
+from tests.scripts.models import reference_training
+from tests.test_benchmarks_run import _can_make_namespaces
+from tests.test_ring_strategy import BATCH, assert_identical_replicas
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from netns import IFNAME, SUBNET, emulated_hosts  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not _can_make_namespaces(), reason="needs root, iproute2 and tc to create network namespaces"
+)
+
+
+def start_nodes(hosts, args, port):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": IFNAME}  # fmt: skip
+    return [
+        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scripts.fit", "--devices", "1",
+                          "--num-nodes", str(len(hosts)), *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for rank, ns in enumerate(hosts)
+    ]
+
+
+def finish(nodes, timeout):
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    return outputs
+
+
+@pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps"])
+def test_equivalence_across_emulated_hosts(tmp_path, strategy):
+    with emulated_hosts(2, rate_mbit=1000) as hosts:
+        nodes = start_nodes(hosts, ["--strategy", strategy, "--out", str(tmp_path)], port=29710)
+        outputs = finish(nodes, timeout=240)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    ranks = load_ranks(tmp_path, 2)
+    assert_identical_replicas(ranks)
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_link_down_mid_run_fails_with_an_error_naming_the_peer(tmp_path):
+    with emulated_hosts(2, rate_mbit=1000) as hosts:
+        args = ["--strategy", "ring_allreduce", "--steps", "100000", "--timeout", "10", "--out", str(tmp_path)]
+        nodes = start_nodes(hosts, args, port=29720)
+        time.sleep(20)  # both nodes are up and training
+        assert all(n.poll() is None for n in nodes), "training ended before the fault"
+        subprocess.run(["ip", "-n", hosts[1], "link", "set", IFNAME, "down"], check=True)
+        outputs = finish(nodes, timeout=120)
+    assert nodes[0].returncode != 0
+    assert "could not" in outputs[0] and "rank 1" in outputs[0], outputs[0][-3000:]
