@@ -3,6 +3,8 @@ per rank, for every strategy against Lightning's ``ddp`` in the same run.
 
     python benchmarks/end_to_end.py                  # reference CNN and ResNet-18, N = 2 and 4
     python benchmarks/end_to_end.py --quick          # reference CNN and ResNet-18, N = 2, fewer steps
+    sudo python benchmarks/end_to_end.py --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
+                                                     # one node per emulated host, rate-limited links
 
 Each (model, N, strategy) is a separate ``Trainer.fit`` on fake data, started the way users start it (the popen
 launcher re-runs this script per rank). Steps/s is measured after warm-up steps, as the median over ranks of
@@ -69,17 +71,22 @@ def worker(args) -> None:
     class StepTimer(Callback):
         def __init__(self):
             self.times = []
+            self.comm_at_warmup = 0.0
 
         def on_train_batch_end(self, trainer, *_):
             self.times.append(time.perf_counter())
+            if len(self.times) == args.warmup:
+                self.comm_at_warmup = getattr(trainer.strategy, "comm_seconds", 0.0)
 
     timer = StepTimer()
     trainer = L.Trainer(
-        strategy=args.strategy, accelerator="cpu", devices=args.devices, max_steps=args.warmup + args.steps,
+        strategy=args.strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
+        max_steps=args.warmup + args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[timer],
     )  # fmt: skip
-    data = FakeDataModule(num_samples=batch * args.devices * (args.warmup + args.steps), image_shape=shape, batch_size=batch)
+    world = args.devices * args.num_nodes
+    data = FakeDataModule(num_samples=batch * world * (args.warmup + args.steps), image_shape=shape, batch_size=batch)
     model = build_model(args.model)
     trainer.fit(model, datamodule=data)
     strategy = trainer.strategy
@@ -97,9 +104,59 @@ def worker(args) -> None:
         "params": sum(p.numel() for p in model.parameters()),
         "comm_seconds": getattr(strategy, "comm_seconds", None),
         "exposed_comm_seconds": getattr(strategy, "exposed_comm_seconds", None),
+        "comm_seconds_per_step": (getattr(strategy, "comm_seconds", 0.0) - timer.comm_at_warmup) / args.steps,
+        "sync_bytes": getattr(strategy, "sync_bytes", None),
     }
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def run_emulated(model: str, hosts: int, rate_mbit: float, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
+    """One Lightning node per emulated host (network namespace), links shaped to ``rate_mbit``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from netns import IFNAME, SUBNET, emulated_hosts
+
+    result_dir = tmp / f"emulated-{model}-{hosts}-{strategy}"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": "29800", "GLOO_SOCKET_IFNAME": IFNAME}  # fmt: skip
+    with emulated_hosts(hosts, rate_mbit) as namespaces:
+        procs = [
+            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--model", model,
+                              "--devices", "1", "--num-nodes", str(hosts), "--strategy", strategy, "--steps",
+                              str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)],
+                             env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for rank, ns in enumerate(namespaces)
+        ]  # fmt: skip
+        try:
+            codes = [p.wait(timeout=1800) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    if any(codes):
+        raise RuntimeError(f"{strategy} on emulated hosts failed: exit codes {codes}")
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(hosts)]
+
+
+def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) -> list[str]:
+    b = rate_mbit * 1e6 / 8
+    lines = [
+        f"Machine: {os.cpu_count()} CPUs; {hosts} hosts in network namespaces, links shaped to {rate_mbit:g} Mbit/s "
+        f"both ways; {steps} timed steps",
+        "",
+        "| model | strategy | steps/s | vs ddp | S (MB) | comm s/step (max over ranks) | analytic s/step | measured / analytic |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["strategy"] == "ddp":
+            lines.append(f"| {r['model']} | ddp | {r['steps_per_s']:.2f} | 1.00 | | | | |")
+            continue
+        s = r["sync_bytes"]
+        factor = 2 * (hosts - 1) if r["strategy"] == "parameter_server" else 2 * (hosts - 1) / hosts
+        analytic = factor * s / b
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['steps_per_s']:.2f} | {r['vs_ddp']:.2f} | {s / 2**20:.1f} | "
+                     f"{r['comm_s_per_step']:.3f} | {analytic:.3f} | {r['comm_s_per_step'] / analytic:.2f} |")  # fmt: skip
+    return lines
 
 
 def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
@@ -123,6 +180,9 @@ def main() -> None:
     parser.add_argument("--model", default="reference_cnn")
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--emulated-hosts", type=int, default=0, help="run one node per emulated host (needs root)")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the emulated hosts")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-sizes", type=int, nargs="+")
@@ -139,6 +199,27 @@ def main() -> None:
     world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     models = args.models or sorted(MODELS)
     rows = []
+    if args.emulated_hosts:
+        with tempfile.TemporaryDirectory() as tmp:
+            for model in models:
+                for strategy in STRATEGIES:
+                    ranks = run_emulated(model, args.emulated_hosts, args.rate_mbit, strategy, steps, args.warmup, Path(tmp))
+                    row = {"model": model, "strategy": strategy, "steps_per_s": median([r["steps_per_s"] for r in ranks]),
+                           "sync_bytes": ranks[0]["sync_bytes"],
+                           "comm_s_per_step": max(r["comm_seconds_per_step"] for r in ranks)}  # fmt: skip
+                    if strategy == "ddp":
+                        baseline = row
+                    row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        lines = [f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`  "]
+        lines += emulated_report(rows, args.emulated_hosts, args.rate_mbit, steps)
+        (out / "end_to_end_emulated.json").write_text(json.dumps(rows, indent=1))
+        (out / "end_to_end_emulated.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             for n in world_sizes:
