@@ -24,3 +24,7 @@ def wait_for(work: Optional[dist.Work], group: Optional[dist.ProcessGroup], peer
             f"rank {me} could not {action} rank {them}: the peer is unreachable (it may have died, its link may be "
             f"down, or it did not answer within the strategy's timeout). Transport error: {error}"
         ) from error
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """The averaged gradient of a step holds NaN or infinity; raised on every rank before the optimizer step."""

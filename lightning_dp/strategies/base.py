@@ -44,6 +44,8 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.errors import NonFiniteGradientError
+from lightning_dp.comm.ring import ring_allreduce
 from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.stats import CommStats
 
@@ -268,6 +270,26 @@ class DataParallelStrategy(ParallelStrategy):
         if self.reducer is None or not self.reducer.enabled:
             return
         self.reducer.finish(copy_back=self._copy_back_gradients)
+        if self._copy_back_gradients and self._checks_finite_gradients():
+            # every rank holds the same averaged buckets, so every rank reaches the same verdict
+            bad = next((b for b in self.reducer.buckets if not bool(torch.isfinite(b.buffer).all())), None)
+            if bad is not None:
+                first = next(p for i, p in enumerate(bad.params) if not bool(torch.isfinite(bad.grad_view(i)).all()))
+                self._raise_nonfinite(first)
+
+    def _checks_finite_gradients(self) -> bool:
+        """The rule for NaN/inf gradients: raise on every rank, except under a gradient scaler (16-mixed), whose
+        own rule is to skip such steps."""
+        return getattr(self.precision_plugin, "scaler", None) is None
+
+    def _raise_nonfinite(self, param: Optional[Tensor]) -> None:
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        where = f" (rank {self.global_rank} saw it in parameter {names.get(id(param), '?')!r})" if param is not None else ""
+        raise NonFiniteGradientError(
+            f"non-finite (NaN or infinite) averaged gradient at global step {self.lightning_module.global_step}"
+            f"{where}; every rank stops here, before the optimizer step, so the weights are still finite"
+        )
 
     #: whether every rank takes the reduced gradients into ``param.grad`` right after backward
     _copy_back_gradients: ClassVar[bool] = True
@@ -386,6 +408,7 @@ class ParameterServerBase(DataParallelStrategy):
         optimizer = _unwrap(optimizer)
         result = closure()
         self._prepare_server_gradients(optimizer)
+        self._check_server_gradients(optimizer)
         self.precision_plugin._after_closure(model, optimizer)
         self._server_update(optimizer, **kwargs)
         start = time.perf_counter()
@@ -395,6 +418,18 @@ class ParameterServerBase(DataParallelStrategy):
 
     def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
+
+    def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+        """``(parameter, averaged gradient)`` pairs this rank serves for ``optimizer``'s step."""
+        raise NotImplementedError
+
+    def _check_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Only servers see averaged gradients: they vote (one tiny all-reduce) so every rank decides alike."""
+        bad = next((p for p, g in self._server_gradients(optimizer) if not bool(torch.isfinite(g).all())), None)
+        verdict = torch.tensor([0.0 if bad is None else 1.0], device=self.root_device)
+        ring_allreduce(verdict, group=self.gradient_group)
+        if verdict.item() > 0:
+            self._raise_nonfinite(bad)
 
     def _server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         raise NotImplementedError

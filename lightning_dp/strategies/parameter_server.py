@@ -56,6 +56,11 @@ class ParameterServerStrategy(ParameterServerBase):
             assert self.reducer is not None
             self.reducer.copy_back()
 
+    def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
+        if not self.is_server:
+            return []
+        return [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
     def _server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         if self.is_server:
             optimizer.step(**kwargs)

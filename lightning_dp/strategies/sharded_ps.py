@@ -136,6 +136,10 @@ class ShardedParameterServerStrategy(ParameterServerBase):
                     pc.bucket.buffer[pc.bucket_start : pc.bucket_start + pc.end - pc.start] if used else None
                 )
 
+    def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
+        return [(pc.param, pc.tensor.grad) for pieces in self._pieces_of(optimizer) for pc in pieces
+                if pc.tensor.grad is not None]  # fmt: skip
+
     def _server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         shard = self._shard_optimizer_for(optimizer)
         if shard is None:

@@ -1,0 +1,27 @@
+"""One rank produces a NaN loss at global step 2; every rank must stop with NonFiniteGradientError."""
+
+import argparse
+
+import lightning as L
+
+import lightning_dp  # noqa: F401 - registers the strategies
+from tests.scripts.models import RegressionModel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--strategy", required=True)
+args = parser.parse_args()
+
+
+class NaNOnRankOne(RegressionModel):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 2:
+            loss = loss * float("nan")
+        return loss
+
+
+L.Trainer(
+    strategy=args.strategy, accelerator="cpu", devices=2, max_steps=5, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+).fit(NaNOnRankOne())  # fmt: skip
+print("FINISHED")

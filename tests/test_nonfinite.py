@@ -1,0 +1,14 @@
+"""The rule for NaN/inf gradients: every rank raises NonFiniteGradientError with the step, before stepping."""
+
+import pytest
+
+from tests.launch import run_script
+
+
+@pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps"])
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(strategy):
+    result = run_script("nonfinite", "--strategy", strategy, check=False, timeout=150)
+    assert result.returncode != 0
+    message = "non-finite (NaN or infinite) averaged gradient at global step 2"
+    assert result.stdout.count(message) >= 2, result.stdout[-4000:]  # both ranks, not only the one with the NaN
+    assert "FINISHED" not in result.stdout
