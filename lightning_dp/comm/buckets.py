@@ -144,6 +144,8 @@ class BucketReducer:
         ]
         self._location = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.enabled = True
+        #: True from a successful :meth:`finish` until a scheme consumes (or overwrites) the reduced buckets
+        self.fresh = False
         #: seconds the communication thread spent reducing buckets, and seconds :meth:`finish` waited for it;
         #: their difference is communication hidden behind backward (see :meth:`take_timing`)
         self.comm_seconds = 0.0
@@ -196,15 +198,21 @@ class BucketReducer:
                     bucket.fill(i, p.grad)
         self._launch_ready_buckets()
         start = time.perf_counter()
+        self.fresh = False
         try:
             for future in self._futures:
                 future.result()
+        except BaseException:
+            for future in self._futures:  # do not leave later buckets queued behind a failed exchange
+                future.cancel()
+            raise
         finally:
             self.wait_seconds += time.perf_counter() - start
             self._futures.clear()
             self._next_launch = 0
             for bucket in self.buckets:
                 bucket.reset()
+        self.fresh = True
         if copy_back:
             self.copy_back()
 
@@ -225,4 +233,5 @@ class BucketReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        # an exchange still running after a failure ends on its own (peer error or timeout); do not wait for it
+        self._executor.shutdown(wait=False, cancel_futures=True)

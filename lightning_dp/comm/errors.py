@@ -4,7 +4,28 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
+
+
+def post(ops: list[tuple[str, "torch.Tensor", int, int]], group: Optional[dist.ProcessGroup]) -> list[Optional[dist.Work]]:
+    """Start ``(kind, tensor, group_peer, tag)`` sends/receives (kind ``"send"`` or ``"recv"``) as one batch and
+    return their works in the same order (``None`` for empty tensors, which are skipped on both ends).
+
+    One batch lets NCCL run a send and a receive to the same peer together instead of deadlocking on the pair;
+    with gloo it is the same as posting them one by one.
+    """
+    batch, index = [], []
+    for i, (kind, tensor, peer, tag) in enumerate(ops):
+        if tensor.numel():
+            op = dist.irecv if kind == "recv" else dist.isend
+            batch.append(dist.P2POp(op, tensor, group=group, tag=tag, group_peer=peer))
+            index.append(i)
+    works: list[Optional[dist.Work]] = [None] * len(ops)
+    if batch:
+        for i, work in zip(index, dist.batch_isend_irecv(batch)):
+            works[i] = work
+    return works
 
 
 class PeerUnreachableError(RuntimeError):

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import wait_for
+from lightning_dp.comm.errors import post, wait_for
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -111,13 +111,11 @@ def push_shards(
         return
     mine = buffer[segments[rank][0] : segments[rank][1]]
     scratch = {peer: torch.empty_like(mine) for peer in range(size) if peer != rank and mine.numel()}
-    works = [(dist.irecv(scratch[p], group=group, group_src=p), p, "receive a gradient shard from") for p in sorted(scratch)]
-    sent = 0
-    for peer, (start, end) in enumerate(segments):
-        if peer != rank and end > start:
-            works.append((dist.isend(buffer[start:end], group=group, group_dst=peer), peer, "push a gradient shard to"))
-            sent += (end - start) * buffer.element_size()
-    _wait(works, group)
+    ops = [("recv", scratch[p], p, 0) for p in sorted(scratch)]
+    ops += [("send", buffer[s:e], p, 0) for p, (s, e) in enumerate(segments) if p != rank]
+    actions = ["receive a gradient shard from" if kind == "recv" else "push a gradient shard to" for kind, *_ in ops]
+    _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
+    sent = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * buffer.element_size()
     if mine.numel():
         total = None
         for peer in range(size):
@@ -139,16 +137,11 @@ def pull_shards(
     if size == 1:
         return
     start, end = segments[rank]
-    works, received = [], 0
-    for peer, (s, e) in enumerate(segments):
-        if peer != rank and e > s:
-            works.append((dist.irecv(buffer[s:e], group=group, group_src=peer), peer, "pull a weight shard from"))
-            received += (e - s) * buffer.element_size()
-    if end > start:
-        for peer in range(size):
-            if peer != rank:
-                works.append((dist.isend(buffer[start:end], group=group, group_dst=peer), peer, "send a weight shard to"))
-    _wait(works, group)
+    ops = [("recv", buffer[s:e], p, 0) for p, (s, e) in enumerate(segments) if p != rank]
+    ops += [("send", buffer[start:end], p, 0) for p in range(size) if p != rank]
+    actions = ["pull a weight shard from" if kind == "recv" else "send a weight shard to" for kind, *_ in ops]
+    _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
+    received = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * buffer.element_size()
     if stats is not None:
         stats.add(sent=(end - start) * buffer.element_size() * (size - 1), received=received)
 

@@ -16,7 +16,7 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import wait_for
+from lightning_dp.comm.errors import post, wait_for
 from lightning_dp.comm.stats import CommStats
 
 ReduceOpName = Literal["sum", "avg"]
@@ -57,19 +57,15 @@ class Ring:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         self.segment_bytes = segment_bytes
 
-    def send(self, tensor: torch.Tensor, tag: int, stats: CommStats | None) -> Optional[dist.Work]:
-        if not tensor.numel():
-            return None
+    def exchange(
+        self, send: torch.Tensor, recv: torch.Tensor, tag: int, stats: CommStats | None
+    ) -> tuple[Optional[dist.Work], Optional[dist.Work]]:
+        """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left one, as one batch
+        (receive first); returns ``(receive work, send work)``."""
         if stats is not None:
-            stats.add(sent=tensor.numel() * tensor.element_size())
-        return dist.isend(tensor, group=self.group, group_dst=self.right, tag=tag)
-
-    def recv(self, tensor: torch.Tensor, tag: int, stats: CommStats | None) -> Optional[dist.Work]:
-        if not tensor.numel():
-            return None
-        if stats is not None:
-            stats.add(received=tensor.numel() * tensor.element_size())
-        return dist.irecv(tensor, group=self.group, group_src=self.left, tag=tag)
+            stats.add(sent=send.numel() * send.element_size(), received=recv.numel() * recv.element_size())
+        receive, sent = post([("recv", recv, self.left, tag), ("send", send, self.right, tag)], self.group)
+        return receive, sent
 
 
 def _check_op(op: str, tensor: torch.Tensor) -> None:
@@ -118,9 +114,9 @@ def _pipelined_phase(
         s0, s1 = piece(send_chunk(step), p)
         r0, r1 = piece(recv_chunk(step), p)
         target = scratch[p * largest_piece : p * largest_piece + r1 - r0] if reduce else flat[r0:r1]
-        work = ring.recv(target, tag_base + p, stats)  # receive posted before the send
-        sends.append(ring.send(flat[s0:s1], tag_base + p, stats))
-        return work
+        receive, sent = ring.exchange(flat[s0:s1], target, tag_base + p, stats)
+        sends.append(sent)
+        return receive
 
     pending = [post(0, p) for p in range(num_pieces)]
     for step in range(n - 1):

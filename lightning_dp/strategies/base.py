@@ -123,6 +123,7 @@ class DataParallelStrategy(ParallelStrategy):
         #: ``(sent, received)`` bytes of gradient and weight traffic this rank moved for the last optimizer step
         self.last_step_bytes: tuple[int, int] = (0, 0)
         self.sync_bytes = 0
+        self._synced_params: set[int] = set()
         #: seconds of gradient/weight communication so far, and the part of it the training loop waited for
         #: (the rest ran hidden behind backward)
         self.comm_seconds = 0.0
@@ -222,6 +223,7 @@ class DataParallelStrategy(ParallelStrategy):
         if self.reducer is not None:
             self.reducer.close()
         self.reducer = BucketReducer(self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb)
+        self._synced_params = {id(p) for p in self.reducer.params}
         #: S, the bytes one rank's gradient buckets hold (gradients plus one used-flag per parameter)
         self.sync_bytes = sum(b.nbytes for b in self.reducer.buckets)
 
@@ -295,9 +297,22 @@ class DataParallelStrategy(ParallelStrategy):
     _copy_back_gradients: ClassVar[bool] = True
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        self._check_trainable_unchanged(_unwrap(optimizer))
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._end_step()
         return result
+
+    def _check_trainable_unchanged(self, optimizer: torch.optim.Optimizer) -> None:
+        """Buckets (and shards) are laid out at set-up: a parameter made trainable later would never be synchronized
+        and the replicas would drift apart silently, so refuse it."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._synced_params:
+                    raise RuntimeError(
+                        f"strategy {self.strategy_name!r}: a parameter of shape {tuple(p.shape)} became trainable (or "
+                        "was added to the optimizer) after set-up, so its gradients would never be synchronized. "
+                        "Make every parameter that will train trainable before fit() starts."
+                    )
 
     def _end_step(self, blocking_seconds: float = 0.0) -> None:
         """Book-keeping after an optimizer step; ``blocking_seconds`` of communication ran on the main thread."""
@@ -406,6 +421,7 @@ class ParameterServerBase(DataParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         model = model or self.lightning_module
         optimizer = _unwrap(optimizer)
+        self._check_trainable_unchanged(optimizer)
         result = closure()
         self._prepare_server_gradients(optimizer)
         self._check_server_gradients(optimizer)

@@ -52,9 +52,12 @@ class ParameterServerStrategy(ParameterServerBase):
         push_gradients(bucket.buffer, self.server_rank, self.gradient_group, self.comm_stats)
 
     def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.is_server:
-            assert self.reducer is not None
+        # once per synchronization: a later optimizer in the same training step keeps these gradients, and a step
+        # without a backward (nothing fresh) must not read the weights that a pull left in the buckets
+        assert self.reducer is not None
+        if self.reducer.fresh and self.is_server:
             self.reducer.copy_back()
+        self.reducer.fresh = False
 
     def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
         if not self.is_server:

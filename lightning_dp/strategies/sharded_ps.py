@@ -129,12 +129,15 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         ring_allreduce(bucket.flags, op="sum", stats=self.comm_stats, ring=self._ring)
 
     def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        for pieces in self._pieces_of(optimizer):
-            for pc in pieces:
-                used = bool(pc.bucket.flags[pc.index_in_bucket] != 0)
-                pc.tensor.grad = (
-                    pc.bucket.buffer[pc.bucket_start : pc.bucket_start + pc.end - pc.start] if used else None
-                )
+        # once per synchronization, for every optimizer's pieces: the pull after this step overwrites the buckets,
+        # and a step without a backward (nothing fresh) keeps no gradient
+        assert self.reducer is not None
+        if not self.reducer.fresh:
+            return
+        for pc in self.pieces:
+            used = bool(pc.bucket.flags[pc.index_in_bucket] != 0)
+            pc.tensor.grad = pc.bucket.buffer[pc.bucket_start : pc.bucket_start + pc.end - pc.start].clone() if used else None
+        self.reducer.fresh = False
 
     def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
         return [(pc.param, pc.tensor.grad) for pieces in self._pieces_of(optimizer) for pc in pieces
@@ -245,7 +248,8 @@ class ShardedParameterServerStrategy(ParameterServerBase):
                     full = saved["state"].get(index_of[id(pc.param)])
                     if full is not None:
                         shard_state[shard_index] = {
-                            key: _slice_state(value, pc, params[index_of[id(pc.param)]]) for key, value in full.items()
+                            key: _slice_state(key, value, pc, params[index_of[id(pc.param)]])
+                            for key, value in full.items()
                         }
                     indices.append(shard_index)
                     shard_index += 1
@@ -263,7 +267,11 @@ def _to_cpu(piece_state: dict) -> dict:
     return {k: v.detach().cpu().clone() if isinstance(v, Tensor) else v for k, v in piece_state.items()}
 
 
-def _slice_state(value: Any, piece: ShardPiece, param: torch.nn.Parameter) -> Any:
-    if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+#: optimizer state entries that are one number per parameter, not one per element (ASGD's eta and mu, the step)
+SCALAR_STATE_KEYS = ("step", "eta", "mu")
+
+
+def _slice_state(key: str, value: Any, piece: ShardPiece, param: torch.nn.Parameter) -> Any:
+    if isinstance(value, Tensor) and value.shape == param.shape and (param.dim() > 0 or key not in SCALAR_STATE_KEYS):
         return value.reshape(-1)[piece.start : piece.end].clone()
     return value.clone() if isinstance(value, Tensor) else value
