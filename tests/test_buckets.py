@@ -109,3 +109,27 @@ def test_reduce_runs_off_the_main_thread():
     reducer.finish()
     assert threads and all(name.startswith("lightning-dp-comm") for name in threads)
     reducer.close()
+
+
+def test_reducer_marks_a_fresh_synchronization_once():
+    model = Chain(depth=1)
+    reducer = BucketReducer(model.parameters(), lambda b: None)
+    assert not reducer.fresh  # nothing reduced yet: a scheme must not read the buckets as gradients
+    model(torch.randn(2, 64)).backward()
+    reducer.finish(copy_back=False)
+    assert reducer.fresh
+    reducer.close()
+
+
+def test_sharded_state_slicing_handles_scalar_parameters():
+    from lightning_dp.strategies.sharded_ps import ShardPiece, _slice_state
+
+    scalar = torch.nn.Parameter(torch.tensor(2.0))
+    piece = ShardPiece(scalar, None, 0, 0, 1, 0, scalar.detach().view(-1)[0:1])
+    # per-element state of a 0-dim parameter becomes the 1-element slice the shard optimizer holds...
+    assert _slice_state("exp_avg", torch.tensor(0.5), piece, scalar).shape == (1,)
+    # ...while the step counter stays one number
+    assert _slice_state("step", torch.tensor(3.0), piece, scalar).shape == ()
+    matrix = torch.nn.Parameter(torch.zeros(2, 3))
+    piece = ShardPiece(matrix, None, 0, 2, 5, 0, matrix.detach().view(-1)[2:5])
+    assert torch.equal(_slice_state("exp_avg", torch.arange(6.0).view(2, 3), piece, matrix), torch.tensor([2.0, 3.0, 4.0]))
