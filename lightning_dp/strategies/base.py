@@ -390,6 +390,11 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
+def hyperparameters(group: dict) -> dict:
+    """An optimizer parameter group's settings (lr, betas, ...), without its ``params``."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 class ParameterServerBase(DataParallelStrategy):
     """Shared step logic of the parameter-server schemes: servers run the optimizer, every rank pulls weights.
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.parameter_server import pull_weights, push_gradients
-from lightning_dp.strategies.base import ParameterServerBase
+from lightning_dp.strategies.base import ParameterServerBase, hyperparameters
 
 
 class ParameterServerStrategy(ParameterServerBase):
@@ -97,15 +97,11 @@ class ParameterServerStrategy(ParameterServerBase):
             if self.is_server:
                 optimizer.load_state_dict(saved)
             else:
-                _load_hyperparameters(optimizer, saved)
+                for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+                    group.update(hyperparameters(saved_group))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         cls._register_variants(
             strategy_registry, cls.strategy_name, "Data parallel with a central parameter server holding the optimizer"
         )
-
-
-def _load_hyperparameters(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})

@@ -13,7 +13,7 @@ from torch import Tensor
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.parameter_server import pull_shards, push_shards, shard_segments
 from lightning_dp.comm.ring import Ring, ring_allreduce
-from lightning_dp.strategies.base import ParameterServerBase, _unwrap
+from lightning_dp.strategies.base import ParameterServerBase, _unwrap, hyperparameters
 
 #: optimizers whose update of an element depends only on that element's gradient and state, so running them
 #: on an arbitrary slice of a tensor gives exactly the slice of the full update
@@ -109,7 +109,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         if not any(groups):
             return None
         shard_groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [pc.tensor for pc in pieces]}
+            {**hyperparameters(group), "params": [pc.tensor for pc in pieces]}
             for group, pieces in zip(optimizer.param_groups, groups)
         ]
         accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -148,7 +148,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         if shard is None:
             return
         for front_group, shard_group in zip(optimizer.param_groups, shard.param_groups):
-            shard_group.update({k: v for k, v in front_group.items() if k != "params"})  # LR schedulers act on the front
+            shard_group.update(hyperparameters(front_group))  # LR schedulers act on the front
         shard.step(**kwargs)
         for group in shard.param_groups:
             for t in group["params"]:
@@ -235,7 +235,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         for front, shard, saved in zip(self.optimizers, self._shard_optimizers, checkpoint["optimizer_states"]):
             front = _unwrap(front)
             for group, saved_group in zip(front.param_groups, saved["param_groups"]):
-                group.update({k: v for k, v in saved_group.items() if k != "params"})
+                group.update(hyperparameters(saved_group))
             if shard is None:
                 continue
             params = self._front_params(front)
@@ -253,7 +253,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
                         }
                     indices.append(shard_index)
                     shard_index += 1
-                shard_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+                shard_groups.append({**hyperparameters(saved_group), "params": indices})
             shard.load_state_dict({"state": shard_state, "param_groups": shard_groups})
 
     @classmethod
