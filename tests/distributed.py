@@ -25,7 +25,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
             import torch
 
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if backend == "gloo-bound":  # lightning-dp's own rendezvous, sockets on loopback only
+            from datetime import timedelta
+
+            from lightning_dp.comm.rendezvous import init_bound_process_group
+
+            init_bound_process_group("gloo", "127.0.0.1", port, rank, world_size, timedelta(seconds=60))
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -52,7 +59,8 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
 
-    ``backend="nccl"`` puts rank ``r`` on GPU ``r``. Raises ``AssertionError`` with the worker's traceback if any rank
+    ``backend="nccl"`` puts rank ``r`` on GPU ``r``; ``"gloo-bound"`` joins through
+    :func:`lightning_dp.comm.rendezvous.init_bound_process_group`. Raises ``AssertionError`` with the worker's traceback if any rank
     fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a deadlock fails the test
     instead of hanging it.
     """

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,41 @@ def wait_for(work: Optional[dist.Work], group: Optional[dist.ProcessGroup], peer
         raise PeerUnreachableError(
             f"rank {me} could not {action} rank {them}: the peer is unreachable (it may have died, its link may be "
             f"down, or it did not answer within the strategy's timeout). Transport error: {error}"
+        ) from error
+
+
+#: fragments of the messages gloo and NCCL raise when a peer or its link is gone (they raise plain RuntimeErrors)
+_TRANSPORT_MARKERS = ("transport/", "Connection reset", "Connection closed", "Connection refused", "Broken pipe",
+                      "Timed out", "timed out", "NCCL", "Socket Timeout")  # fmt: skip
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether ``error`` reports a lost peer or link rather than a bug in the calling code."""
+    if isinstance(error, PeerUnreachableError):
+        return False
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _TRANSPORT_MARKERS)
+
+
+@contextmanager
+def naming_lost_peer(what: str, group: Optional[dist.ProcessGroup] = None) -> Generator[None, None, None]:
+    """Re-raise a transport failure inside the block as :class:`PeerUnreachableError`, saying during ``what`` it
+    happened and which rank was lost where that is known (a group of two: the other rank)."""
+    try:
+        yield
+    except Exception as error:
+        if not is_transport_error(error):
+            raise
+        group = group if group is not None else dist.group.WORLD
+        me, size = dist.get_rank(), dist.get_world_size(group)
+        if size == 2:
+            peer = f"rank {next(r for r in dist.get_process_group_ranks(group) if r != me)}"
+        else:
+            peer = "a peer (the transport error below names its address)"
+        raise PeerUnreachableError(
+            f"rank {me} could not reach {peer} during {what}: the peer is unreachable (it may have died, its link "
+            f"may be down, or it did not answer within the strategy's timeout). Transport error: {error}"
         ) from error
 
 

@@ -12,7 +12,9 @@ it, overrides :meth:`_after_gradient_sync` and :meth:`optimizer_step`.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import numbers
 import time
 from contextlib import contextmanager
@@ -22,11 +24,10 @@ from typing import Any, Callable, ClassVar, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
+    _destroy_dist_connection,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -44,15 +45,19 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
-from lightning_dp.comm.errors import NonFiniteGradientError
+from lightning_dp.comm.errors import NonFiniteGradientError, naming_lost_peer
 from lightning_dp.comm.ring import ring_allreduce
 from lightning_dp.comm.fingerprint import check_replicas_match
+from lightning_dp.comm.rendezvous import init_bound_process_group
 from lightning_dp.comm.stats import CommStats
 
 log = logging.getLogger(__name__)
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
+#: how long a rank waits for a peer by default: long enough for a slow checkpoint write on rank 0, short enough
+#: that a dead peer or a cut link ends the run within minutes
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def _check_choice(option: str, value: Any, allowed: tuple) -> None:
@@ -74,8 +79,9 @@ class DataParallelStrategy(ParallelStrategy):
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank before each
             synchronized training step, as ``DistributedDataParallel`` does.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA devices and gloo otherwise.
-        timeout: how long any collective or message may wait for a peer (``timedelta`` or seconds) before the
-            run fails with an error instead of hanging.
+        timeout: how long any collective or message may wait for a peer (``timedelta`` or seconds, default 5
+            minutes) before the run fails with an error instead of hanging. Raise it when nodes start minutes
+            apart or rank 0 works alone for long (e.g. a long evaluation only it runs).
         start_method: how the extra processes are started: ``"popen"`` (re-run the script, like ``ddp``),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
@@ -92,7 +98,7 @@ class DataParallelStrategy(ParallelStrategy):
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = default_pg_timeout,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -107,7 +113,7 @@ class DataParallelStrategy(ParallelStrategy):
             _check_choice("process_group_backend", process_group_backend, BACKENDS)
         _check_choice("start_method", start_method, START_METHODS)
         if timeout is None:
-            timeout = default_pg_timeout
+            timeout = DEFAULT_TIMEOUT
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=_check_positive("timeout", timeout))
         if not isinstance(broadcast_buffers, bool):
@@ -182,13 +188,23 @@ class DataParallelStrategy(ParallelStrategy):
         self.setup_distributed()
 
     def setup_distributed(self) -> None:
-        """Join the default process group, then create the group that carries gradient traffic."""
+        """Join the default process group (sockets on the configured interface only, see
+        :mod:`lightning_dp.comm.rendezvous`), then create the group that carries gradient traffic."""
         reset_seed()
         self.set_world_ranks()
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        env = self.cluster_environment
+        assert env is not None
+        if not _distributed_is_initialized():
+            os.environ["MASTER_ADDR"] = env.main_address
+            os.environ["MASTER_PORT"] = str(env.main_port)
+            init_bound_process_group(
+                self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
+                self._timeout,
+            )  # fmt: skip
+            if self._process_group_backend == "nccl":
+                atexit.register(_destroy_dist_connection)
         self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
 
     # ------------------------------------------------------------------ model set-up
@@ -334,16 +350,18 @@ class DataParallelStrategy(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with naming_lost_peer("a barrier"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         container = [obj]
-        dist.broadcast_object_list(container, src)
+        with naming_lost_peer("Lightning's broadcast"):
+            dist.broadcast_object_list(container, src)
         return container[0]
 
     def reduce(
@@ -351,8 +369,13 @@ class DataParallelStrategy(ParallelStrategy):
     ) -> Tensor:
         """Lightning's reduction of logged values and decisions, on the default group."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with naming_lost_peer("Lightning's reduce (sync_dist logging or a collective decision)", group):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        with naming_lost_peer("Lightning's all_gather", group):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def teardown(self) -> None:
         if self.reducer is not None:

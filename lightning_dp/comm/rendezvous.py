@@ -1,0 +1,104 @@
+"""Join a process group whose sockets listen only on the configured interface.
+
+``init_process_group("env://")`` starts torch's TCP store listening on every interface of the main node, and
+gloo picks whatever address the machine's hostname resolves to. Here the store listens only on the main
+address (``MASTER_ADDR``) and gloo / NCCL use the one interface that carries traffic towards it: loopback when
+the main address is loopback (every single-node run), the cluster-facing interface otherwise.
+
+The store has no authentication: whoever reaches its port can join or disturb the run. Binding narrowly keeps
+it off other networks; the cluster's private network must still be trusted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def resolve(host: str) -> str:
+    """The IPv4 address ``host`` names (an address is returned as it is)."""
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+
+
+def local_address_towards(host: str) -> str:
+    """The local IPv4 address this machine uses to reach ``host`` (no packet is sent)."""
+    address = resolve(host)
+    if ipaddress.IPv4Address(address).is_loopback:
+        return address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))  # a UDP "connect" only asks the routing table
+        return probe.getsockname()[0]
+
+
+def interface_with_address(address: str) -> Optional[str]:
+    """The name of the network interface that holds IPv4 ``address`` (Linux), or ``None``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def _listening_socket(address: str, port: int) -> Optional[int]:
+    """A socket listening on ``address:port`` (its file descriptor, ownership passed on), or ``None`` if
+    ``address`` is not an address of this machine."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(1024)
+    except OSError as error:
+        sock.close()
+        if error.errno == 99:  # EADDRNOTAVAIL: the main address is not one of ours (e.g. a NAT or virtual IP)
+            return None
+        raise
+    return sock.detach()
+
+
+def init_bound_process_group(
+    backend: str, main_address: str, main_port: int, rank: int, world_size: int, timeout: timedelta
+) -> None:
+    """``dist.init_process_group`` with the store on ``main_address:main_port`` only and gloo / NCCL on the
+    interface towards it. ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user win."""
+    try:
+        address = resolve(main_address)
+        interface = interface_with_address(local_address_towards(address))
+    except (OSError, ValueError) as error:  # e.g. an IPv6-only main address
+        log.warning("cannot bind narrowly to the interface towards %s (%s); torch chooses", main_address, error)
+        address = interface = None
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+    listen_fd = _listening_socket(address, main_port) if rank == 0 and address is not None else None
+    if rank == 0 and address is not None and listen_fd is None:
+        log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens on all interfaces", main_address)
+    store = dist.TCPStore(
+        main_address,
+        main_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

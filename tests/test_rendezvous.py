@@ -1,0 +1,37 @@
+"""The rendezvous binds narrowly: the store on the main address only, gloo on the interface towards it."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm.rendezvous import interface_with_address, local_address_towards, resolve
+from tests.distributed import run_distributed
+from tests.sockets import tcp_sockets
+
+
+def test_address_helpers_on_loopback():
+    assert resolve("localhost") == "127.0.0.1" and resolve("127.0.0.1") == "127.0.0.1"
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    assert interface_with_address("127.0.0.1") == "lo"
+    assert interface_with_address("192.0.2.254") is None  # TEST-NET-1: on no interface here
+    with pytest.raises(socket.gaierror):
+        resolve("no-such-host.invalid")
+
+
+def _sockets_after_training_traffic(rank, world_size):
+    t = torch.full((1000,), float(rank))
+    dist.all_reduce(t)
+    group = dist.new_group()  # later groups use the same interface
+    dist.all_reduce(t, group=group)
+    return tcp_sockets(), t[0].item()
+
+
+def test_store_and_gloo_listen_only_on_loopback():
+    results = run_distributed(_sockets_after_training_traffic, 2, backend="gloo-bound", timeout=60)
+    for rank, (sockets, value) in enumerate(results):
+        assert value == 2 * (0 + 1)  # two all-reduces went through
+        assert {s["address"] for s in sockets} == {"127.0.0.1"}, (rank, sockets)
+        listening = sum(s["listening"] for s in sockets)
+        assert listening >= (2 if rank == 0 else 1), (rank, sockets)  # gloo's listener(s), and on rank 0 the store
