@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(
 
 def start_nodes(hosts, args, port):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": IFNAME}  # fmt: skip
+           "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)}  # fmt: skip
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     return [
         subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scripts.fit", "--devices", "1",
                           "--num-nodes", str(len(hosts)), *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
@@ -57,6 +58,10 @@ def test_equivalence_across_emulated_hosts(tmp_path, strategy):
     assert_identical_replicas(ranks)
     for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # every socket of each node is on its host's cluster address: nothing listens on 0.0.0.0 or loopback
+    for rank, r in enumerate(ranks):
+        addresses = {s["address"] for s in r["sockets"]}
+        assert addresses == {f"{SUBNET}.{rank + 1}"}, (rank, r["sockets"])
 
 
 def test_link_down_mid_run_fails_with_an_error_naming_the_peer(tmp_path):

@@ -46,3 +46,34 @@ def test_sharded_long_name_and_options():
     assert isinstance(trainer.strategy, ShardedParameterServerStrategy)
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
         ShardedParameterServerStrategy(bucket_cap_mb=0)
+
+
+@pytest.mark.parametrize("strategy_class", [ParameterServerStrategy, ShardedParameterServerStrategy])
+def test_16_mixed_is_refused_by_the_parameter_servers(strategy_class):
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # 16-mixed needs CUDA; the refusal only looks at the precision plugin's gradient scaler
+    scaled = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cpu"))
+    strategy = strategy_class(precision_plugin=scaled)
+    strategy.optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)]
+    with pytest.raises(ValueError, match="does not support precision='16-mixed'.*use precision='bf16-mixed'"):
+        strategy._check_optimizers()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    strategy._check_optimizers()
+
+
+def test_parameter_made_trainable_after_setup_is_refused():
+    import torch
+
+    from lightning_dp import RingAllReduceStrategy
+
+    synced, late = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 5))
+    strategy = RingAllReduceStrategy()
+    strategy._synced_params = {id(synced)}  # what set-up laid out in buckets
+    late.requires_grad_(False)
+    optimizer = torch.optim.SGD([synced, late], lr=0.1)
+    strategy._check_trainable_unchanged(optimizer)  # frozen: fine
+    late.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"shape \(2, 5\) became trainable .* after set-up"):
+        strategy._check_trainable_unchanged(optimizer)

@@ -8,6 +8,7 @@ import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from tests.scripts.models import RegressionModel
+from tests.sockets import tcp_sockets
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
@@ -39,12 +40,16 @@ if args.timeout is not None:
 
 
 class Record(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.sockets = tcp_sockets()
+
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
         self.result = {
             "last_step_bytes": getattr(s, "last_step_bytes", None),
             "sync_bytes": getattr(s, "sync_bytes", None),
             "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
+            "sockets": self.sockets,
         }
 
 
