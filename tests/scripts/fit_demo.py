@@ -17,6 +17,8 @@ import lightning_dp  # noqa: F401 - registers the strategies
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
 parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--models", default="BoringModel,DemoModel,ManualOptimBoringModel")
+parser.add_argument("--fit-only", action="store_true", help="skip validate/test/predict")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -53,7 +55,8 @@ def trainer(callback):
 
 def main():
     summary = {}
-    for cls in (BoringModel, DemoModel, ManualOptimBoringModel):
+    classes = {c.__name__: c for c in (BoringModel, DemoModel, ManualOptimBoringModel)}
+    for cls in (classes[name] for name in args.models.split(",")):
         torch.manual_seed(0)
         model = cls()
         before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
@@ -63,7 +66,7 @@ def main():
         t.fit(model, train_dataloaders=loader)
         after = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
         entry = {"steps": t.global_step, "moved": not torch.equal(before, after), "checked": check.checked}
-        if cls is BoringModel:
+        if cls is BoringModel and not args.fit_only:
             entry["validate"] = t.validate(model)
             entry["test"] = t.test(model)
             predictions = t.predict(model)
