@@ -1,25 +1,71 @@
 """lightning-dp: data-parallel synchronization schemes as PyTorch Lightning strategies.
 
-Importing the package registers the strategies by name, so ``Trainer(strategy="ring_allreduce")`` works.
+Importing the package registers the strategies by name, so ``Trainer(strategy="ring_allreduce")`` works: at
+once when Lightning is already imported, otherwise the moment ``lightning.pytorch`` finishes importing. The
+package itself does not import Lightning, so :mod:`lightning_dp.comm` (the algorithms on plain
+``torch.distributed``) loads without it.
 """
 
-from lightning_dp.strategies import (
-    DataParallelStrategy,
-    ParameterServerStrategy,
-    RingAllReduceStrategy,
-    ShardedParameterServerStrategy,
-    register_strategies,
-)
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+from typing import Any
 
 __version__ = "0.1.0"
 
-register_strategies()
-
-__all__ = [
+_STRATEGY_EXPORTS = (
     "DataParallelStrategy",
     "ParameterServerStrategy",
     "RingAllReduceStrategy",
     "ShardedParameterServerStrategy",
-    "__version__",
     "register_strategies",
-]
+)
+
+__all__ = [*_STRATEGY_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STRATEGY_EXPORTS:
+        from lightning_dp import strategies
+
+        return getattr(strategies, name)
+    raise AttributeError(f"module 'lightning_dp' has no attribute {name!r}")
+
+
+def _register() -> None:
+    # importing lightning_dp.strategies registers them; if it is importing right now (it imported Lightning),
+    # it registers when it finishes
+    if "lightning_dp.strategies" not in sys.modules:
+        importlib.import_module("lightning_dp.strategies")
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register` right after the module ``lightning.pytorch`` has executed."""
+
+    target = "lightning.pytorch"
+
+    def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - the importlib protocol
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)  # find the real spec with the remaining finders, once
+        from importlib.util import find_spec
+
+        spec = find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module) -> None:  # noqa: ANN001
+            execute(module)
+            _register()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if "lightning.pytorch" in sys.modules:
+    _register()
+elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())

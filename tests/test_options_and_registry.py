@@ -56,3 +56,29 @@ def test_trainer_accepts_name_and_instance():
 def test_bad_options_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RingAllReduceStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        # the algorithms load without Lightning
+        ("import sys, lightning_dp.comm.ring, lightning_dp.comm.parameter_server, lightning_dp.comm.rendezvous\n"
+         "print('lightning' in sys.modules)", "False"),
+        # package first, Lightning later: registered the moment Lightning loads
+        ("import lightning_dp\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
+         "print(all(n in StrategyRegistry for n in ('ring_allreduce', 'parameter_server', 'sharded_ps_spawn')))",
+         "True"),
+        # a strategy class imported before Lightning (it imports Lightning itself)
+        ("from lightning_dp import ShardedParameterServerStrategy\nimport lightning as L\n"
+         "print(type(L.Trainer(strategy='sharded_ps', accelerator='cpu', devices=2, logger=False).strategy).__name__)",
+         "ShardedParameterServerStrategy"),
+    ],
+    ids=["comm-alone", "package-then-lightning", "class-first"],
+)  # fmt: skip
+def test_import_orders(code, expected):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == expected

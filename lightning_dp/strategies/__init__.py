@@ -24,3 +24,6 @@ def register_strategies() -> None:
 
     for cls in STRATEGIES:
         cls.register_strategies(StrategyRegistry)
+
+
+register_strategies()
