@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from lightning_dp.comm.rendezvous import interface_with_address, local_address_towards, resolve
 from tests.distributed import run_distributed
-from tests.sockets import tcp_sockets
+from lightning_dp.comm.sockets import tcp_sockets
 
 
 def test_address_helpers_on_loopback():

@@ -138,3 +138,33 @@ def test_a_killed_peer_stops_the_others_with_an_error_naming_it():
         assert seconds < 30
     # rank 0 receives from rank 2 in the ring: it names the dead peer
     assert "rank 2" in results[0][0]
+
+
+def _collective_until_peer_dies(rank, world_size):
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from lightning_dp.comm.errors import PeerDirectory, PeerUnreachableError, naming_lost_peer
+
+    directory = PeerDirectory.build()
+    x = torch.ones(1000)
+    for step in range(1000):
+        if rank == world_size - 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            with naming_lost_peer("a test all-reduce", directory=directory):
+                dist.all_reduce(x)  # gloo's own collective: its error gives only the peer's address
+        except PeerUnreachableError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_peer_lost_in_a_torch_collective_is_named_by_rank():
+    from tests.distributed import run_distributed_allow_deaths
+
+    results = run_distributed_allow_deaths(_collective_until_peer_dies, 3, timeout=120)
+    assert results[2] is None
+    for rank in (0, 1):
+        assert f"rank {rank} could not reach rank 2 during a test all-reduce" in results[rank], results[rank]

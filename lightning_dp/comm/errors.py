@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Generator, Optional
 
@@ -62,21 +63,54 @@ def is_transport_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _TRANSPORT_MARKERS)
 
 
+class PeerDirectory:
+    """Which rank owns which TCP endpoint, so a transport error that gives only a peer's address names its rank.
+
+    Built collectively once the process groups exist (gloo connects every pair of ranks when a group is created):
+    every rank shares the local endpoints of its sockets. Empty where /proc is not available.
+    """
+
+    def __init__(self, owners: Optional[dict[str, int]] = None) -> None:
+        self.owners = owners or {}
+
+    @classmethod
+    def build(cls, group: Optional[dist.ProcessGroup] = None) -> "PeerDirectory":
+        from lightning_dp.comm.sockets import tcp_sockets
+
+        mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (dist.get_rank(), mine), group=group)
+        return cls({endpoint: rank for rank, endpoints in everyone for endpoint in endpoints})
+
+    def rank_in(self, message: str) -> Optional[int]:
+        """The rank owning an endpoint ``[address]:port`` that ``message`` mentions, if known."""
+        for address, port in re.findall(r"\[(?:::ffff:)?([0-9A-Fa-f.:]+)\]:(\d+)", message):
+            number = int(port)
+            # gloo prints some ports in network byte order: try the byte-swapped number too
+            for candidate in (number, int.from_bytes(number.to_bytes(2, "little"), "big") if number < 65536 else -1):
+                if f"{address}:{candidate}" in self.owners:
+                    return self.owners[f"{address}:{candidate}"]
+        return None
+
+
 @contextmanager
-def naming_lost_peer(what: str, group: Optional[dist.ProcessGroup] = None) -> Generator[None, None, None]:
+def naming_lost_peer(
+    what: str, group: Optional[dist.ProcessGroup] = None, directory: Optional[PeerDirectory] = None
+) -> Generator[None, None, None]:
     """Re-raise a transport failure inside the block as :class:`PeerUnreachableError`, saying during ``what`` it
-    happened and which rank was lost where that is known (a group of two: the other rank)."""
+    happened and which rank was lost: in a group of two the other rank, otherwise the one ``directory`` finds
+    behind the address in the transport error."""
     try:
         yield
     except Exception as error:
         if not is_transport_error(error):
             raise
         group = group if group is not None else dist.group.WORLD
-        me, size = dist.get_rank(), dist.get_world_size(group)
-        if size == 2:
-            peer = f"rank {next(r for r in dist.get_process_group_ranks(group) if r != me)}"
-        else:
-            peer = "a peer (the transport error below names its address)"
+        me, members = dist.get_rank(), dist.get_process_group_ranks(group)
+        lost = directory.rank_in(str(error)) if directory is not None else None
+        if len(members) == 2:
+            lost = next(r for r in members if r != me)
+        peer = f"rank {lost}" if lost is not None else "a peer (the transport error below gives its address)"
         raise PeerUnreachableError(
             f"rank {me} could not reach {peer} during {what}: the peer is unreachable (it may have died, its link "
             f"may be down, or it did not answer within the strategy's timeout). Transport error: {error}"

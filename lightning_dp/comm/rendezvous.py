@@ -91,7 +91,7 @@ def init_bound_process_group(
 
     listen_fd = _listening_socket(address, main_port) if rank == 0 and address is not None else None
     if rank == 0 and address is not None and listen_fd is None:
-        log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens on all interfaces", main_address)
+        log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens everywhere", main_address)
     store = dist.TCPStore(
         main_address,
         main_port,

@@ -45,7 +45,7 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
-from lightning_dp.comm.errors import NonFiniteGradientError, naming_lost_peer
+from lightning_dp.comm.errors import NonFiniteGradientError, PeerDirectory, naming_lost_peer
 from lightning_dp.comm.ring import ring_allreduce
 from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.rendezvous import init_bound_process_group
@@ -130,6 +130,7 @@ class DataParallelStrategy(ParallelStrategy):
         self.last_step_bytes: tuple[int, int] = (0, 0)
         self.sync_bytes = 0
         self._synced_params: set[int] = set()
+        self._peers = PeerDirectory()
         #: seconds of gradient/weight communication so far, and the part of it the training loop waited for
         #: (the rest ran hidden behind backward)
         self.comm_seconds = 0.0
@@ -206,6 +207,7 @@ class DataParallelStrategy(ParallelStrategy):
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
         self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        self._peers = PeerDirectory.build()
 
     # ------------------------------------------------------------------ model set-up
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -350,7 +352,7 @@ class DataParallelStrategy(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        with naming_lost_peer("a barrier"):
+        with naming_lost_peer("a barrier", directory=self._peers):
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
@@ -360,7 +362,7 @@ class DataParallelStrategy(ParallelStrategy):
         if not _distributed_is_initialized():
             return obj
         container = [obj]
-        with naming_lost_peer("Lightning's broadcast"):
+        with naming_lost_peer("Lightning's broadcast", directory=self._peers):
             dist.broadcast_object_list(container, src)
         return container[0]
 
@@ -369,12 +371,13 @@ class DataParallelStrategy(ParallelStrategy):
     ) -> Tensor:
         """Lightning's reduction of logged values and decisions, on the default group."""
         if isinstance(tensor, Tensor):
-            with naming_lost_peer("Lightning's reduce (sync_dist logging or a collective decision)", group):
+            what = "Lightning's reduce (sync_dist logging or a collective decision)"
+            with naming_lost_peer(what, group, self._peers):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        with naming_lost_peer("Lightning's all_gather", group):
+        with naming_lost_peer("Lightning's all_gather", group, self._peers):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def teardown(self) -> None:

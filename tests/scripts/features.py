@@ -3,7 +3,8 @@
 ``--phase main``: one launch of two processes that runs
   1. fit with an uneven last batch (50 samples per rank, batches of 8), reshuffled every epoch,
      ``accumulate_grad_batches=2``, clipping by norm, AdamW + StepLR, ``sync_dist`` logging in training and
-     validation, EarlyStopping on a metric only rank 1 sees stall, ModelCheckpoint, a frozen layer and a branch used only by some samples; then validate / test / predict;
+     validation, EarlyStopping on a metric only rank 1 sees stall, ModelCheckpoint, a frozen layer and a
+     branch only some samples use; then validate / test / predict;
   2. fit in ``bf16-mixed`` with clipping by value, then with BatchNorm (rank 0's buffers broadcast each step);
   3. a GAN-style module: manual optimization, two optimizers, ``toggle_optimizer``, StepLR, ReduceLROnPlateau.
 ``--phase crash``: fit 1. with checkpoints, and rank 1 kills itself (SIGKILL) in the third epoch.
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from tests.scripts.models import IN_FEATURES, RegressionModel, TwoOptimizerModel, flat_weights
-from tests.sockets import tcp_sockets
+from lightning_dp.comm.sockets import tcp_sockets
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)

@@ -8,7 +8,7 @@ import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from tests.scripts.models import RegressionModel
-from tests.sockets import tcp_sockets
+from lightning_dp.comm.sockets import tcp_sockets
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
