@@ -207,7 +207,8 @@ class DataParallelStrategy(ParallelStrategy):
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
         self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
-        self._peers = PeerDirectory.build()
+        if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
+            self._peers = PeerDirectory.build()
 
     # ------------------------------------------------------------------ model set-up
     def setup(self, trainer: "pl.Trainer") -> None:
