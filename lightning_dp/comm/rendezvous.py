@@ -11,6 +11,7 @@ it off other networks; the cluster's private network must still be trusted.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import logging
@@ -68,10 +69,40 @@ def _listening_socket(address: str, port: int) -> Optional[int]:
         sock.listen(1024)
     except OSError as error:
         sock.close()
-        if error.errno == 99:  # EADDRNOTAVAIL: the main address is not one of ours (e.g. a NAT or virtual IP)
+        if error.errno == errno.EADDRNOTAVAIL:  # the main address is not one of ours (e.g. a NAT or virtual IP)
             return None
         raise
     return sock.detach()
+
+
+def _agent_hosts_store(main_address: str, main_port: int) -> bool:
+    """Whether torchrun's agent already serves the store at ``main_address:main_port`` (then every rank is a
+    client, as in ``init_process_group``)."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == main_address
+        and os.environ.get("MASTER_PORT") == str(main_port)
+    )
+
+
+def _store(
+    main_address: str, address: Optional[str], main_port: int, rank: int, world_size: int, timeout: timedelta
+) -> dist.TCPStore:
+    """The rendezvous store: rank 0 serves it on ``address:main_port`` only, unless torchrun's agent serves it."""
+    if rank != 0 or _agent_hosts_store(main_address, main_port):
+        return dist.TCPStore(main_address, main_port, world_size, False, timeout=timeout)
+    try:
+        listen_fd = _listening_socket(address, main_port) if address is not None else None
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+        # e.g. a store this process already serves on that port: share it, as init_process_group does
+        return dist.TCPStore(main_address, main_port, world_size, True, timeout=timeout, multi_tenant=True)
+    if listen_fd is None and address is not None:
+        log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens everywhere", main_address)
+    return dist.TCPStore(
+        main_address, main_port, world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd
+    )
 
 
 def init_bound_process_group(
@@ -89,16 +120,7 @@ def init_bound_process_group(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
-    listen_fd = _listening_socket(address, main_port) if rank == 0 and address is not None else None
-    if rank == 0 and address is not None and listen_fd is None:
-        log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens everywhere", main_address)
-    store = dist.TCPStore(
-        main_address,
-        main_port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=listen_fd,
-    )
+    store = _store(main_address, address, main_port, rank, world_size, timeout)
+    # the prefix init_process_group gives its own rendezvous store: keys never collide with torchrun's agent
+    store = dist.PrefixStore("default_pg", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
