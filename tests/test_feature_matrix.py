@@ -61,16 +61,23 @@ def close(got, want, what: str) -> None:
     torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m: f"{what}: {m}")
 
 
+def assert_replicas_follow(ranks: list[dict], key: str, reference: list, what: str) -> None:
+    """``ranks[r][key]`` (weights after every step) is identical on both ranks and close to ``reference``."""
+    assert len(ranks[0][key]) == len(reference), what
+    for step, want in enumerate(reference):
+        got = ranks[0][key][step]
+        assert torch.equal(got, ranks[1][key][step]), f"{what}: ranks differ after step {step + 1}"
+        close(got, want, f"{what}: step {step + 1}")
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fit_equals_ddp_after_every_step_with_identical_replicas(runs, strategy):
     """Uneven last batch, accumulate_grad_batches=2, clipping by norm, AdamW + StepLR, a frozen layer and a
     branch only some samples use: the weights after every batch match ``ddp``'s, identical on both ranks."""
     ranks, ddp = runs.main(strategy), runs.main("ddp")
     history = ranks[0]["weights"]
-    assert len(history) == len(ddp[0]["weights"]) == 3 * 7  # 3 epochs of 7 batches, the last of 2 samples
-    for step, weights in enumerate(history):
-        assert torch.equal(weights, ranks[1]["weights"][step]), f"ranks differ after batch {step + 1}"
-        close(weights, ddp[0]["weights"][step], f"batch {step + 1} differs from ddp")
+    assert len(history) == 3 * 7  # 3 epochs of 7 batches, the last of 2 samples
+    assert_replicas_follow(ranks, "weights", ddp[0]["weights"], "weights vs ddp")
     assert torch.equal(history[-1][:FROZEN], history[0][:FROZEN]), "the frozen layer moved"
     assert not torch.equal(history[-1][FROZEN:], history[0][FROZEN:]), "training did not move the weights"
 
@@ -119,18 +126,14 @@ def test_early_stopping_stops_all_ranks_together_and_schedulers_step(runs, strat
 def test_bf16_mixed_with_clipping_by_value_matches_ddp(runs, strategy):
     ranks, ddp = runs.main(strategy), runs.main("ddp")
     assert len(ranks[0]["bf16_weights"]) == 3
-    for step, (got, want) in enumerate(zip(ranks[0]["bf16_weights"], ddp[0]["bf16_weights"])):
-        assert torch.equal(got, ranks[1]["bf16_weights"][step])
-        close(got, want, f"bf16 step {step + 1}")
+    assert_replicas_follow(ranks, "bf16_weights", ddp[0]["bf16_weights"], "bf16-mixed weights vs ddp")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_batchnorm_buffers_follow_rank_zero_as_under_ddp(runs, strategy):
     ranks, ddp = runs.main(strategy), runs.main("ddp")
     assert len(ranks[0]["bn_weights"]) == 3
-    for step, (got, want) in enumerate(zip(ranks[0]["bn_weights"], ddp[0]["bn_weights"])):
-        assert torch.equal(got, ranks[1]["bn_weights"][step])
-        close(got, want, f"step {step + 1}")
+    assert_replicas_follow(ranks, "bn_weights", ddp[0]["bn_weights"], "BatchNorm model weights vs ddp")
     for rank in range(2):
         for step, (got, want) in enumerate(zip(ranks[rank]["bn_buffers"], ddp[rank]["bn_buffers"])):
             assert torch.equal(got, ranks[0]["bn_buffers"][step]), f"rank {rank} buffers differ from rank 0's"
@@ -145,9 +148,7 @@ def test_manual_optimization_two_optimizers_and_plateau_scheduler_equal_one_proc
     reference, lrs = reference_two_optimizers(2 * 8, 4)
     assert [lr for pair in ranks[0]["gan_lrs"] for lr in pair] == pytest.approx([lr for pair in lrs for lr in pair])
     assert lrs[-1][0] < lrs[0][0] and lrs[-1][1] < 0.1  # both schedulers acted
-    for step, (got, want) in enumerate(zip(ranks[0]["gan_weights"], reference)):
-        assert torch.equal(got, ranks[1]["gan_weights"][step])
-        close(got, want, f"step {step + 1} differs from one process")
+    assert_replicas_follow(ranks, "gan_weights", reference, "GAN weights vs one process")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
