@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import sys
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -41,6 +42,14 @@ def _register() -> None:
         importlib.import_module("lightning_dp.strategies")
 
 
+def _register_quietly() -> None:
+    """From inside Lightning's import: a failure here must not break ``import lightning``."""
+    try:
+        _register()
+    except Exception as error:  # noqa: BLE001 - reported, and raised again on first use of a strategy class
+        warnings.warn(f"lightning-dp could not register its strategies with Lightning: {error!r}", stacklevel=2)
+
+
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
     """Runs :func:`_register` right after the module ``lightning.pytorch`` has executed."""
 
@@ -59,7 +68,8 @@ class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:  # noqa: ANN001
             execute(module)
-            _register()
+            if module.__name__ == self.target:  # a loader may be shared, e.g. one zipimporter per archive
+                _register_quietly()
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

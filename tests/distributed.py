@@ -30,7 +30,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
 
             from lightning_dp.comm.rendezvous import init_bound_process_group
 
-            init_bound_process_group("gloo", "127.0.0.1", port, rank, world_size, timedelta(seconds=60))
+            timeout = timedelta(seconds=60)
+            init_bound_process_group("gloo", "127.0.0.1", port, rank, world_size, timeout, single_host=True)
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         results.put((rank, "ok", fn(rank, world_size, *args)))

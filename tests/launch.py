@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+#: set by cluster schedulers; a test run must not pick them up from the machine's environment
+CLUSTER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
+                     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SLURM_JOB_ID", "SLURM_NTASKS")  # fmt: skip
 
 
 def run_script(
@@ -20,7 +23,8 @@ def run_script(
 
     With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way.
     """
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    full_env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}  # a single-node run on loopback
+    full_env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     full_env.update(env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", f"tests.scripts.{script}", *args],

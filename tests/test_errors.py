@@ -1,5 +1,7 @@
 """Transport errors are recognised and the lost rank is found behind the address gloo prints."""
 
+import torch.distributed as dist
+
 from lightning_dp.comm.errors import PeerDirectory, PeerUnreachableError, is_transport_error
 
 
@@ -11,6 +13,7 @@ def test_peer_directory_finds_ranks_behind_printed_addresses():
     assert directory.rank_in("Read error [::ffff:10.77.0.2]:35000: Connection reset by peer") == 1
     assert directory.rank_in("Connection closed by peer [127.0.0.1]:1") is None
     assert directory.rank_in("no address here") is None
+    assert directory.rank_in("Connection closed by peer [127.0.0.1]:48404", exclude=2) is None  # never oneself
 
 
 def test_transport_errors_are_told_apart_from_bugs():
@@ -20,3 +23,8 @@ def test_transport_errors_are_told_apart_from_bugs():
     assert not is_transport_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"))
     assert not is_transport_error(ValueError("Connection reset"))
     assert not is_transport_error(PeerUnreachableError("rank 0 could not reach rank 1"))  # already named
+    # a local NCCL failure is not a lost peer
+    nccl_oom = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error, NCCL version "
+                                     "2.30.7\nncclUnhandledCudaError: Call to CUDA function failed. out of memory")
+    assert not is_transport_error(nccl_oom)
+    assert is_transport_error(dist.DistNetworkError("failed to connect to 10.77.0.1:29500"))

@@ -171,3 +171,12 @@ def test_killed_rank_then_resume_from_last_equals_the_run_that_never_crashed(run
         assert resumed[rank]["epochs"] == 3  # EarlyStopping's state came back with the checkpoint
         assert resumed[rank]["lrs"] == uninterrupted[rank]["lrs"][-7:]
         assert torch.equal(resumed[rank]["final"], uninterrupted[rank]["final"]), f"rank {rank} ends elsewhere"
+
+
+def test_a_rank_lost_among_three_is_named_in_lightnings_collectives(tmp_path):
+    """With three ranks the lost one is found behind the address in gloo's error (the peer directory)."""
+    args = ["--strategy", "ring_allreduce", "--phase", "crash", "--devices", "3", "--kill-rank", "2"]
+    crashed = run_script("features", *args, "--out", str(tmp_path), timeout=180, check=False)
+    assert crashed.returncode != 0
+    expected = "PeerUnreachableError: rank 0 could not reach rank 2 during Lightning's reduce"
+    assert expected in crashed.stdout, crashed.stdout[-3000:]

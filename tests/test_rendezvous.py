@@ -35,3 +35,26 @@ def test_store_and_gloo_listen_only_on_loopback():
         assert {s["address"] for s in sockets} == {"127.0.0.1"}, (rank, sockets)
         listening = sum(s["listening"] for s in sockets)
         assert listening >= (2 if rank == 0 else 1), (rank, sockets)  # gloo's listener(s), and on rank 0 the store
+
+
+def test_a_later_run_in_the_same_process_reuses_the_port():
+    """A Hydra sweep or a fixed cluster port: the next job joins on the port a still-alive store serves."""
+    import subprocess
+    import sys
+
+    from tests.distributed import free_port
+
+    code = f"""
+from datetime import timedelta
+import torch, torch.distributed as dist
+from lightning_dp.comm.rendezvous import init_bound_process_group
+kept = []
+for job in range(2):
+    init_bound_process_group("gloo", "127.0.0.1", {free_port()}, 0, 1, timedelta(seconds=20), single_host=True)
+    kept.append(dist.new_group())  # held on to, as a finished Trainer's strategy holds its gradient group
+    dist.all_reduce(torch.ones(1), group=kept[-1])
+    dist.destroy_process_group()
+print("two jobs joined")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "two jobs joined" in out.stdout, out.stderr[-3000:]

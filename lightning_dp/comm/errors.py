@@ -49,16 +49,18 @@ def wait_for(work: Optional[dist.Work], group: Optional[dist.ProcessGroup], peer
         ) from error
 
 
-#: fragments of the messages gloo and NCCL raise when a peer or its link is gone (they raise plain RuntimeErrors)
-_TRANSPORT_MARKERS = ("transport/", "Connection reset", "Connection closed", "Connection refused", "Broken pipe",
-                      "Timed out", "timed out", "NCCL", "Socket Timeout")  # fmt: skip
+#: fragments of the messages gloo and NCCL raise when a peer or its link is gone (often as plain RuntimeErrors);
+#: other failures (out of memory, invalid usage) must keep their own message
+_TRANSPORT_MARKERS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
+                      "timed out", "Socket Timeout", "pair closure",
+                      "ncclRemoteError", "ncclSystemError", "remote process exited")  # fmt: skip
 
 
 def is_transport_error(error: BaseException) -> bool:
-    """Whether ``error`` reports a lost peer or link rather than a bug in the calling code."""
+    """Whether ``error`` reports a lost peer or link rather than a bug or a local failure."""
     if isinstance(error, PeerUnreachableError):
         return False
-    if isinstance(error, getattr(dist, "DistError", ())):
+    if isinstance(error, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
         return True
     return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _TRANSPORT_MARKERS)
 
@@ -77,19 +79,28 @@ class PeerDirectory:
     def build(cls, group: Optional[dist.ProcessGroup] = None) -> "PeerDirectory":
         from lightning_dp.comm.sockets import tcp_sockets
 
-        mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
+        try:
+            mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
+        except OSError:  # best effort: every rank must still take part in the gather below
+            mine = []
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (dist.get_rank(), mine), group=group)
         return cls({endpoint: rank for rank, endpoints in everyone for endpoint in endpoints})
 
-    def rank_in(self, message: str) -> Optional[int]:
-        """The rank owning an endpoint ``[address]:port`` that ``message`` mentions, if known."""
-        for address, port in re.findall(r"\[(?:::ffff:)?([0-9A-Fa-f.:]+)\]:(\d+)", message):
-            number = int(port)
-            # gloo prints some ports in network byte order: try the byte-swapped number too
-            for candidate in (number, int.from_bytes(number.to_bytes(2, "little"), "big") if number < 65536 else -1):
-                if f"{address}:{candidate}" in self.owners:
-                    return self.owners[f"{address}:{candidate}"]
+    def rank_in(self, message: str, exclude: Optional[int] = None) -> Optional[int]:
+        """The rank (other than ``exclude``) owning an endpoint ``[address]:port`` that ``message`` mentions."""
+        found = re.findall(r"\[(?:::ffff:)?([0-9A-Fa-f.:]+)\]:(\d+)", message)
+        # gloo prints some ports in network byte order: the byte-swapped number only if the literal one is unknown
+        for swap in (False, True):
+            for address, port in found:
+                number = int(port)
+                if swap:
+                    if number >= 65536:
+                        continue
+                    number = int.from_bytes(number.to_bytes(2, "little"), "big")
+                owner = self.owners.get(f"{address}:{number}")
+                if owner is not None and owner != exclude:
+                    return owner
         return None
 
 
@@ -107,7 +118,7 @@ def naming_lost_peer(
             raise
         group = group if group is not None else dist.group.WORLD
         me, members = dist.get_rank(), dist.get_process_group_ranks(group)
-        lost = directory.rank_in(str(error)) if directory is not None else None
+        lost = directory.rank_in(str(error), exclude=me) if directory is not None else None
         if len(members) == 2:
             lost = next(r for r in members if r != me)
         peer = f"rank {lost}" if lost is not None else "a peer (the transport error below gives its address)"

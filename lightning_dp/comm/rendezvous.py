@@ -5,6 +5,7 @@ gloo picks whatever address the machine's hostname resolves to. Here the store l
 address (``MASTER_ADDR``) and gloo / NCCL use the one interface that carries traffic towards it: loopback when
 the main address is loopback (every single-node run), the cluster-facing interface otherwise.
 
+Across several hosts NCCL keeps choosing its own interfaces (InfiniBand, several NICs): only gloo is narrowed.
 The store has no authentication: whoever reaches its port can join or disturb the run. Binding narrowly keeps
 it off other networks; the cluster's private network must still be trusted.
 """
@@ -12,7 +13,6 @@ it off other networks; the cluster's private network must still be trusted.
 from __future__ import annotations
 
 import errno
-import fcntl
 import ipaddress
 import logging
 import os
@@ -47,7 +47,11 @@ def local_address_towards(host: str) -> str:
 
 
 def interface_with_address(address: str) -> Optional[str]:
-    """The name of the network interface that holds IPv4 ``address`` (Linux), or ``None``."""
+    """The name of the network interface whose (primary) IPv4 address is ``address`` (Linux), or ``None``."""
+    try:
+        import fcntl
+    except ImportError:  # not a Unix system
+        return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
@@ -88,37 +92,53 @@ def _agent_hosts_store(main_address: str, main_port: int) -> bool:
 def _store(
     main_address: str, address: Optional[str], main_port: int, rank: int, world_size: int, timeout: timedelta
 ) -> dist.TCPStore:
-    """The rendezvous store: rank 0 serves it on ``address:main_port`` only, unless torchrun's agent serves it."""
+    """The rendezvous store: rank 0 serves it on ``address:main_port`` only (everywhere if ``address`` is
+    ``None``), unless torchrun's agent serves it."""
     if rank != 0 or _agent_hosts_store(main_address, main_port):
         return dist.TCPStore(main_address, main_port, world_size, False, timeout=timeout)
+    # multi_tenant: a later run in this process on the same port (a sweep, a fixed SLURM port) shares the server
+    serve = dict(is_master=True, timeout=timeout, multi_tenant=True)
     try:
         listen_fd = _listening_socket(address, main_port) if address is not None else None
     except OSError as error:
         if error.errno != errno.EADDRINUSE:
             raise
-        # e.g. a store this process already serves on that port: share it, as init_process_group does
-        return dist.TCPStore(main_address, main_port, world_size, True, timeout=timeout, multi_tenant=True)
+        return dist.TCPStore(main_address, main_port, world_size, **serve)  # shares this process's server, if any
     if listen_fd is None and address is not None:
         log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens everywhere", main_address)
-    return dist.TCPStore(
-        main_address, main_port, world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd
-    )
+    return dist.TCPStore(main_address, main_port, world_size, wait_for_workers=False, master_listen_fd=listen_fd, **serve)
 
 
 def init_bound_process_group(
-    backend: str, main_address: str, main_port: int, rank: int, world_size: int, timeout: timedelta
+    backend: str,
+    main_address: str,
+    main_port: int,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    single_host: bool,
 ) -> None:
-    """``dist.init_process_group`` with the store on ``main_address:main_port`` only and gloo / NCCL on the
-    interface towards it. ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user win."""
+    """``dist.init_process_group`` with the store on ``main_address:main_port`` only and gloo on the interface
+    towards it (NCCL too when ``single_host``). ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user win.
+
+    A loopback main address in a run over several hosts (a hostname that resolves to 127.0.1.1 on its own node,
+    as Debian's /etc/hosts does) cannot be what the other nodes reach, so there nothing is narrowed."""
     try:
         address = resolve(main_address)
-        interface = interface_with_address(local_address_towards(address))
+        if not single_host and ipaddress.IPv4Address(address).is_loopback:
+            log.warning(
+                "MASTER_ADDR=%s resolves to loopback %s here but the run spans several hosts: binding the "
+                "store everywhere", main_address, address,
+            )  # fmt: skip
+            address = None
+        interface = interface_with_address(local_address_towards(address)) if address is not None else None
     except (OSError, ValueError) as error:  # e.g. an IPv6-only main address
         log.warning("cannot bind narrowly to the interface towards %s (%s); torch chooses", main_address, error)
         address = interface = None
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        if single_host:  # across hosts NCCL picks its fast interfaces (InfiniBand, several NICs) itself
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
     store = _store(main_address, address, main_port, rank, world_size, timeout)
     # the prefix init_process_group gives its own rendezvous store: keys never collide with torchrun's agent

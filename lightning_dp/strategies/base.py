@@ -198,12 +198,13 @@ class DataParallelStrategy(ParallelStrategy):
         env = self.cluster_environment
         assert env is not None
         if not _distributed_is_initialized():
-            os.environ["MASTER_ADDR"] = env.main_address
-            os.environ["MASTER_PORT"] = str(env.main_port)
             init_bound_process_group(
                 self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
-                self._timeout,
+                self._timeout, single_host=self.num_nodes == 1,
             )  # fmt: skip
+            # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
+            os.environ["MASTER_ADDR"] = env.main_address
+            os.environ["MASTER_PORT"] = str(env.main_port)
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
         self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)

@@ -7,7 +7,7 @@
      branch only some samples use; then validate / test / predict;
   2. fit in ``bf16-mixed`` with clipping by value, then with BatchNorm (rank 0's buffers broadcast each step);
   3. a GAN-style module: manual optimization, two optimizers, ``toggle_optimizer``, StepLR, ReduceLROnPlateau.
-``--phase crash``: fit 1. with checkpoints, and rank 1 kills itself (SIGKILL) in the third epoch.
+``--phase crash``: fit 1. with checkpoints, and rank 1 (``--kill-rank``) kills itself (SIGKILL) in the third epoch.
 ``--phase resume``: fit 1. again from ``ckpt_path="last"`` of the crashed run.
 
 Each rank saves what it saw to ``<out>/rank<r>.pt``.
@@ -31,10 +31,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--phase", choices=["main", "crash", "resume"], default="main")
 parser.add_argument("--timeout", type=float, default=30.0)
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--kill-rank", type=int, default=1, help="the rank the crash phase kills")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
-DEVICES = 2
+DEVICES = args.devices
 MAX_EPOCHS = 5
 
 
@@ -156,7 +158,7 @@ def fit_features(checkpoint_dir: str, extra_callbacks=(), ckpt_path=None):
 def main():
     out = {}
     if args.phase == "crash":
-        fit_features(os.path.join(args.out, "checkpoints"), extra_callbacks=[KillRank(rank=1, epoch=2, batch=2)])
+        fit_features(os.path.join(args.out, "checkpoints"), extra_callbacks=[KillRank(rank=args.kill_rank, epoch=2, batch=2)])
         raise AssertionError("rank 0 finished although rank 1 died")
     if args.phase == "resume":
         t, model, record = fit_features(os.path.join(args.out, "checkpoints"), ckpt_path="last")
