@@ -81,7 +81,8 @@ class DataParallelStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA devices and gloo otherwise.
         timeout: how long any collective or message may wait for a peer (``timedelta`` or seconds, default 5
             minutes) before the run fails with an error instead of hanging. Raise it when nodes start minutes
-            apart or rank 0 works alone for long (e.g. a long evaluation only it runs).
+            apart or one rank works alone for long while the others wait (a long ``prepare_data`` download on
+            local rank 0, an evaluation only rank 0 runs).
         start_method: how the extra processes are started: ``"popen"`` (re-run the script, like ``ddp``),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
