@@ -12,7 +12,6 @@ Times are medians over repeats of the slowest rank. Writes results/collectives.{
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import save  # noqa: E402
 
 from lightning_dp.comm import Ring, ring_allreduce  # noqa: E402
 from lightning_dp.comm.parameter_server import (  # noqa: E402
@@ -121,11 +123,8 @@ def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
     return rows
 
 
-def write_report(rows: list[dict], out: Path, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "collectives.json").write_text(json.dumps(rows, indent=1))
+def write_report(rows: list[dict], out: Path) -> None:
     lines = [
-        f"Command: `{command}`  ",
         f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo over loopback TCP",
         "",
         "| N | S (MB) | p2p GB/s | ring busbw GB/s | gloo busbw GB/s | ring / gloo | ring / p2p | central PS busbw | sharded PS busbw |",
@@ -140,8 +139,7 @@ def write_report(rows: list[dict], out: Path, command: str) -> None:
             f"{by['ring_allreduce']['busbw_vs_p2p']:.2f} | {by['central_ps']['busbw_GBps']:.2f} | "
             f"{by['sharded_ps']['busbw_GBps']:.2f} |"
         )
-    (out / "collectives.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(out, "collectives", rows, lines)
     try:
         import matplotlib
 
@@ -178,7 +176,7 @@ def main() -> None:
     rows = []
     for n in world_sizes:
         rows += run_local(n, sizes, repeats)
-    write_report(rows, Path(args.out), f"python benchmarks/{Path(sys.argv[0]).name} " + " ".join(sys.argv[1:]))
+    write_report(rows, Path(args.out))
 
 
 if __name__ == "__main__":

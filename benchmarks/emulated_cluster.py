@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netns import IFNAME, SUBNET, emulated_hosts  # noqa: E402
+from report import save  # noqa: E402
 
 
 def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, out: str) -> None:
@@ -109,11 +110,7 @@ def main() -> None:
             row = measure(n, size_mb, args.rate_mbit, args.repeats, Path(tmp))
             print(json.dumps(row), flush=True)
             rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "emulated_cluster.json").write_text(json.dumps(rows, indent=1))
     lines = [
-        f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`  ",
         f"Machine: {os.cpu_count()} CPUs; hosts are network namespaces, each link shaped with tc tbf to "
         f"{args.rate_mbit:g} Mbit/s in both directions; S = {size_mb:g} MB",
         "",
@@ -125,8 +122,7 @@ def main() -> None:
             m, a = r["measured_s"][scheme], r["analytic_s"][scheme]
             lines.append(f"| {r['world_size']} | {scheme} | {m:.3f} | {a:.3f} | {m / a:.2f} | "
                          f"{m / r['measured_s']['ring_allreduce']:.2f} |")  # fmt: skip
-    (out / "emulated_cluster.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(args.out, "emulated_cluster", rows, lines)
 
 
 if __name__ == "__main__":

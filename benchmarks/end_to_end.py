@@ -22,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import save  # noqa: E402
+
 STRATEGIES = ("ddp", "ring_allreduce", "parameter_server", "sharded_ps")
 MODELS = {
     # name: (image shape, per-rank batch)
@@ -212,13 +216,7 @@ def main() -> None:
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        lines = [f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`  "]
-        lines += emulated_report(rows, args.emulated_hosts, args.rate_mbit, steps)
-        (out / "end_to_end_emulated.json").write_text(json.dumps(rows, indent=1))
-        (out / "end_to_end_emulated.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        save(args.out, "end_to_end_emulated", rows, emulated_report(rows, args.emulated_hosts, args.rate_mbit, steps))
         return
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -244,11 +242,7 @@ def main() -> None:
                     row["state_vs_ddp"] = [round(s / ddp_state, 3) for s in row["optimizer_state_mb"]]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "end_to_end.json").write_text(json.dumps(rows, indent=1))
     lines = [
-        f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`  ",
         f"Machine: {os.cpu_count()} CPUs, gloo over loopback; {steps} timed steps after {args.warmup} warm-up steps",
         "",
         "| model | N | strategy | steps/s | vs ddp | hidden comm | peak RSS MB | Adam state MB per rank | state vs ddp |",
@@ -260,8 +254,7 @@ def main() -> None:
             f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['world_size']} | {r['strategy']} | {r['steps_per_s']:.2f} | "
             f"{r['vs_ddp']:.2f} | {hidden} | {r['peak_rss_mb_max']:.0f} | {r['optimizer_state_mb']} | {r['state_vs_ddp']} |"
         )
-    (out / "end_to_end.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(args.out, "end_to_end", rows, lines)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,22 @@
+"""Writing a benchmark's results: rows as JSON, the table as markdown under the command that made it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def command_line() -> str:
+    """How this benchmark was started, as a user would type it."""
+    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
+def save(out: Path | str, name: str, rows: list[dict], lines: list[str]) -> None:
+    """Write ``<out>/<name>.json`` (the rows) and ``<out>/<name>.md`` (``Command:`` then ``lines``); print the table."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    text = "\n".join([f"Command: `{command_line()}`  ", *lines]) + "\n"
+    (out / f"{name}.md").write_text(text)
+    print(text, end="")
