@@ -48,6 +48,12 @@ def test_buckets_launch_in_order_while_backward_runs():
         ready_at_launch.append(len(hooks_fired))
         original()
 
+    # the first backward teaches the reducer how many accumulations each gradient gets; nothing leaves early
+    model(torch.randn(4, 64)).backward()
+    reducer.finish()
+    assert order == list(range(7))
+    model.zero_grad()
+    order.clear()
     reducer._launch_ready_buckets = spy
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: hooks_fired.append(p))
@@ -118,6 +124,66 @@ def test_reducer_marks_a_fresh_synchronization_once():
     model(torch.randn(2, 64)).backward()
     reducer.finish(copy_back=False)
     assert reducer.fresh
+    reducer.close()
+
+
+class Reentrant(nn.Module):
+    """One weight used in two reentrant checkpoint segments: its gradient is accumulated twice per backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
+        x = checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
+        return self.head(x).sum()
+
+
+def test_reentrant_checkpointing_reduces_the_complete_gradient_every_step():
+    torch.manual_seed(0)
+    model = Reentrant()
+    seen = []
+
+    def reduce_bucket(bucket):
+        seen.append(bucket.buffer.clone())
+
+    reducer = BucketReducer(model.parameters(), reduce_bucket, bucket_cap_mb=16 * 17 * 4 / 2**20)
+    for step in range(3):
+        seen.clear()
+        model.zero_grad()
+        x = torch.randn(4, 16, requires_grad=True)
+        model(x).backward()
+        full = [p.grad.clone() for p in model.parameters()]
+        reducer.finish()
+        for p, want in zip(model.parameters(), full):
+            assert torch.equal(p.grad, want), f"step {step}: a partial gradient was reduced"
+        assert sum(t.numel() for t in seen) == sum(b.buffer.numel() for b in reducer.buckets)
+    assert reducer._expected[id(model.shared.weight)] == 2
+    reducer.close()
+
+
+def test_a_gradient_accumulated_after_its_bucket_left_is_refused_with_the_cause():
+    model = nn.Linear(64, 64)
+    reducer = BucketReducer(model.parameters(), lambda b: None)
+    model(torch.randn(2, 64)).sum().backward()
+    reducer.finish()
+    model(torch.randn(2, 64)).sum().backward()  # a backward the strategy did not finish: loss.backward() by hand
+    with pytest.raises(RuntimeError, match="manual_backward.*use_reentrant=False"):
+        model(torch.randn(2, 64)).sum().backward()
+    reducer.close()
+
+
+def test_sparse_gradients_are_refused_with_a_clear_error():
+    from lightning_dp.comm.buckets import SparseGradientError
+
+    embedding = nn.Embedding(10, 4, sparse=True)
+    reducer = BucketReducer(embedding.parameters(), lambda b: None)
+    with pytest.raises(SparseGradientError, match="sparse=False"):
+        embedding(torch.tensor([1, 2])).sum().backward()
     reducer.close()
 
 

@@ -7,8 +7,18 @@ bucket order, so every rank issues the same messages in the same order whatever 
 
 A bucket ends with one "used" flag per parameter. A parameter that produced no gradient on a rank contributes
 zeros and a 0 flag; after the reduction a flag of 0 means no rank used the parameter, and its ``.grad`` stays
-``None``, exactly as in single-process training. The flags ride inside the bucket, so detecting unused
-parameters costs no extra message.
+``None``, exactly as in single-process training. Under the ring and the central server the flags ride inside
+the bucket's own messages.
+
+A parameter's gradient can be accumulated more than once in one backward: reentrant activation checkpointing
+runs a nested backward per checkpointed segment, and a weight used in two segments gets two accumulations. The
+reducer learns, on the first synchronized backward (during which no bucket leaves before backward ends), how
+many accumulations each parameter receives, and afterwards hands a bucket over only once every parameter in it
+has received them all.
+
+On CUDA the gradients are copied into the buckets on the stream that produced them; the communication thread
+waits for an event recorded there, runs on a stream of its own, and the caller's stream waits for the reduced
+buckets before anything reads them (the ordering DDP's reducer uses).
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -55,6 +65,10 @@ def assign_buckets(
     return buckets
 
 
+class SparseGradientError(RuntimeError):
+    """A parameter produced a sparse gradient, which the flat buckets cannot carry."""
+
+
 class GradientBucket:
     """One flat buffer: the gradients of ``params`` back to back, then one used-flag per parameter."""
 
@@ -71,6 +85,10 @@ class GradientBucket:
         self.flags = self.buffer[offset:]
         self.ready = [False] * len(params)
         self.num_ready = 0
+        #: handed to the communication thread in this round (its contents may no longer change)
+        self.launched = False
+        #: CUDA: recorded on each producing stream after a copy into the bucket; the comm thread waits on them
+        self.events: list[torch.cuda.Event] = []
 
     @property
     def nbytes(self) -> int:
@@ -81,16 +99,29 @@ class GradientBucket:
         return self.buffer[start:end].view_as(self.params[i])
 
     def fill(self, i: int, grad: Tensor | None) -> None:
-        """Copy parameter ``i``'s gradient in (zeros and a 0 flag when it has none)."""
+        """Copy parameter ``i``'s gradient in (zeros and a 0 flag when it has none); copying again overwrites."""
         view = self.grad_view(i)
         if grad is None:
             view.zero_()
             self.flags[i] = 0
         else:
+            if grad.is_sparse:
+                raise SparseGradientError(
+                    f"a parameter of shape {tuple(grad.shape)} produced a sparse gradient (e.g. nn.Embedding("
+                    "sparse=True)); lightning-dp's buckets carry dense gradients only: use sparse=False, or "
+                    "strategy='ddp' for sparse gradients"
+                )
             view.copy_(grad)
             self.flags[i] = 1
-        self.ready[i] = True
-        self.num_ready += 1
+        if view.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(view.device))
+            self.events.append(event)
+
+    def mark_ready(self, i: int) -> None:
+        if not self.ready[i]:
+            self.ready[i] = True
+            self.num_ready += 1
 
     def pack_params(self, start: int = 0, end: int | None = None) -> None:
         """Copy the parameters' current values into elements ``[start, end)`` of the gradient region."""
@@ -113,6 +144,8 @@ class GradientBucket:
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
+        self.launched = False
+        self.events = []
 
 
 class BucketReducer:
@@ -150,36 +183,61 @@ class BucketReducer:
         #: their difference is communication hidden behind backward (see :meth:`take_timing`)
         self.comm_seconds = 0.0
         self.wait_seconds = 0.0
+        #: accumulations of each parameter's gradient in the current backward, and how many a complete backward
+        #: brings (learned on the first synchronized backward; ``None`` until then)
+        self._accumulations = {id(p): 0 for p in self.params}
+        self._expected: Optional[dict[int, int]] = None
         self._next_launch = 0
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-dp-comm")
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._done_events: list[torch.cuda.Event] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _on_grad_ready(self, param: Parameter) -> None:
         if not self.enabled:
             return
-        bucket, i = self._location[id(param)]
-        if bucket.ready[i]:
+        key = id(param)
+        bucket, i = self._location[key]
+        self._accumulations[key] += 1
+        if bucket.launched:
             raise RuntimeError(
-                "a parameter produced its gradient twice before the gradients were synchronized; call backward "
-                "once per synchronization (use the strategy's backward / manual_backward)"
+                f"the gradient of a parameter of shape {tuple(param.shape)} was accumulated more often in this "
+                "backward than in the first synchronized one, after its bucket had already been sent. Either "
+                "backward ran outside the strategy (in manual optimization call self.manual_backward(loss), not "
+                "loss.backward()), or reentrant activation checkpointing reuses the parameter in a number of "
+                "segments that changes from step to step (use torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False))"
             )
         bucket.fill(i, param.grad)
-        if bucket.complete:
-            self._launch_ready_buckets()
+        if self._expected is not None and self._accumulations[key] >= self._expected[key]:
+            bucket.mark_ready(i)
+            if bucket.complete:
+                self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         with self._lock:
             while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
                 bucket = self.buckets[self._next_launch]
+                bucket.launched = True
                 self._futures.append(self._executor.submit(self._timed_reduce, bucket))
                 self._next_launch += 1
 
     def _timed_reduce(self, bucket: GradientBucket) -> None:
         start = time.perf_counter()
         try:
-            self.reduce_bucket(bucket)
+            if self._comm_stream is None:
+                self.reduce_bucket(bucket)
+            else:
+                with torch.cuda.stream(self._comm_stream):
+                    for event in bucket.events:
+                        self._comm_stream.wait_event(event)
+                    self.reduce_bucket(bucket)
+                    done = torch.cuda.Event()
+                    done.record(self._comm_stream)
+                    self._done_events.append(done)
         finally:
             self.comm_seconds += time.perf_counter() - start
 
@@ -194,8 +252,9 @@ class BucketReducer:
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if not bucket.ready[i]:
-                    # no gradient this backward; an accumulated one from earlier micro-batches still counts
+                    # no (or not every) gradient this backward; an accumulated one from earlier micro-batches counts
                     bucket.fill(i, p.grad)
+                    bucket.mark_ready(i)
         self._launch_ready_buckets()
         start = time.perf_counter()
         self.fresh = False
@@ -212,9 +271,24 @@ class BucketReducer:
             self._next_launch = 0
             for bucket in self.buckets:
                 bucket.reset()
+            self._learn_accumulations()
+        if self._comm_stream is not None:
+            current = torch.cuda.current_stream(self._comm_stream.device)
+            for event in self._done_events:
+                current.wait_event(event)
+            self._done_events.clear()
         self.fresh = True
         if copy_back:
             self.copy_back()
+
+    def _learn_accumulations(self) -> None:
+        counts = self._accumulations
+        if self._expected is None:
+            self._expected = {k: max(1, n) for k, n in counts.items()}
+        else:  # more accumulations than learned, caught before the bucket left: expect them from now on
+            for k, n in counts.items():
+                self._expected[k] = max(self._expected[k], n)
+        self._accumulations = dict.fromkeys(counts, 0)
 
     def copy_back(self) -> None:
         """Write each bucket's reduced gradients into ``param.grad``; parameters no rank used keep ``None``."""

@@ -19,12 +19,13 @@ same bits.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import post, wait_for
+from lightning_dp.comm.ring import divides_first
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -32,6 +33,19 @@ Segment = tuple[int, int]
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _average_in_rank_order(contributions: Iterable[torch.Tensor], size: int, out: torch.Tensor) -> None:
+    """``out`` = the average of the ``size`` ``contributions`` (one per rank, in rank order, taken one at a time so
+    a lazy iterable can wait for each message just before it is added); 16-bit floats are divided before they
+    are summed, so that large gradients do not overflow (see :func:`~lightning_dp.comm.ring.divides_first`)."""
+    first = divides_first(out.dtype)
+    total: Optional[torch.Tensor] = None
+    for contribution in contributions:
+        term = contribution / size if first else contribution
+        total = term.clone() if total is None else total.add_(term)
+    assert total is not None
+    out.copy_(total if first else total.div_(size))
 
 
 def _wait(works: list[tuple[Optional[dist.Work], int, str]], group: dist.ProcessGroup | None) -> None:
@@ -62,17 +76,17 @@ def push_gradients(
     if scratch is None:
         scratch = [torch.empty_like(buffer) for _ in peers]
     works = [dist.irecv(scratch[k], group=group, group_src=peer) for k, peer in enumerate(peers)]
-    # add in rank order; each add waits only for its own message
-    total = None
-    for peer_rank in range(size):
-        if peer_rank == server:
-            contribution = buffer
-        else:
-            k = peers.index(peer_rank)
-            wait_for(works[k], group, peer_rank, "receive gradients from")
-            contribution = scratch[k]
-        total = contribution.clone() if total is None else total.add_(contribution)
-    buffer.copy_(total.div_(size))
+
+    def arriving() -> Iterator[torch.Tensor]:  # in rank order; each add waits only for its own message
+        for peer_rank in range(size):
+            if peer_rank == server:
+                yield buffer
+            else:
+                k = peers.index(peer_rank)
+                wait_for(works[k], group, peer_rank, "receive gradients from")
+                yield scratch[k]
+
+    _average_in_rank_order(arriving(), size, buffer)
     if stats is not None:
         stats.add(received=_nbytes(buffer) * len(peers))
 
@@ -117,11 +131,7 @@ def push_shards(
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
     sent = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * buffer.element_size()
     if mine.numel():
-        total = None
-        for peer in range(size):
-            contribution = mine if peer == rank else scratch[peer]
-            total = contribution.clone() if total is None else total.add_(contribution)
-        mine.copy_(total.div_(size))
+        _average_in_rank_order([mine if peer == rank else scratch[peer] for peer in range(size)], size, mine)
     if stats is not None:
         stats.add(sent=sent, received=_nbytes(mine) * (size - 1))
 

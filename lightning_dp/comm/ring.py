@@ -131,18 +131,28 @@ def _pipelined_phase(
         wait_for(work, ring.group, ring.right, "send to")
 
 
+def divides_first(dtype: torch.dtype) -> bool:
+    """Whether an average in ``dtype`` divides every contribution before summing (16-bit floats, whose sum of N
+    large values can overflow where their average does not, as DDP does) rather than dividing the sum."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits <= 16
+
+
 def ring_reduce_scatter(
     flat: torch.Tensor, ring: Ring, op: ReduceOpName = "sum", stats: CommStats | None = None
 ) -> tuple[int, int]:
     """Reduce-scatter phase, in place on the 1-D contiguous ``flat``.
 
     Returns the ``(start, end)`` slice of ``flat`` that this rank now holds fully reduced (divided by the group
-    size when ``op == "avg"``). The other chunks hold partial sums.
+    size when ``op == "avg"``; 16-bit floats are divided before summing, see :func:`divides_first`). The other
+    chunks hold partial sums.
     """
     n, r = ring.size, ring.rank
+    predivide = op == "avg" and divides_first(flat.dtype)
+    if predivide:
+        flat.div_(n)
     _pipelined_phase(flat, ring, lambda s: (r - s) % n, lambda s: (r - s - 1) % n, True, 0, stats)
     start, end = chunk_bounds(flat.numel(), n)[(r + 1) % n]
-    if op == "avg":
+    if op == "avg" and not predivide:
         flat[start:end].div_(n)
     return start, end
 

@@ -1,13 +1,18 @@
 """The data-parallel base every lightning-dp strategy builds on.
 
-It does what Lightning's ``DDPStrategy`` does around the model (launching processes, the process group,
-ranks, the distributed sampler, Lightning's reduce / all_gather / broadcast / barrier) but never wraps the
-module: gradients are synchronized by this project's own schemes through a :class:`BucketReducer` whose
-hooks fire during backward. Gradient traffic runs on a process group of its own, so it never interleaves with
-the collectives Lightning issues on the default group (``sync_dist`` logging, barriers).
+It is a :class:`~lightning.pytorch.strategies.DDPStrategy` (so Lightning's compiled-model check, Ray Train and
+user code that test ``isinstance(strategy, DDPStrategy)`` accept it) that keeps DDP's process handling
+(launching, the process group, ranks, the distributed sampler, Lightning's reduce / all_gather / broadcast /
+barrier) but never wraps the module in ``DistributedDataParallel``: gradients are synchronized by this project's
+own schemes through a :class:`BucketReducer` whose hooks fire during backward. Gradient traffic runs on a
+process group of its own, so it never interleaves with the collectives Lightning issues on the default group
+(``sync_dist`` logging, barriers).
+
+As under DDP, synchronization completes inside the strategy's ``backward``, before ``on_after_backward``: every
+gradient hook and callback sees (and may edit) the averaged gradients.
 
 A subclass provides :meth:`_reduce_bucket` (what to do with one full gradient bucket) and, if the scheme needs
-it, overrides :meth:`_after_gradient_sync` and :meth:`optimizer_step`.
+it, overrides :meth:`_gradients_everywhere` and :meth:`optimizer_step`.
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_dp.comm.broadcast import broadcast_tensors
@@ -71,7 +80,31 @@ def _check_positive(option: str, value: Any) -> float:
     return float(value)
 
 
-class DataParallelStrategy(ParallelStrategy):
+#: hooks in which a LightningModule or a callback reads or edits ``param.grad`` before the optimizer step
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def gradient_readers(trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
+    """What in this run may read or edit gradients between backward and the optimizer step: overridden gradient
+    hooks of the module and of callbacks, a custom ``configure_gradient_clipping``, and manual optimization (whose
+    ``training_step`` may touch ``param.grad`` between ``manual_backward`` and ``optimizer.step``)."""
+    found = [f"{type(module).__name__}.{hook}" for hook in (*GRADIENT_HOOKS, "configure_gradient_clipping")
+             if is_overridden(hook, module, pl.LightningModule)]  # fmt: skip
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        found += [f"{type(callback).__name__}.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)]
+    if not module.automatic_optimization:
+        found.append("manual optimization")
+    return found
+
+
+def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
+    """Names of the submodules that produce sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with
+    ``sparse=True``)."""
+    return [name or type(module).__name__ for name, m in module.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]  # fmt: skip
+
+
+class DataParallelStrategy(DDPStrategy):
     """Multi-process data parallelism with a hand-written gradient synchronization scheme.
 
     Args:
@@ -102,12 +135,14 @@ class DataParallelStrategy(ParallelStrategy):
         timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        super().__init__(
+        _check_choice("start_method", start_method, START_METHODS)
+        super().__init__(  # DDPStrategy's state for its inherited helpers; its DDP-wrapping paths are never taken
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            start_method=start_method,
         )
         self.bucket_cap_mb = _check_positive("bucket_cap_mb", bucket_cap_mb)
         if process_group_backend is not None:
@@ -132,6 +167,9 @@ class DataParallelStrategy(ParallelStrategy):
         self.sync_bytes = 0
         self._synced_params: set[int] = set()
         self._peers = PeerDirectory()
+        #: whether every rank holds the averaged gradients in ``param.grad`` after backward (always for the ring; for
+        #: the parameter servers only when something reads gradients, see :func:`gradient_readers`)
+        self.full_gradients = True
         #: seconds of gradient/weight communication so far, and the part of it the training loop waited for
         #: (the rest ran hidden behind backward)
         self.comm_seconds = 0.0
@@ -213,10 +251,14 @@ class DataParallelStrategy(ParallelStrategy):
             self._peers = PeerDirectory.build()
 
     # ------------------------------------------------------------------ model set-up
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._refuse_sparse_gradients()
+            self.full_gradients = self._gradients_everywhere(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -231,6 +273,21 @@ class DataParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _refuse_sparse_gradients(self) -> None:
+        assert self.model is not None
+        sparse = sparse_gradient_modules(self.model)
+        if sparse:
+            raise ValueError(
+                f"strategy {self.strategy_name!r} does not support sparse gradients, but {', '.join(sparse)} "
+                "produce them (nn.Embedding / nn.EmbeddingBag with sparse=True): its gradient buckets are dense. Use "
+                "sparse=False (the same updates for SGD, Adam and the other dense optimizers), or strategy='ddp' "
+                "to keep sparse gradients (e.g. for torch.optim.SparseAdam)."
+            )
+
+    def _gradients_everywhere(self, trainer: "pl.Trainer") -> bool:
+        """Whether every rank must hold the averaged gradients in ``param.grad`` after backward."""
+        return True
 
     def _module_state(self) -> list[Tensor]:
         assert self.model is not None
@@ -263,9 +320,15 @@ class DataParallelStrategy(ParallelStrategy):
         """Synchronize one full gradient bucket (runs on the communication thread, in bucket order)."""
         raise NotImplementedError
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def configure_ddp(self) -> None:
+        raise RuntimeError(f"strategy {self.strategy_name!r} synchronizes gradients itself and never wraps the "
+                           "model in DistributedDataParallel")  # fmt: skip
 
     # ------------------------------------------------------------------ the training step
     @contextmanager
@@ -289,16 +352,41 @@ class DataParallelStrategy(ParallelStrategy):
                 broadcast_tensors(buffers, src=0, group=self.gradient_group)
         return super().training_step(*args, **kwargs)
 
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, with the gradient synchronization completed before ``on_after_backward`` (as
+        DDP's reducer completes it inside ``loss.backward()``), so the hooks see and edit averaged gradients."""
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        self._finish_gradient_sync()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        pass  # DDPStrategy's prepares a DistributedDataParallel wrapper, which this strategy never uses
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        pass  # the synchronization completed in backward, before on_after_backward
+
+    def _finish_gradient_sync(self) -> None:
         if self.reducer is None or not self.reducer.enabled:
             return
-        self.reducer.finish(copy_back=self._copy_back_gradients)
+        self.reducer.finish(copy_back=self._copies_back())
         if self._copy_back_gradients and self._checks_finite_gradients():
             # every rank holds the same averaged buckets, so every rank reaches the same verdict
             bad = next((b for b in self.reducer.buckets if not bool(torch.isfinite(b.buffer).all())), None)
             if bad is not None:
                 first = next(p for i, p in enumerate(bad.params) if not bool(torch.isfinite(bad.grad_view(i)).all()))
                 self._raise_nonfinite(first)
+
+    def _copies_back(self) -> bool:
+        """Whether this rank takes the reduced gradients into ``param.grad`` right after backward."""
+        return self.full_gradients
 
     def _checks_finite_gradients(self) -> bool:
         """The rule for NaN/inf gradients: raise on every rank, except under a gradient scaler (16-mixed), whose
@@ -314,12 +402,13 @@ class DataParallelStrategy(ParallelStrategy):
             f"{where}; every rank stops here, before the optimizer step, so the weights are still finite"
         )
 
-    #: whether every rank takes the reduced gradients into ``param.grad`` right after backward
+    #: whether the buckets hold averaged gradients on every rank after the exchange (checked for NaN/inf there)
     _copy_back_gradients: ClassVar[bool] = True
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self._check_trainable_unchanged(_unwrap(optimizer))
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
         self._end_step()
         return result
 
@@ -383,20 +472,17 @@ class DataParallelStrategy(ParallelStrategy):
         with naming_lost_peer("Lightning's all_gather", group, self._peers):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
+    @override
     def teardown(self) -> None:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
-        pl_module = self.lightning_module
-        if (
-            pl_module is not None
-            and pl_module._trainer is not None
-            and pl_module._trainer.state.fn == TrainerFn.FITTING
-            and self._layer_sync
-        ):
-            assert self.model is not None
-            self.model = self._layer_sync.revert(self.model)
-        super().teardown()
+        super().teardown()  # DDPStrategy's: reverts SyncBatchNorm after fitting
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Each concrete strategy registers its own names (not DDPStrategy's ``ddp`` entries)."""
 
     @classmethod
     def _register_variants(cls, strategy_registry: Any, name: str, description: str) -> None:
@@ -428,13 +514,29 @@ class ParameterServerBase(DataParallelStrategy):
     """Shared step logic of the parameter-server schemes: servers run the optimizer, every rank pulls weights.
 
     A step is: the closure (forward, backward; gradients are pushed to their servers bucket by bucket during
-    backward), then :meth:`_prepare_server_gradients`, Lightning's ``on_before_optimizer_step`` hooks and
-    gradient clipping, then :meth:`_server_update` and :meth:`_pull` of the new weights. Ranks that serve
-    nothing never call the optimizer, so they hold no optimizer state. ``param.grad`` on a rank keeps its local
-    gradient except where the scheme writes the average for its own update.
+    backward), Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then :meth:`_server_update`
+    and :meth:`_pull` of the new weights. Ranks that serve nothing never call the optimizer, so they hold no
+    optimizer state.
+
+    When nothing in the run reads gradients between backward and the step (:func:`gradient_readers`), only a
+    server holds averaged gradients, and only for what it serves; ``param.grad`` elsewhere keeps the local
+    gradient. Otherwise (:attr:`full_gradients`) the servers also send the averaged gradients back, so that every
+    rank's hooks see and edit exactly what they would see under DDP, and the servers step with the edited
+    gradients: the central server sends ``(N - 1) S`` more bytes per step, a sharded server ``(N - 1) / N S``.
     """
 
     _copy_back_gradients = False
+
+    @override
+    def _gradients_everywhere(self, trainer: "pl.Trainer") -> bool:
+        assert self.lightning_module is not None
+        readers = gradient_readers(trainer, self.lightning_module)
+        if readers:
+            rank_zero_info(
+                f"{self.strategy_name}: every rank receives the averaged gradients after backward (more traffic per "
+                f"step) because gradients are read or edited before the optimizer step by: {', '.join(readers)}"
+            )
+        return bool(readers)
 
     def _check_optimizers(self) -> None:
         from lightning.pytorch.plugins.precision import MixedPrecision
@@ -457,17 +559,21 @@ class ParameterServerBase(DataParallelStrategy):
         optimizer = _unwrap(optimizer)
         self._check_trainable_unchanged(optimizer)
         result = closure()
-        self._prepare_server_gradients(optimizer)
+        self._gradients_before_hooks(optimizer)
+        self.precision_plugin._after_closure(model, optimizer)  # on_before_optimizer_step hooks, clipping
+        self._gradients_after_hooks(optimizer)
         self._check_server_gradients(optimizer)
-        self.precision_plugin._after_closure(model, optimizer)
         self._server_update(optimizer, **kwargs)
         start = time.perf_counter()
         self._pull(optimizer)
         self._end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
-    def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
+    def _gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand the averaged gradients to the servers' update before ``on_before_optimizer_step`` (subclasses)."""
+
+    def _gradients_after_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """Or after it and clipping, when the servers must step with gradients the hooks edited (subclasses)."""
 
     def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
         """``(parameter, averaged gradient)`` pairs this rank serves for ``optimizer``'s step."""

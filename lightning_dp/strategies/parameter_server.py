@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.parameter_server import pull_weights, push_gradients
 from lightning_dp.strategies.base import ParameterServerBase, hyperparameters
+from typing_extensions import override
 
 
 class ParameterServerStrategy(ParameterServerBase):
@@ -50,14 +51,12 @@ class ParameterServerStrategy(ParameterServerBase):
 
     def _reduce_bucket(self, bucket: GradientBucket) -> None:
         push_gradients(bucket.buffer, self.server_rank, self.gradient_group, self.comm_stats)
+        if self.full_gradients:  # the averaged gradients back to every worker, for their hooks
+            pull_weights(bucket.buffer, self.server_rank, self.gradient_group, self.comm_stats)
 
-    def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        # once per synchronization: a later optimizer in the same training step keeps these gradients, and a step
-        # without a backward (nothing fresh) must not read the weights that a pull left in the buckets
-        assert self.reducer is not None
-        if self.reducer.fresh and self.is_server:
-            self.reducer.copy_back()
-        self.reducer.fresh = False
+    @override
+    def _copies_back(self) -> bool:
+        return self.full_gradients or self.is_server
 
     def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
         if not self.is_server:

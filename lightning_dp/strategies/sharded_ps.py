@@ -14,6 +14,7 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.parameter_server import pull_shards, push_shards, shard_segments
 from lightning_dp.comm.ring import Ring, ring_allreduce
 from lightning_dp.strategies.base import ParameterServerBase, _unwrap, hyperparameters
+from typing_extensions import override
 
 #: optimizers whose update of an element depends only on that element's gradient and state, so running them
 #: on an arbitrary slice of a tensor gives exactly the slice of the full update
@@ -95,6 +96,8 @@ class ShardedParameterServerStrategy(ParameterServerBase):
                     view = p.detach().view(-1)[a - lo : b - lo]
                     self.pieces.append(ShardPiece(p, bucket, i, a - lo, b - lo, a, view))
         self._shard_optimizers = [self._make_shard_optimizer(_unwrap(o)) for o in self.optimizers]
+        #: the parameters of each optimizer's groups as the shard optimizers mirror them
+        self._mirrored_groups = [[[id(p) for p in g["params"]] for g in _unwrap(o).param_groups] for o in self.optimizers]
         self._patch_gradient_clipping()
 
     def _pieces_of(self, optimizer: torch.optim.Optimizer) -> list[list[ShardPiece]]:
@@ -104,40 +107,76 @@ class ShardedParameterServerStrategy(ParameterServerBase):
             by_param.setdefault(id(piece.param), []).append(piece)
         return [[pc for p in group["params"] for pc in by_param.get(id(p), [])] for group in optimizer.param_groups]
 
-    def _make_shard_optimizer(self, optimizer: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
-        groups = self._pieces_of(optimizer)
-        if not any(groups):
-            return None
+    def _make_shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The user's optimizer class and hyperparameters over this rank's pieces, one group per front group (a
+        group may be empty here)."""
         shard_groups = [
             {**hyperparameters(group), "params": [pc.tensor for pc in pieces]}
-            for group, pieces in zip(optimizer.param_groups, groups)
+            for group, pieces in zip(optimizer.param_groups, self._pieces_of(optimizer))
         ]
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return type(optimizer)(shard_groups, **defaults)
 
-    def _shard_optimizer_for(self, optimizer: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
-        for front, shard in zip(self.optimizers, self._shard_optimizers):
+    def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
+        for index, front in enumerate(self.optimizers):
             if _unwrap(front) is optimizer:
-                return shard
+                return index
         raise KeyError("optimizer is not one of the strategy's optimizers")
+
+    def _shard_optimizer_for(self, optimizer: torch.optim.Optimizer) -> Optional[torch.optim.Optimizer]:
+        shard = self._shard_optimizers[self._optimizer_index(optimizer)]
+        return shard if any(g["params"] for g in shard.param_groups) else None
+
+    def _add_new_param_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """Follow ``optimizer.add_param_group(...)`` during fit: the shard optimizer gains this rank's pieces of the
+        new groups. Changing the parameters of an existing group is refused."""
+        index = self._optimizer_index(optimizer)
+        mirrored, groups = self._mirrored_groups[index], optimizer.param_groups
+        for k, (group, ids) in enumerate(zip(groups, mirrored)):
+            if [id(p) for p in group["params"]] != ids:
+                raise RuntimeError(
+                    f"strategy {self.strategy_name!r}: the parameters of group {k} of {type(optimizer).__name__} "
+                    "changed after set-up, which the sharded optimizer cannot follow; add new parameters with "
+                    "optimizer.add_param_group(...) instead"
+                )
+        shard = self._shard_optimizers[index]
+        for group, pieces in zip(groups[len(mirrored) :], self._pieces_of(optimizer)[len(mirrored) :]):
+            shard.add_param_group({**hyperparameters(group), "params": [pc.tensor for pc in pieces]})
+            mirrored.append([id(p) for p in group["params"]])
 
     # ------------------------------------------------------------------ communication
     def _reduce_bucket(self, bucket: GradientBucket) -> None:
-        push_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.gradient_group, self.comm_stats)
-        # every server needs to know which of its parameters some rank used: sum the flags everywhere
+        gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
+        push_shards(gradients, segments, self.gradient_group, self.comm_stats)
+        # every server needs to know which of its parameters some rank used: sum the flags everywhere (one small
+        # extra message per bucket, P flags)
         ring_allreduce(bucket.flags, op="sum", stats=self.comm_stats, ring=self._ring)
+        if self.full_gradients:  # every server sends its averaged shard to all, for every rank's hooks
+            pull_shards(gradients, segments, self.gradient_group, self.comm_stats)
 
-    def _prepare_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+    @override
+    def _gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         # once per synchronization, for every optimizer's pieces: the pull after this step overwrites the buckets,
         # and a step without a backward (nothing fresh) keeps no gradient
         assert self.reducer is not None
-        if not self.reducer.fresh:
+        self._add_new_param_groups(optimizer)
+        if self.full_gradients or not self.reducer.fresh:
             return
         for pc in self.pieces:
             used = bool(pc.bucket.flags[pc.index_in_bucket] != 0)
             pc.tensor.grad = pc.bucket.buffer[pc.bucket_start : pc.bucket_start + pc.end - pc.start].clone() if used else None
         self.reducer.fresh = False
+
+    @override
+    def _gradients_after_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        # every rank holds the averaged gradients in param.grad, as edited by the hooks and clipped
+        if not self.full_gradients:
+            return
+        for pieces in self._pieces_of(optimizer):
+            for pc in pieces:
+                grad = pc.param.grad
+                pc.tensor.grad = None if grad is None else grad.detach().reshape(-1)[pc.start : pc.end].clone()
 
     def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
         return [(pc.param, pc.tensor.grad) for pieces in self._pieces_of(optimizer) for pc in pieces
@@ -173,10 +212,16 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         return [pc.tensor.grad for pieces in self._pieces_of(optimizer) for pc in pieces if pc.tensor.grad is not None]
 
     def _clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        if self.full_gradients:  # param.grad holds the averaged gradients everywhere: clip them as Lightning does
+            type(self.precision_plugin).clip_grad_by_value(self.precision_plugin, optimizer, clip_val)
+            return
         for grad in self._shard_grads(_unwrap(optimizer)):
             grad.clamp_(-clip_val, clip_val)
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        if self.full_gradients:
+            type(self.precision_plugin).clip_grad_by_norm(self.precision_plugin, optimizer, clip_val)
+            return
         grads = self._shard_grads(_unwrap(optimizer))
         device = self.root_device
         squares = torch.zeros(1, dtype=torch.float64, device=device)
@@ -190,7 +235,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
             grad.mul_(coefficient.to(grad.dtype))
 
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in self._shard_optimizers if o is not None]
+        return [o for o in self._shard_optimizers if any(g["params"] for g in o.param_groups)]
 
     # ------------------------------------------------------------------ checkpoints in the standard torch layout
     def _front_params(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -236,8 +281,6 @@ class ShardedParameterServerStrategy(ParameterServerBase):
             front = _unwrap(front)
             for group, saved_group in zip(front.param_groups, saved["param_groups"]):
                 group.update(hyperparameters(saved_group))
-            if shard is None:
-                continue
             params = self._front_params(front)
             index_of = {id(p): k for k, p in enumerate(params)}
             shard_state, shard_index = {}, 0
