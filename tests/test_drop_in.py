@@ -1,0 +1,129 @@
+"""Drop-in means drop-in: ordinary LightningModule idioms train exactly as under Lightning's ``ddp``.
+
+``tests/scripts/dropin.py`` runs every case in one launch per strategy; ``ddp`` runs the same script first (and
+writes the checkpoint the resume case starts from). Each test checks one case under one strategy: the weights
+after every step equal ``ddp``'s and are bit-identical on both ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import load_ranks, run_script
+
+STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+class Runs:
+    """One launch per strategy, started on first use and shared by the tests."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: set[str] = set()
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "ddp-step3.ckpt"
+
+    def case(self, strategy: str, case: str) -> list[dict]:
+        if "ddp" not in self.done:
+            run_script("dropin", "--strategy", "ddp", "--save-checkpoint", str(self.checkpoint),
+                       "--out", str(self.root / "ddp"), timeout=400)  # fmt: skip
+            self.done.add("ddp")
+        if strategy not in self.done:
+            args = ["--strategy", strategy, "--out", str(self.root / strategy)]
+            if strategy.endswith("_spawn"):
+                args += ["--cases", "hooks"]
+            run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400)
+            self.done.add(strategy)
+        return load_ranks(self.root / strategy / case, 2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("dropin"))
+
+
+def assert_follows_ddp(runs: Runs, strategy: str, case: str, tolerance: dict | None = None) -> list[dict]:
+    ranks, ddp = runs.case(strategy, case), runs.case("ddp", case)
+    reference = ddp[0]["weights"]
+    assert len(reference) >= 3 and len(ranks[0]["weights"]) == len(reference), case
+    for step, want in enumerate(reference):
+        got = ranks[0]["weights"][step]
+        assert torch.equal(got, ranks[1]["weights"][step]), f"{case}: ranks differ after step {step + 1}"
+        torch.testing.assert_close(got, want, **(tolerance or TOLERANCE), msg=lambda m: f"{case}, step {step + 1}: {m}")
+    assert not torch.equal(reference[-1], reference[0]), f"{case}: training did not move the weights"
+    return ranks
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "sharded_ps_spawn"])
+def test_gradient_edits_in_hooks_and_callbacks_take_effect_as_under_ddp(runs, strategy):
+    """A layer masked in ``on_after_backward``, one scaled there, one clipped in ``on_before_optimizer_step``, a
+    callback doubling a bias gradient; ``grad_norm`` logged in ``on_before_optimizer_step`` equals ddp's."""
+    ranks = assert_follows_ddp(runs, strategy, "hooks")
+    ddp = runs.case("ddp", "hooks")
+    masked = 16 * 8 + 16  # layer a comes first in the flat weights
+    assert torch.equal(ranks[0]["weights"][-1][:masked], ranks[0]["weights"][0][:masked]), "the masked layer moved"
+    for rank in range(2):
+        assert ranks[rank]["norms"] == pytest.approx(ddp[rank]["norms"], rel=1e-6), f"rank {rank} grad_norm"
+    assert ranks[0]["full_gradients"] is True
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", "sharded_ps"])
+def test_parameter_servers_send_averaged_gradients_back_only_when_something_reads_them(runs, strategy):
+    """The extra traffic is counted in ``last_step_bytes``: with the hooks every rank also receives the averaged
+    gradients (central: S per worker, (N - 1) S from the server; sharded: (N - 1) / N S each)."""
+    hooks, plain = runs.case(strategy, "hooks"), runs.case(strategy, "plain")
+    assert all(r["full_gradients"] is False for r in plain)
+    sync = plain[0]["sync_bytes"]
+    if strategy == "parameter_server":  # server 0 sends S more, worker 1 receives S more
+        assert hooks[0]["bytes"][0] - plain[0]["bytes"][0] == sync
+        assert hooks[1]["bytes"][1] - plain[1]["bytes"][1] == sync
+    else:
+        gradients = sync - 4 * 6  # six parameters, one float32 flag each, stay out of the shards
+        for rank in range(2):
+            extra = [h - p for h, p in zip(hooks[rank]["bytes"], plain[rank]["bytes"])]
+            assert abs(extra[0] - gradients / 2) <= 4 and abs(extra[1] - gradients / 2) <= 4, extra
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_param_group_added_during_fit_trains_as_under_ddp(runs, strategy):
+    ranks = assert_follows_ddp(runs, strategy, "add_group")
+    last_layer = 16 * 4 + 4
+    assert not torch.equal(ranks[0]["weights"][-1][-last_layer:], ranks[0]["weights"][1][-last_layer:])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_module_and_compiled_submodule_equal_ddp(runs, strategy):
+    assert_follows_ddp(runs, strategy, "compiled")
+    assert_follows_ddp(runs, strategy, "compiled_submodule")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_reentrant_checkpointing_reusing_a_weight_equals_ddp(runs, strategy):
+    assert_follows_ddp(runs, strategy, "reentrant")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_float16_parameters_with_large_gradients_do_not_overflow(runs, strategy):
+    """``precision="16-true"``: every rank's gradient is ~4e4, their sum overflows float16; averages divide first."""
+    ranks = assert_follows_ddp(runs, strategy, "fp16", dict(rtol=1e-3, atol=1e-4))
+    assert ranks[0]["bucket_dtypes"] == ["torch.float16"] * len(ranks[0]["bucket_dtypes"]) != []
+    assert all(bool(torch.isfinite(w).all()) for w in ranks[0]["weights"])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bf16_true_buckets_are_bf16_and_follow_ddp(runs, strategy):
+    ranks = assert_follows_ddp(runs, strategy, "bf16", dict(rtol=1e-2, atol=1e-2))
+    assert ranks[0]["bucket_dtypes"] == ["torch.bfloat16"] * len(ranks[0]["bucket_dtypes"]) != []
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_ddp_checkpoint_resumes_as_ddp_itself_continues(runs, strategy):
+    """``ddp`` wrote the checkpoint after 3 steps (AdamW state in it); every strategy resumes to step 6."""
+    ranks = assert_follows_ddp(runs, strategy, "resume")
+    assert len(ranks[0]["weights"]) == 3
