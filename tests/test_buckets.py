@@ -199,3 +199,18 @@ def test_sharded_state_slicing_handles_scalar_parameters():
     matrix = torch.nn.Parameter(torch.zeros(2, 3))
     piece = ShardPiece(matrix, None, 0, 2, 5, 0, matrix.detach().view(-1)[2:5])
     assert torch.equal(_slice_state("exp_avg", torch.arange(6.0).view(2, 3), piece, matrix), torch.tensor([2.0, 3.0, 4.0]))
+
+
+def test_without_overlap_every_bucket_leaves_after_backward():
+    model = Chain(depth=3)
+    reducer = BucketReducer(model.parameters(), lambda b: None, bucket_cap_mb=64 * 65 * 4 / 2**20)
+    model(torch.randn(2, 64)).backward()
+    reducer.finish()  # the learning backward
+    reducer.overlap = False
+    launched_during_backward = []
+    hook = model.layers[0].weight.register_post_accumulate_grad_hook(lambda p: launched_during_backward.append(len(reducer._futures)))
+    model(torch.randn(2, 64)).backward()
+    assert launched_during_backward == [0]  # the last gradient of backward arrived with nothing sent yet
+    reducer.finish()
+    hook.remove()
+    reducer.close()

@@ -77,3 +77,31 @@ def test_parameter_made_trainable_after_setup_is_refused():
     late.requires_grad_(True)
     with pytest.raises(RuntimeError, match=r"shape \(2, 5\) became trainable .* after set-up"):
         strategy._check_trainable_unchanged(optimizer)
+
+
+@pytest.mark.parametrize("strategy_name", ["ring_allreduce", "parameter_server", "sharded_ps"])
+def test_sparse_gradients_are_refused_at_setup(strategy_name):
+    import torch
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = StrategyRegistry[strategy_name]["strategy"]()
+    strategy.model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=rf"strategy '{strategy_name}' does not support sparse gradients, but 0 .*sparse=False.*strategy='ddp'"):
+        strategy._refuse_sparse_gradients()
+    strategy.model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
+    strategy._refuse_sparse_gradients()
+
+
+def test_sparse_embedding_is_refused_before_training():
+    result = run_script("refuse", "--strategy", "ring_allreduce", "--optimizer", "SGD", "--sparse", check=False, timeout=120)
+    assert result.returncode != 0
+    assert "strategy 'ring_allreduce' does not support sparse gradients" in result.stdout
+    assert "TRAINED" not in result.stdout
+
+
+def test_strategies_are_ddp_strategies_for_lightnings_compile_check_and_ray():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dp.strategies import STRATEGIES
+
+    assert all(issubclass(cls, DDPStrategy) for cls in STRATEGIES)

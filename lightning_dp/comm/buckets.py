@@ -177,6 +177,10 @@ class BucketReducer:
         ]
         self._location = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.enabled = True
+        #: hand buckets to the communication thread while backward runs; when false they all leave at
+        #: :meth:`finish`, after every collective that backward itself issues (SyncBatchNorm's, an all_gather with
+        #: gradients) on another NCCL communicator, so no two ranks interleave the two communicators differently
+        self.overlap = True
         #: True from a successful :meth:`finish` until a scheme consumes (or overwrites) the reduced buckets
         self.fresh = False
         #: seconds the communication thread spent reducing buckets, and seconds :meth:`finish` waited for it;
@@ -212,7 +216,7 @@ class BucketReducer:
                 "use_reentrant=False))"
             )
         bucket.fill(i, param.grad)
-        if self._expected is not None and self._accumulations[key] >= self._expected[key]:
+        if self.overlap and self._expected is not None and self._accumulations[key] >= self._expected[key]:
             bucket.mark_ready(i)
             if bucket.complete:
                 self._launch_ready_buckets()

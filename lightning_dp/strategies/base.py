@@ -301,9 +301,19 @@ class DataParallelStrategy(DDPStrategy):
         if self.reducer is not None:
             self.reducer.close()
         self.reducer = BucketReducer(self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb)
+        self.reducer.overlap = self._may_overlap_backward()
         self._synced_params = {id(p) for p in self.reducer.params}
         #: S, the bytes one rank's gradient buckets hold (gradients plus one used-flag per parameter)
         self.sync_bytes = sum(b.nbytes for b in self.reducer.buckets)
+
+    def _may_overlap_backward(self) -> bool:
+        """Gradient traffic runs on its own process group; under NCCL it may not overlap a backward that issues
+        collectives on the default group (SyncBatchNorm), which another thread would interleave differently on
+        each rank."""
+        assert self.model is not None
+        if self._process_group_backend != "nccl":
+            return True
+        return not any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules())
 
     def _run_on_device(self, fn: Callable[[GradientBucket], None]) -> Callable[[GradientBucket], None]:
         device = self.root_device
@@ -469,6 +479,8 @@ class DataParallelStrategy(DDPStrategy):
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if sync_grads and self.reducer is not None and self._process_group_backend == "nccl":
+            self.reducer.overlap = False  # its backward all-reduces on the default group (see _may_overlap_backward)
         with naming_lost_peer("Lightning's all_gather", group, self._peers):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 

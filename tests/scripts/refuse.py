@@ -12,10 +12,21 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--optimizer", required=True)
 parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--sparse", action="store_true", help="add an nn.Embedding(sparse=True)")
 args = parser.parse_args()
 
 
 class Model(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        if args.sparse:
+            self.embedding = torch.nn.Embedding(10, 32, sparse=True)
+
+    def forward(self, x):
+        if args.sparse:
+            x = x + self.embedding(torch.zeros(len(x), dtype=torch.long))
+        return super().forward(x)
+
     def configure_optimizers(self):
         cls = getattr(torch.optim, args.optimizer)
         return cls(self.parameters(), lr=0.1)
