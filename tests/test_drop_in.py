@@ -21,8 +21,9 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 class Runs:
     """One launch per strategy, started on first use and shared by the tests."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict | None = None) -> None:
         self.root = root
+        self.env = env
         self.done: set[str] = set()
 
     @property
@@ -32,13 +33,13 @@ class Runs:
     def case(self, strategy: str, case: str) -> list[dict]:
         if "ddp" not in self.done:
             run_script("dropin", "--strategy", "ddp", "--save-checkpoint", str(self.checkpoint),
-                       "--out", str(self.root / "ddp"), timeout=400)  # fmt: skip
+                       "--out", str(self.root / "ddp"), timeout=400, env=self.env)  # fmt: skip
             self.done.add("ddp")
         if strategy not in self.done:
             args = ["--strategy", strategy, "--out", str(self.root / strategy)]
             if strategy.endswith("_spawn"):
                 args += ["--cases", "hooks"]
-            run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400)
+            run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400, env=self.env)
             self.done.add(strategy)
         return load_ranks(self.root / strategy / case, 2)
 
@@ -49,6 +50,7 @@ def runs(tmp_path_factory) -> Runs:
 
 
 def assert_follows_ddp(runs: Runs, strategy: str, case: str, tolerance: dict | None = None) -> list[dict]:
+    """``case`` under ``strategy``: weights after every step identical on both ranks and close to ``ddp``'s."""
     ranks, ddp = runs.case(strategy, case), runs.case("ddp", case)
     reference = ddp[0]["weights"]
     assert len(reference) >= 3 and len(ranks[0]["weights"]) == len(reference), case

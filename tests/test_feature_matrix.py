@@ -26,15 +26,16 @@ SAMPLES, PER_RANK_BATCH = 100, 8
 class Runs:
     """Each (strategy, phase) run once per test session; results per rank."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict | None = None) -> None:
         self.root = root
+        self.env = env
         self.results: dict[tuple[str, str], object] = {}
 
     def main(self, strategy: str) -> list[dict]:
         key = (strategy, "main")
         if key not in self.results:
             out = self.root / f"{strategy}-main"
-            run_script("features", "--strategy", strategy, "--out", str(out), timeout=300)
+            run_script("features", "--strategy", strategy, "--out", str(out), timeout=300, env=self.env)
             self.results[key] = load_ranks(out, 2)
         return self.results[key]
 

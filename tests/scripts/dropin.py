@@ -38,6 +38,8 @@ parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 STEPS = 5
+#: "cpu" (gloo), or "gpu" for the NCCL run of tests/test_gpu.py
+ACCELERATOR = os.environ.get("LIGHTNING_DP_TEST_ACCELERATOR", "cpu")
 FEATURES = 8
 
 
@@ -48,7 +50,7 @@ def data(n: int = 64, scale: float = 1.0) -> DataLoader:
 
 
 def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().flatten().clone() for p in module.parameters()])
+    return torch.cat([p.detach().float().flatten().cpu().clone() for p in module.parameters()])
 
 
 class Base(L.LightningModule):
@@ -182,7 +184,7 @@ class Record(L.Callback):
 
 def fit(case, model, callbacks=(), reentrant=False, fit_model=None, ckpt_path=None, **kwargs) -> L.Trainer:
     options = dict(
-        strategy=strategy(args.strategy, reentrant), accelerator="cpu", devices=2, logger=False,
+        strategy=strategy(args.strategy, reentrant), accelerator=ACCELERATOR, devices=2, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=STEPS,
     )  # fmt: skip
     options.update(kwargs)

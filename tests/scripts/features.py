@@ -37,6 +37,8 @@ parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 DEVICES = args.devices
+#: "cpu" (gloo), or "gpu" for the NCCL run of tests/test_gpu.py
+ACCELERATOR = os.environ.get("LIGHTNING_DP_TEST_ACCELERATOR", "cpu")
 MAX_EPOCHS = 5
 
 
@@ -135,7 +137,7 @@ def strategy(unused_parameters: bool = True):
 
 def trainer(callbacks, **kwargs) -> L.Trainer:
     options = dict(
-        strategy=strategy(), accelerator="cpu", devices=DEVICES, logger=False, enable_progress_bar=False,
+        strategy=strategy(), accelerator=ACCELERATOR, devices=DEVICES, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     options.update(kwargs)

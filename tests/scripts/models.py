@@ -64,7 +64,7 @@ class RegressionModel(LightningModule):
         return F.mse_loss(self(x), y)
 
     def training_step(self, batch, batch_idx):
-        buffers = [b.detach().flatten().clone() for b in self.buffers()]
+        buffers = [b.detach().flatten().cpu().clone() for b in self.buffers()]
         if buffers:
             self.buffer_history.append(torch.cat(buffers))
         return self.loss(batch)
@@ -83,7 +83,7 @@ class RegressionModel(LightningModule):
 
 
 def flat_weights(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+    return torch.cat([p.detach().flatten().cpu().clone() for p in module.parameters()])
 
 
 def reference_training(
