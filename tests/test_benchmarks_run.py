@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from tests.launch import REPO
+from tests.launch import PYTHONWARNINGS, REPO
 
 
 def run(args, timeout=240):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONWARNINGS": PYTHONWARNINGS, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

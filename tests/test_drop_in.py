@@ -100,9 +100,12 @@ def test_a_param_group_added_during_fit_trains_as_under_ddp(runs, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_compiled_module_and_compiled_submodule_equal_ddp(runs, strategy):
-    assert_follows_ddp(runs, strategy, "compiled")
-    assert_follows_ddp(runs, strategy, "compiled_submodule")
+def test_compiled_module_and_compiled_submodule_equal_ddp_and_eager(runs, strategy):
+    eager = runs.case(strategy, "plain")[0]["weights"]  # the same module and data, not compiled
+    for case in ("compiled", "compiled_submodule"):
+        ranks = assert_follows_ddp(runs, strategy, case)
+        for step, (got, want) in enumerate(zip(ranks[0]["weights"], eager, strict=True)):
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m: f"{case} vs eager, step {step + 1}: {m}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

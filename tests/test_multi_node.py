@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.launch import REPO, load_ranks
+from tests.launch import PYTHONWARNINGS, REPO, load_ranks
 from tests.scripts.models import reference_training
 from tests.test_benchmarks_run import _can_make_namespaces
 from tests.test_ring_strategy import BATCH, assert_identical_replicas
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def start_nodes(hosts, args, port):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS,
            "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)}  # fmt: skip
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     return [

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.launch import load_ranks, run_script
+from tests.launch import PYTHONWARNINGS, load_ranks, run_script
 from tests.scripts.models import reference_training
 
 BATCH = 8
@@ -82,7 +82,7 @@ def test_two_nodes_through_cluster_environment_variables(tmp_path):
     from tests.distributed import free_port
     from tests.launch import REPO
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
     cmd = [sys.executable, "-m", "tests.scripts.fit", "--devices", "1", "--num-nodes", "2", "--out", str(tmp_path)]
     nodes = [
@@ -110,7 +110,7 @@ def test_torchrun_environment(tmp_path):
     from tests.distributed import free_port
     from tests.launch import REPO
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "-m", "tests.scripts.fit", "--devices", "2", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

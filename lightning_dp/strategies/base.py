@@ -442,6 +442,26 @@ class DataParallelStrategy(DDPStrategy):
             self.comm_seconds += comm + blocking_seconds
             self.exposed_comm_seconds += waited + blocking_seconds
 
+    def measure_exchange_seconds(self, repeats: int = 3) -> float:
+        """Seconds one synchronization takes (the gradient exchange of every bucket, and for the parameter servers
+        the weight pull) when every rank starts it together: the cost of a step's communication with no slower
+        peer to wait for. The fastest of ``repeats``. Collective: every rank calls it between steps; it leaves the
+        bucket contents undefined and the weights as the servers hold them."""
+        assert self.reducer is not None, "call it while fitting"
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=self.gradient_group)
+            start = time.perf_counter()
+            for bucket in self.reducer.buckets:
+                self._reduce_bucket(bucket)
+            self._exchange_weights()
+            best = min(best, time.perf_counter() - start)
+        self.comm_stats.reset()
+        return best
+
+    def _exchange_weights(self) -> None:
+        """The weight traffic of a step after the gradient exchange (the parameter servers' pull)."""
+
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (tensors in ``optimizer.state``) this rank holds."""
         return sum(_state_bytes(opt) for opt in self._stepping_optimizers())
@@ -604,6 +624,11 @@ class ParameterServerBase(DataParallelStrategy):
 
     def _pull(self, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
+
+    @override
+    def _exchange_weights(self) -> None:
+        for optimizer in self.optimizers:
+            self._pull(_unwrap(optimizer))
 
     def _buckets_of(self, optimizer: torch.optim.Optimizer) -> list[GradientBucket]:
         """The buckets holding any parameter of ``optimizer`` (only those need new weights after its step)."""
