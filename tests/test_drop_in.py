@@ -115,8 +115,12 @@ def test_reentrant_checkpointing_reusing_a_weight_equals_ddp(runs, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_float16_parameters_with_large_gradients_do_not_overflow(runs, strategy):
-    """``precision="16-true"``: every rank's gradient is ~4e4, their sum overflows float16; averages divide first."""
-    ranks = assert_follows_ddp(runs, strategy, "fp16", dict(rtol=1e-3, atol=1e-4))
+    """``precision="16-true"``: every rank's bias gradient is 4e4, their sum overflows float16; averages divide
+    first, so the averaged gradient is 4e4 (ddp's too) and the weights stay finite."""
+    # fp16 steps of ~0.4 cancel to small weights: allow one float16 rounding of those operands (2^-11 x 4)
+    ranks = assert_follows_ddp(runs, strategy, "fp16", dict(rtol=2e-3, atol=2e-3))
+    for rank in (*ranks, *runs.case("ddp", "fp16")):
+        assert rank["bias_grads"] == pytest.approx([40000.0] * len(rank["weights"]), rel=1e-3)
     assert ranks[0]["bucket_dtypes"] == ["torch.float16"] * len(ranks[0]["bucket_dtypes"]) != []
     assert all(bool(torch.isfinite(w).all()) for w in ranks[0]["weights"])
 

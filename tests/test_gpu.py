@@ -65,5 +65,5 @@ def test_drop_in_cases_under_nccl_follow_ddp(dropin_runs, strategy, case):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_16_bit_cases_under_nccl_follow_ddp(dropin_runs, strategy):
-    test_drop_in.assert_follows_ddp(dropin_runs, strategy, "fp16", dict(rtol=1e-3, atol=1e-4))
+    test_drop_in.assert_follows_ddp(dropin_runs, strategy, "fp16", dict(rtol=2e-3, atol=2e-3))
     test_drop_in.assert_follows_ddp(dropin_runs, strategy, "bf16", dict(rtol=1e-2, atol=1e-2))

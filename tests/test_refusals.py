@@ -105,3 +105,41 @@ def test_strategies_are_ddp_strategies_for_lightnings_compile_check_and_ray():
     from lightning_dp.strategies import STRATEGIES
 
     assert all(issubclass(cls, DDPStrategy) for cls in STRATEGIES)
+
+
+def test_the_environment_joins_the_process_groups_once():
+    from lightning_dp import RingAllReduceStrategy
+
+    import torch
+
+    strategy = RingAllReduceStrategy(
+        accelerator=L.pytorch.accelerators.CPUAccelerator(), parallel_devices=[torch.device("cpu")]
+    )
+    calls = []
+    strategy.setup_distributed = lambda: calls.append(1)
+    strategy.setup_environment()
+    assert calls == [1]
+
+
+def test_nccl_gradient_traffic_waits_for_backward_when_backward_issues_collectives():
+    import torch
+
+    from lightning_dp import RingAllReduceStrategy
+    from lightning_dp.comm.buckets import BucketReducer
+
+    strategy = RingAllReduceStrategy(process_group_backend="nccl")
+    strategy.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    assert strategy._may_overlap_backward()
+    strategy.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(strategy.model)
+    assert not strategy._may_overlap_backward()
+    gloo = RingAllReduceStrategy(process_group_backend="gloo")
+    gloo.model = strategy.model
+    assert gloo._may_overlap_backward()  # one thread per communicator only matters for NCCL
+    # Lightning's all_gather with gradients all-reduces in backward: from then on buckets wait for backward's end
+    strategy.reducer = BucketReducer(strategy.model.parameters(), lambda b: None)
+    try:
+        strategy.all_gather(torch.ones(2), sync_grads=True)
+    except Exception:  # noqa: BLE001 - no process group here; only the decision before the collective matters
+        pass
+    assert strategy.reducer.overlap is False
+    strategy.reducer.close()

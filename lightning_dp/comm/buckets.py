@@ -216,9 +216,9 @@ class BucketReducer:
                 "use_reentrant=False))"
             )
         bucket.fill(i, param.grad)
-        if self.overlap and self._expected is not None and self._accumulations[key] >= self._expected[key]:
+        if self._expected is not None and self._accumulations[key] >= self._expected[key]:
             bucket.mark_ready(i)
-            if bucket.complete:
+            if self.overlap and bucket.complete:
                 self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:

@@ -1,7 +1,7 @@
 """The data-parallel base every lightning-dp strategy builds on.
 
-It is a :class:`~lightning.pytorch.strategies.DDPStrategy` (so Lightning's compiled-model check, Ray Train and
-user code that test ``isinstance(strategy, DDPStrategy)`` accept it) that keeps DDP's process handling
+It is a :class:`~lightning.pytorch.strategies.DDPStrategy` (so Lightning's compiled-model check and user code
+that test ``isinstance(strategy, DDPStrategy)`` accept it) that keeps DDP's process handling
 (launching, the process group, ranks, the distributed sampler, Lightning's reduce / all_gather / broadcast /
 barrier) but never wraps the module in ``DistributedDataParallel``: gradients are synchronized by this project's
 own schemes through a :class:`BucketReducer` whose hooks fire during backward. Gradient traffic runs on a
@@ -80,8 +80,9 @@ def _check_positive(option: str, value: Any) -> float:
     return float(value)
 
 
-#: hooks in which a LightningModule or a callback reads or edits ``param.grad`` before the optimizer step
-GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+#: hooks in which a LightningModule or a callback reads or edits ``param.grad`` (``on_before_zero_grad`` sees the
+#: step's gradients after the step)
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
 def gradient_readers(trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
@@ -223,8 +224,11 @@ class DataParallelStrategy(DDPStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def setup_environment(self) -> None:
-        super().setup_environment()
+        # the accelerator first (it selects the CUDA device NCCL binds to), then the process groups; DDPStrategy's
+        # own version would join them before the device is set
+        ParallelStrategy.setup_environment(self)
         self.setup_distributed()
 
     def setup_distributed(self) -> None:
@@ -273,6 +277,8 @@ class DataParallelStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self._copy_back_gradients and self._checks_finite_gradients():
+                self._check_finite_before_updates()
 
     def _refuse_sparse_gradients(self) -> None:
         assert self.model is not None
@@ -387,12 +393,29 @@ class DataParallelStrategy(DDPStrategy):
         if self.reducer is None or not self.reducer.enabled:
             return
         self.reducer.finish(copy_back=self._copies_back())
-        if self._copy_back_gradients and self._checks_finite_gradients():
-            # every rank holds the same averaged buckets, so every rank reaches the same verdict
-            bad = next((b for b in self.reducer.buckets if not bool(torch.isfinite(b.buffer).all())), None)
-            if bad is not None:
-                first = next(p for i, p in enumerate(bad.params) if not bool(torch.isfinite(bad.grad_view(i)).all()))
-                self._raise_nonfinite(first)
+
+    def _check_finite_before_updates(self) -> None:
+        """Check the gradients for NaN/inf where the optimizer is about to use them: after the closure, the
+        ``on_before_optimizer_step`` hooks and clipping (a hook that sanitizes gradients trains, as under DDP), and
+        before the update. Every rank holds the same averaged and equally edited gradients, so every rank reaches
+        the same verdict."""
+        plugin = self.precision_plugin
+        wrap_closure = type(plugin)._wrap_closure
+
+        def checked(model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
+            result = wrap_closure(plugin, model, optimizer, closure)
+            self._raise_if_nonfinite(_unwrap(optimizer))
+            return result
+
+        plugin._wrap_closure = checked  # type: ignore[method-assign]
+
+    def _raise_if_nonfinite(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        largest = torch._foreach_norm([p.grad.detach() for p in params], float("inf"))
+        if not bool(torch.isfinite(torch.stack([n.float() for n in largest])).all()):
+            self._raise_nonfinite(next(p for p in params if not bool(torch.isfinite(p.grad).all())))
 
     def _copies_back(self) -> bool:
         """Whether this rank takes the reduced gradients into ``param.grad`` right after backward."""
@@ -412,7 +435,8 @@ class DataParallelStrategy(DDPStrategy):
             f"{where}; every rank stops here, before the optimizer step, so the weights are still finite"
         )
 
-    #: whether the buckets hold averaged gradients on every rank after the exchange (checked for NaN/inf there)
+    #: whether every rank holds the averaged gradients and steps its own optimizer (then it checks them for NaN/inf
+    #: itself; the parameter servers vote instead)
     _copy_back_gradients: ClassVar[bool] = True
 
     @override
@@ -449,12 +473,17 @@ class DataParallelStrategy(DDPStrategy):
         bucket contents undefined and the weights as the servers hold them."""
         assert self.reducer is not None, "call it while fitting"
         best = float("inf")
+        cuda = self.root_device.type == "cuda"
         for _ in range(repeats):
             dist.barrier(group=self.gradient_group)
+            if cuda:  # NCCL returns before its kernels finish: time the device work, not the launches
+                torch.cuda.synchronize(self.root_device)
             start = time.perf_counter()
             for bucket in self.reducer.buckets:
                 self._reduce_bucket(bucket)
             self._exchange_weights()
+            if cuda:
+                torch.cuda.synchronize(self.root_device)
             best = min(best, time.perf_counter() - start)
         self.comm_stats.reset()
         return best
@@ -563,12 +592,15 @@ class ParameterServerBase(DataParallelStrategy):
     def _gradients_everywhere(self, trainer: "pl.Trainer") -> bool:
         assert self.lightning_module is not None
         readers = gradient_readers(trainer, self.lightning_module)
+        # every rank must send the same messages: one rank's reader (a callback added on rank 0 only) decides for all
+        anyone = torch.tensor([1.0 if readers else 0.0], device=self.root_device)
+        ring_allreduce(anyone, group=self.gradient_group)
         if readers:
             rank_zero_info(
                 f"{self.strategy_name}: every rank receives the averaged gradients after backward (more traffic per "
                 f"step) because gradients are read or edited before the optimizer step by: {', '.join(readers)}"
             )
-        return bool(readers)
+        return bool(anyone.item() > 0)
 
     def _check_optimizers(self) -> None:
         from lightning.pytorch.plugins.precision import MixedPrecision

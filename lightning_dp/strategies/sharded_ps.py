@@ -244,6 +244,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     def optimizer_state(self, optimizer: Any) -> dict:
         """The full optimizer state, consolidated from every shard, on rank 0 (every rank must call it)."""
         optimizer = _unwrap(optimizer)
+        self._add_new_param_groups(optimizer)
         shard = self._shard_optimizer_for(optimizer)
         index_of = {id(p): k for k, p in enumerate(self._front_params(optimizer))}
         local = []
@@ -279,6 +280,12 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         """Each rank takes its shard's slice of a full (standard layout) optimizer state."""
         for front, shard, saved in zip(self.optimizers, self._shard_optimizers, checkpoint["optimizer_states"]):
             front = _unwrap(front)
+            self._add_new_param_groups(front)  # groups added before the checkpoint is loaded (e.g. in on_fit_start)
+            if len(front.param_groups) != len(saved["param_groups"]):
+                raise ValueError(
+                    f"the checkpoint's {type(front).__name__} state has {len(saved['param_groups'])} parameter groups, "
+                    f"the optimizer {len(front.param_groups)}: add the same groups before resuming"
+                )
             for group, saved_group in zip(front.param_groups, saved["param_groups"]):
                 group.update(hyperparameters(saved_group))
             params = self._front_params(front)

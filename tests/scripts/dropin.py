@@ -134,15 +134,23 @@ class ReentrantCheckpointing(Base):
 
 
 class LargeGradients(Base):
-    """In float16 each rank's gradient of ``c`` is about 4e4: the sum over two ranks (8e4) overflows, the
-    average does not."""
+    """In float16 the gradient of ``c.bias`` is exactly 8 x 5000 = 40000 on every rank (the loss sums the outputs of
+    a batch of 8, times 5000): their sum over two ranks (80000) overflows float16 (max 65504), their average does
+    not. ``bias_grads`` records the averaged value every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias_grads: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return (self(x) * 20000.0).mean() + 0.0 * y.sum()
+        return (self(x).float() * 5000.0).sum() + 0.0 * y.sum()  # summed in float32: the loss itself stays finite
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.bias_grads.append(float(self.c.bias.grad.float().abs().max()))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-7)
+        return torch.optim.SGD(self.parameters(), lr=1e-5)
 
 
 def strategy(name: str, reentrant: bool = False):
@@ -175,6 +183,7 @@ class Record(L.Callback):
         strategy_ = trainer.strategy
         record = {
             "weights": pl_module.history, "norms": getattr(pl_module, "norms", None),
+            "bias_grads": getattr(pl_module, "bias_grads", None),
             "bytes": getattr(strategy_, "last_step_bytes", None), "sync_bytes": getattr(strategy_, "sync_bytes", None),
             "full_gradients": getattr(strategy_, "full_gradients", None), "bucket_dtypes": self.bucket_dtypes,
         }  # fmt: skip

@@ -1,4 +1,5 @@
-"""One rank produces a NaN loss at global step 2; every rank must stop with NonFiniteGradientError."""
+"""One rank produces a NaN loss at global step 2; every rank must stop with NonFiniteGradientError, unless the
+module replaces non-finite gradients in ``on_after_backward`` (``--sanitize``), which trains as under DDP."""
 
 import argparse
 
@@ -9,6 +10,7 @@ from tests.scripts.models import RegressionModel
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
+parser.add_argument("--sanitize", action="store_true")
 args = parser.parse_args()
 
 
@@ -18,6 +20,12 @@ class NaNOnRankOne(RegressionModel):
         if self.global_rank == 1 and self.global_step == 2:
             loss = loss * float("nan")
         return loss
+
+    def on_after_backward(self) -> None:
+        if args.sanitize:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 L.Trainer(
