@@ -58,7 +58,9 @@ def test_feature_matrix_under_nccl_follows_ddp(feature_runs, strategy, monkeypat
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("case", ["hooks", "add_group", "compiled", "compiled_submodule", "reentrant", "resume"])
+@pytest.mark.parametrize(
+    "case", ["hooks", "add_group", "compiled", "compiled_submodule", "reentrant", "syncbn", "resume"]
+)
 def test_drop_in_cases_under_nccl_follow_ddp(dropin_runs, strategy, case):
     test_drop_in.assert_follows_ddp(dropin_runs, strategy, case, GPU_TOLERANCE)
 

@@ -9,6 +9,8 @@ Cases (``--cases``, default all):
   reentrant   reentrant activation checkpointing reusing one weight in two segments
   fp16        ``precision="16-true"`` with gradients whose sum over the ranks overflows float16
   bf16        ``precision="bf16-true"``: the buckets are bf16
+  syncbn      ``sync_batchnorm=True`` (GPU runs only: SyncBatchNorm needs CUDA); its collectives run in backward
+              on the default group while the gradients travel on the strategy's own
   resume      ``ddp`` saves a checkpoint after 3 steps (``--save-checkpoint``), then every strategy, ``ddp``
               included, resumes from it (``--resume-from``) and trains 3 more steps
 
@@ -28,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
 
-CASES = ("hooks", "add_group", "compiled", "reentrant", "fp16", "bf16", "resume")
+CASES = ("hooks", "add_group", "compiled", "reentrant", "fp16", "bf16", "syncbn", "resume")
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
@@ -203,6 +205,15 @@ def fit(case, model, callbacks=(), reentrant=False, fit_model=None, ckpt_path=No
     return trainer
 
 
+class WithBatchNorm(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(self.norm(torch.tanh(self.a(x))))))
+
+
 class AdamW(Base):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
@@ -224,6 +235,8 @@ def main() -> None:
         fit("fp16", LargeGradients(), precision="16-true")
     if "bf16" in args.cases:
         fit("bf16", Base(), precision="bf16-true")
+    if "syncbn" in args.cases and ACCELERATOR == "gpu":
+        fit("syncbn", WithBatchNorm(), sync_batchnorm=True)
     if "resume" in args.cases:
         if args.save_checkpoint:  # ddp: three steps (mid-epoch), then the checkpoint everyone resumes from
             trainer = fit(None, AdamW(), max_steps=3)
