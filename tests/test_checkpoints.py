@@ -12,7 +12,8 @@ STEPS_PER_EPOCH = 96 // (2 * BATCH)
 
 @pytest.mark.parametrize(
     "first, second",
-    [("sharded_ps", "ring_allreduce"), ("ring_allreduce", "sharded_ps"), ("parameter_server", "single_device")],
+    # a ring's checkpoint has ddp's layout: tests/test_drop_in.py resumes every strategy from one ddp wrote
+    [("sharded_ps", "ring_allreduce"), ("parameter_server", "single_device")],
 )
 def test_resume_under_another_strategy_matches_uninterrupted_run(tmp_path, first, second):
     ckpt = tmp_path / "epoch1.ckpt"
