@@ -105,6 +105,17 @@ def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]  # fmt: skip
 
 
+def first_nonfinite(grads: list[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
+    """The first parameter of ``(parameter, gradient)`` pairs whose gradient holds NaN or infinity, or ``None``
+    (one device synchronization when all are finite)."""
+    if not grads:
+        return None
+    largest = torch._foreach_norm([g.detach() for _, g in grads], float("inf"))
+    if bool(torch.isfinite(torch.stack([n.float() for n in largest])).all()):
+        return None
+    return next(p for p, g in grads if not bool(torch.isfinite(g).all()))
+
+
 class DataParallelStrategy(DDPStrategy):
     """Multi-process data parallelism with a hand-written gradient synchronization scheme.
 
@@ -277,7 +288,7 @@ class DataParallelStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self._copy_back_gradients and self._checks_finite_gradients():
+            if self._every_rank_steps and self._checks_finite_gradients():
                 self._check_finite_before_updates()
 
     def _refuse_sparse_gradients(self) -> None:
@@ -410,12 +421,10 @@ class DataParallelStrategy(DDPStrategy):
         plugin._wrap_closure = checked  # type: ignore[method-assign]
 
     def _raise_if_nonfinite(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        largest = torch._foreach_norm([p.grad.detach() for p in params], float("inf"))
-        if not bool(torch.isfinite(torch.stack([n.float() for n in largest])).all()):
-            self._raise_nonfinite(next(p for p in params if not bool(torch.isfinite(p.grad).all())))
+        grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad = first_nonfinite(grads)
+        if bad is not None:
+            self._raise_nonfinite(bad)
 
     def _copies_back(self) -> bool:
         """Whether this rank takes the reduced gradients into ``param.grad`` right after backward."""
@@ -437,7 +446,7 @@ class DataParallelStrategy(DDPStrategy):
 
     #: whether every rank holds the averaged gradients and steps its own optimizer (then it checks them for NaN/inf
     #: itself; the parameter servers vote instead)
-    _copy_back_gradients: ClassVar[bool] = True
+    _every_rank_steps: ClassVar[bool] = True
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -586,7 +595,7 @@ class ParameterServerBase(DataParallelStrategy):
     gradients: the central server sends ``(N - 1) S`` more bytes per step, a sharded server ``(N - 1) / N S``.
     """
 
-    _copy_back_gradients = False
+    _every_rank_steps = False
 
     @override
     def _gradients_everywhere(self, trainer: "pl.Trainer") -> bool:
@@ -645,7 +654,7 @@ class ParameterServerBase(DataParallelStrategy):
 
     def _check_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Only servers see averaged gradients: they vote (one tiny all-reduce) so every rank decides alike."""
-        bad = next((p for p, g in self._server_gradients(optimizer) if not bool(torch.isfinite(g).all())), None)
+        bad = first_nonfinite(self._server_gradients(optimizer))
         verdict = torch.tensor([0.0 if bad is None else 1.0], device=self.root_device)
         ring_allreduce(verdict, group=self.gradient_group)
         if verdict.item() > 0:
