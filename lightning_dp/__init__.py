@@ -14,6 +14,16 @@ import sys
 import warnings
 from typing import Any
 
+from lightning_dp.comm.errors import (
+    ConfigurationError,
+    LightningDPError,
+    NonFiniteGradientError,
+    PeerUnreachableError,
+    ReplicaMismatchError,
+    SparseGradientError,
+    UnsupportedChangeError,
+)
+
 __version__ = "0.1.0"
 
 _STRATEGY_EXPORTS = (
@@ -24,7 +34,17 @@ _STRATEGY_EXPORTS = (
     "register_strategies",
 )
 
-__all__ = [*_STRATEGY_EXPORTS, "__version__"]
+__all__ = [
+    *_STRATEGY_EXPORTS,
+    "ConfigurationError",
+    "LightningDPError",
+    "NonFiniteGradientError",
+    "PeerUnreachableError",
+    "ReplicaMismatchError",
+    "SparseGradientError",
+    "UnsupportedChangeError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -57,12 +57,11 @@ def subprocess_command(local_rank: int) -> tuple[list[str], str]:
 
 
 def install() -> None:
-    """Make Lightning's popen launcher (``ddp`` and every lightning-dp strategy) use :func:`subprocess_command`."""
-    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
-    from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+    """Make Lightning's popen launcher (``ddp`` and every lightning-dp strategy) use :func:`subprocess_command`.
+    Raises ``RuntimeError`` if this Lightning version has no such hook to replace."""
+    from lightning_dp._lightning_compat import patch_hydra_subprocess_command
 
-    for module in (fabric_launcher, pytorch_launcher):
-        module._hydra_subprocess_cmd = subprocess_command
+    patch_hydra_subprocess_command(subprocess_command)
 
 
 @contextmanager

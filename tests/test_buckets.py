@@ -76,10 +76,10 @@ def test_sync_disabled_accumulates_locally_and_flushes_accumulated_grads():
     model = Chain(depth=2)
     calls = []
     reducer = BucketReducer(model.parameters(), lambda b: calls.append(b.index), bucket_cap_mb=25)
-    reducer.enabled = False
-    model(torch.randn(2, 64)).backward()
-    assert calls == []
-    reducer.enabled = True
+    with reducer.no_sync():
+        assert not reducer.enabled
+        model(torch.randn(2, 64)).backward()
+    assert calls == [] and reducer.enabled
     # second micro-batch uses only the first layer's input path through a detached second layer
     x = torch.randn(2, 64)
     (model.layers[0](x).sum()).backward()
@@ -188,17 +188,17 @@ def test_sparse_gradients_are_refused_with_a_clear_error():
 
 
 def test_sharded_state_slicing_handles_scalar_parameters():
-    from lightning_dp.strategies.sharded_ps import ShardPiece, _slice_state
+    from lightning_dp.comm.sharded_optimizer import ShardPiece
 
     scalar = torch.nn.Parameter(torch.tensor(2.0))
     piece = ShardPiece(scalar, None, 0, 0, 1, 0, scalar.detach().view(-1)[0:1])
     # per-element state of a 0-dim parameter becomes the 1-element slice the shard optimizer holds...
-    assert _slice_state("exp_avg", torch.tensor(0.5), piece, scalar).shape == (1,)
+    assert piece.slice_state("exp_avg", torch.tensor(0.5)).shape == (1,)
     # ...while the step counter stays one number
-    assert _slice_state("step", torch.tensor(3.0), piece, scalar).shape == ()
+    assert piece.slice_state("step", torch.tensor(3.0)).shape == ()
     matrix = torch.nn.Parameter(torch.zeros(2, 3))
     piece = ShardPiece(matrix, None, 0, 2, 5, 0, matrix.detach().view(-1)[2:5])
-    assert torch.equal(_slice_state("exp_avg", torch.arange(6.0).view(2, 3), piece, matrix), torch.tensor([2.0, 3.0, 4.0]))
+    assert torch.equal(piece.slice_state("exp_avg", torch.arange(6.0).view(2, 3)), torch.tensor([2.0, 3.0, 4.0]))
 
 
 def test_without_overlap_every_bucket_leaves_after_backward():
@@ -206,7 +206,7 @@ def test_without_overlap_every_bucket_leaves_after_backward():
     reducer = BucketReducer(model.parameters(), lambda b: None, bucket_cap_mb=64 * 65 * 4 / 2**20)
     model(torch.randn(2, 64)).backward()
     reducer.finish()  # the learning backward
-    reducer.overlap = False
+    reducer.stop_overlap()
     launched_during_backward = []
     hook = model.layers[0].weight.register_post_accumulate_grad_hook(lambda p: launched_during_backward.append(len(reducer._futures)))
     model(torch.randn(2, 64)).backward()

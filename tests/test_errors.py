@@ -2,7 +2,8 @@
 
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import PeerDirectory, PeerUnreachableError, is_transport_error
+from lightning_dp.comm.errors import PeerUnreachableError
+from lightning_dp.comm.peers import PeerDirectory, is_transport_error
 
 
 def test_peer_directory_finds_ranks_behind_printed_addresses():

@@ -151,7 +151,8 @@ def _collective_until_peer_dies(rank, world_size):
 
     import torch.distributed as dist
 
-    from lightning_dp.comm.errors import PeerDirectory, PeerUnreachableError, naming_lost_peer
+    from lightning_dp.comm.errors import PeerUnreachableError
+    from lightning_dp.comm.peers import PeerDirectory, naming_lost_peer
 
     directory = PeerDirectory.build()
     x = torch.ones(1000)

@@ -1,13 +1,55 @@
-"""Synchronization algorithms on plain ``torch.distributed`` (no Lightning import here)."""
+"""Synchronization algorithms on plain ``torch.distributed`` (no Lightning import here).
 
-from lightning_dp.comm.ring import Ring, chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
-from lightning_dp.comm.stats import CommStats
+Collectives (:mod:`.ring`, :mod:`.parameter_server`), the transports and codecs built on them
+(:mod:`.transports`, :mod:`.codecs`), gradient buckets (:mod:`.buckets`), the sharded optimizer
+(:mod:`.sharded_optimizer`), and the error family (:mod:`.errors`).
+"""
+
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.codecs import Codec
+from lightning_dp.comm.errors import (
+    ConfigurationError,
+    LightningDPError,
+    NonFiniteGradientError,
+    PeerUnreachableError,
+    ReplicaMismatchError,
+    SparseGradientError,
+    UnsupportedChangeError,
+)
+from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
+from lightning_dp.comm.ring import Ring, any_rank, chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
+from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.stats import CommStats, SyncStats
+from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport, Transport
 
 __all__ = [
+    "BucketReducer",
+    "CentralServerTransport",
+    "Codec",
     "CommStats",
+    "ConfigurationError",
+    "GradientBucket",
+    "LightningDPError",
+    "NonFiniteGradientError",
+    "PeerUnreachableError",
+    "ReplicaMismatchError",
     "Ring",
+    "RingTransport",
+    "ShardLayout",
+    "ShardedOptimizer",
+    "ShardedServerTransport",
+    "SparseGradientError",
+    "SyncStats",
+    "Transport",
+    "UnsupportedChangeError",
+    "any_rank",
     "chunk_bounds",
+    "pull_shards",
+    "pull_weights",
+    "push_gradients",
+    "push_shards",
     "ring_allgather",
     "ring_allreduce",
     "ring_reduce_scatter",
+    "shard_segments",
 ]

@@ -26,11 +26,14 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
+
+from lightning_dp.comm.errors import SparseGradientError, UnsupportedChangeError
 
 
 #: the first bucket is small, as in DistributedDataParallel, so communication starts early in backward
@@ -63,10 +66,6 @@ def assign_buckets(
     if current:
         buckets.append(current)
     return buckets
-
-
-class SparseGradientError(RuntimeError):
-    """A parameter produced a sparse gradient, which the flat buckets cannot carry."""
 
 
 class GradientBucket:
@@ -155,7 +154,11 @@ class BucketReducer:
     ``bucket.buffer`` the reduced values every rank should use (or do whatever the synchronization scheme
     needs with them). Call :meth:`finish` after backward: it flushes buckets whose gradients never arrived,
     waits for all communication, and writes the reduced gradients into ``param.grad`` when ``copy_back``.
-    While :attr:`enabled` is false (gradient accumulation) the hooks do nothing and gradients accumulate locally.
+    Inside :meth:`no_sync` (gradient accumulation) the hooks do nothing and gradients accumulate locally.
+
+    With ``overlap`` buckets leave while backward runs; without it (or after :meth:`stop_overlap`) they all leave
+    at :meth:`finish`, after every collective that backward itself issues (SyncBatchNorm's, an all_gather with
+    gradients) on another NCCL communicator, so that no two ranks interleave the two communicators differently.
     """
 
     def __init__(
@@ -163,6 +166,7 @@ class BucketReducer:
         params: Iterable[Parameter],
         reduce_bucket: Callable[[GradientBucket], None],
         bucket_cap_mb: float = 25.0,
+        overlap: bool = True,
     ) -> None:
         unique: dict[int, Parameter] = {}
         for p in params:
@@ -176,13 +180,9 @@ class BucketReducer:
             for i, indices in enumerate(assign_buckets(self.params, self.bucket_cap_bytes))
         ]
         self._location = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self.enabled = True
-        #: hand buckets to the communication thread while backward runs; when false they all leave at
-        #: :meth:`finish`, after every collective that backward itself issues (SyncBatchNorm's, an all_gather with
-        #: gradients) on another NCCL communicator, so no two ranks interleave the two communicators differently
-        self.overlap = True
-        #: True from a successful :meth:`finish` until a scheme consumes (or overwrites) the reduced buckets
-        self.fresh = False
+        self._enabled = True
+        self._overlap = overlap
+        self._fresh = False
         #: seconds the communication thread spent reducing buckets, and seconds :meth:`finish` waited for it;
         #: their difference is communication hidden behind backward (see :meth:`take_timing`)
         self.comm_seconds = 0.0
@@ -200,14 +200,48 @@ class BucketReducer:
         self._done_events: list[torch.cuda.Event] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
+    @property
+    def enabled(self) -> bool:
+        """Whether backward synchronizes (false inside :meth:`no_sync`)."""
+        return self._enabled
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside this context."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = previous
+
+    @property
+    def overlap(self) -> bool:
+        """Whether buckets leave while backward runs (see the class docstring)."""
+        return self._overlap
+
+    def stop_overlap(self) -> None:
+        """From now on every bucket leaves at :meth:`finish`."""
+        self._overlap = False
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the buckets hold reduced values no one consumed yet (from a successful :meth:`finish` on)."""
+        return self._fresh
+
+    def consume(self) -> bool:
+        """Take the reduced buckets (a scheme that reads them as gradients, once): returns :attr:`fresh` and clears
+        it, so that a step without a new backward reads nothing stale."""
+        fresh, self._fresh = self._fresh, False
+        return fresh
+
     def _on_grad_ready(self, param: Parameter) -> None:
-        if not self.enabled:
+        if not self._enabled:
             return
         key = id(param)
         bucket, i = self._location[key]
         self._accumulations[key] += 1
         if bucket.launched:
-            raise RuntimeError(
+            raise UnsupportedChangeError(
                 f"the gradient of a parameter of shape {tuple(param.shape)} was accumulated more often in this "
                 "backward than in the first synchronized one, after its bucket had already been sent. Either "
                 "backward ran outside the strategy (in manual optimization call self.manual_backward(loss), not "
@@ -218,7 +252,7 @@ class BucketReducer:
         bucket.fill(i, param.grad)
         if self._expected is not None and self._accumulations[key] >= self._expected[key]:
             bucket.mark_ready(i)
-            if self.overlap and bucket.complete:
+            if self._overlap and bucket.complete:
                 self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -261,7 +295,7 @@ class BucketReducer:
                     bucket.mark_ready(i)
         self._launch_ready_buckets()
         start = time.perf_counter()
-        self.fresh = False
+        self._fresh = False
         try:
             for future in self._futures:
                 future.result()
@@ -281,7 +315,7 @@ class BucketReducer:
             for event in self._done_events:
                 current.wait_event(event)
             self._done_events.clear()
-        self.fresh = True
+        self._fresh = True
         if copy_back:
             self.copy_back()
 

@@ -1,132 +1,51 @@
-"""Errors that name the peer a rank lost, instead of a bare transport message."""
+"""The errors lightning-dp raises itself: one family under :class:`LightningDPError`.
+
+Each also derives from the built-in (or ``torch.distributed``) error a caller would catch without knowing the
+project: bad options are ``ValueError``, a lost peer is ``torch.distributed.DistNetworkError``, a NaN gradient is
+``FloatingPointError``.
+"""
 
 from __future__ import annotations
 
-import re
-from contextlib import contextmanager
-from typing import Generator, Optional
-
-import torch
 import torch.distributed as dist
 
 
-def post(ops: list[tuple[str, "torch.Tensor", int, int]], group: Optional[dist.ProcessGroup]) -> list[Optional[dist.Work]]:
-    """Start ``(kind, tensor, group_peer, tag)`` sends/receives (kind ``"send"`` or ``"recv"``) as one batch and
-    return their works in the same order (``None`` for empty tensors, which are skipped on both ends).
-
-    One batch lets NCCL run a send and a receive to the same peer together instead of deadlocking on the pair;
-    with gloo it is the same as posting them one by one.
-    """
-    batch, index = [], []
-    for i, (kind, tensor, peer, tag) in enumerate(ops):
-        if tensor.numel():
-            op = dist.irecv if kind == "recv" else dist.isend
-            batch.append(dist.P2POp(op, tensor, group=group, tag=tag, group_peer=peer))
-            index.append(i)
-    works: list[Optional[dist.Work]] = [None] * len(ops)
-    if batch:
-        for i, work in zip(index, dist.batch_isend_irecv(batch)):
-            works[i] = work
-    return works
+class LightningDPError(Exception):
+    """Base of every error lightning-dp raises."""
 
 
-class PeerUnreachableError(RuntimeError):
+class ConfigurationError(LightningDPError, ValueError):
+    """An option value, or a combination of options, model and optimizer, that the scheme does not support;
+    raised at construction or set-up, before any training step."""
+
+
+class UnsupportedChangeError(LightningDPError, RuntimeError):
+    """The run changed something after set-up that the scheme laid out once (trainable parameters, optimizer
+    groups, the number of gradient accumulations per backward)."""
+
+
+class SparseGradientError(LightningDPError, RuntimeError):
+    """A parameter produced a sparse gradient, which the flat buckets cannot carry."""
+
+
+class ReplicaMismatchError(LightningDPError, RuntimeError):
+    """Ranks hold models of different structure (names, shapes, dtypes or trainable flags)."""
+
+
+class PeerUnreachableError(LightningDPError, dist.DistNetworkError):
     """A message to or from another rank failed: the peer died, the link is down, or the timeout passed."""
 
 
-def wait_for(work: Optional[dist.Work], group: Optional[dist.ProcessGroup], peer: int, action: str) -> None:
-    """Wait for ``work`` (a send to / receive from group rank ``peer``); re-raise failures naming both ranks."""
-    if work is None:
-        return
-    try:
-        work.wait()
-    except Exception as error:  # gloo and NCCL raise RuntimeError subclasses with transport details
-        group = group if group is not None else dist.group.WORLD
-        me, them = dist.get_rank(), dist.get_global_rank(group, peer)
-        raise PeerUnreachableError(
-            f"rank {me} could not {action} rank {them}: the peer is unreachable (it may have died, its link may be "
-            f"down, or it did not answer within the strategy's timeout). Transport error: {error}"
-        ) from error
-
-
-#: fragments of the messages gloo and NCCL raise when a peer or its link is gone (often as plain RuntimeErrors);
-#: other failures (out of memory, invalid usage) must keep their own message
-_TRANSPORT_MARKERS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
-                      "timed out", "Socket Timeout", "pair closure",
-                      "ncclRemoteError", "ncclSystemError", "remote process exited")  # fmt: skip
-
-
-def is_transport_error(error: BaseException) -> bool:
-    """Whether ``error`` reports a lost peer or link rather than a bug or a local failure."""
-    if isinstance(error, PeerUnreachableError):
-        return False
-    if isinstance(error, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
-        return True
-    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _TRANSPORT_MARKERS)
-
-
-class PeerDirectory:
-    """Which rank owns which TCP endpoint, so a transport error that gives only a peer's address names its rank.
-
-    Built collectively once the process groups exist (gloo connects every pair of ranks when a group is created):
-    every rank shares the local endpoints of its sockets. Empty where /proc is not available.
-    """
-
-    def __init__(self, owners: Optional[dict[str, int]] = None) -> None:
-        self.owners = owners or {}
-
-    @classmethod
-    def build(cls, group: Optional[dist.ProcessGroup] = None) -> "PeerDirectory":
-        from lightning_dp.comm.sockets import tcp_sockets
-
-        try:
-            mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
-        except OSError:  # best effort: every rank must still take part in the gather below
-            mine = []
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, (dist.get_rank(), mine), group=group)
-        return cls({endpoint: rank for rank, endpoints in everyone for endpoint in endpoints})
-
-    def rank_in(self, message: str, exclude: Optional[int] = None) -> Optional[int]:
-        """The rank (other than ``exclude``) owning an endpoint ``[address]:port`` that ``message`` mentions."""
-        found = re.findall(r"\[(?:::ffff:)?([0-9A-Fa-f.:]+)\]:(\d+)", message)
-        # gloo prints some ports in network byte order: the byte-swapped number only if the literal one is unknown
-        for swap in (False, True):
-            for address, port in found:
-                number = int(port)
-                if swap:
-                    if number >= 65536:
-                        continue
-                    number = int.from_bytes(number.to_bytes(2, "little"), "big")
-                owner = self.owners.get(f"{address}:{number}")
-                if owner is not None and owner != exclude:
-                    return owner
-        return None
-
-
-@contextmanager
-def naming_lost_peer(
-    what: str, group: Optional[dist.ProcessGroup] = None, directory: Optional[PeerDirectory] = None
-) -> Generator[None, None, None]:
-    """Re-raise a transport failure inside the block as :class:`PeerUnreachableError`, saying during ``what`` it
-    happened and which rank was lost: in a group of two the other rank, otherwise the one ``directory`` finds
-    behind the address in the transport error."""
-    try:
-        yield
-    except Exception as error:
-        if not is_transport_error(error):
-            raise
-        group = group if group is not None else dist.group.WORLD
-        me, members = dist.get_rank(), dist.get_process_group_ranks(group)
-        lost = directory.rank_in(str(error), exclude=me) if directory is not None else None
-        if len(members) == 2:
-            lost = next(r for r in members if r != me)
-        peer = f"rank {lost}" if lost is not None else "a peer (the transport error below gives its address)"
-        raise PeerUnreachableError(
-            f"rank {me} could not reach {peer} during {what}: the peer is unreachable (it may have died, its link "
-            f"may be down, or it did not answer within the strategy's timeout). Transport error: {error}"
-        ) from error
-
-
-class NonFiniteGradientError(FloatingPointError):
+class NonFiniteGradientError(LightningDPError, FloatingPointError):
     """The averaged gradient of a step holds NaN or infinity; raised on every rank before the optimizer step."""
+
+
+__all__ = [
+    "ConfigurationError",
+    "LightningDPError",
+    "NonFiniteGradientError",
+    "PeerUnreachableError",
+    "ReplicaMismatchError",
+    "SparseGradientError",
+    "UnsupportedChangeError",
+]

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-
-class ReplicaMismatchError(RuntimeError):
-    """Ranks hold models of different structure (names, shapes, dtypes or trainable flags)."""
+from lightning_dp.comm.errors import ReplicaMismatchError
 
 
 def module_fingerprint(module: nn.Module) -> list[tuple]:

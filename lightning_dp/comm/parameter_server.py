@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import post, wait_for
+from lightning_dp.comm.p2p import post, wait_for
 from lightning_dp.comm.ring import divides_first
 from lightning_dp.comm.stats import CommStats
 

@@ -16,7 +16,7 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import post, wait_for
+from lightning_dp.comm.p2p import post, wait_for
 from lightning_dp.comm.stats import CommStats
 
 ReduceOpName = Literal["sum", "avg"]
@@ -186,3 +186,10 @@ def ring_allreduce(
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
+
+
+def any_rank(flag: bool, ring: Ring, device: torch.device | str = "cpu") -> bool:
+    """Whether ``flag`` is true on any rank of the ring's group (collective: every rank calls it)."""
+    vote = torch.tensor([1.0 if flag else 0.0], device=device)
+    ring_allreduce(vote, op="sum", ring=ring)
+    return bool(vote.item() > 0)

@@ -1,9 +1,11 @@
-"""Byte counters for the traffic a rank sends and receives."""
+"""What synchronization costs: bytes moved and seconds spent."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -19,11 +21,11 @@ class CommStats:
             self.bytes_sent += sent
             self.bytes_received += received
 
-    def __getstate__(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
 
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
 
     def reset(self) -> tuple[int, int]:
         """Zero the counters and return the ``(sent, received)`` they held."""
@@ -31,3 +33,25 @@ class CommStats:
             totals = (self.bytes_sent, self.bytes_received)
             self.bytes_sent = self.bytes_received = 0
             return totals
+
+
+@dataclass
+class SyncStats(CommStats):
+    """A strategy's synchronization record: the running byte counters of :class:`CommStats` (every exchange of a
+    step adds to them), and what the finished steps cost."""
+
+    #: S, the bytes of one rank's gradient buckets (gradients plus one used-flag per parameter)
+    bucket_bytes: int = 0
+    #: ``(sent, received)`` bytes of gradient and weight traffic this rank moved for the last optimizer step
+    last_step_bytes: tuple[int, int] = (0, 0)
+    #: seconds of gradient / weight communication so far, and the part of it the training loop waited for (the
+    #: rest ran hidden behind backward)
+    comm_seconds: float = 0.0
+    exposed_comm_seconds: float = 0.0
+
+    def end_step(self, comm_seconds: float = 0.0, waited_seconds: float = 0.0) -> None:
+        """Close a step: its bytes become :attr:`last_step_bytes`; ``comm_seconds`` of communication ran, of which
+        the training loop waited ``waited_seconds``."""
+        self.last_step_bytes = self.reset()
+        self.comm_seconds += comm_seconds
+        self.exposed_comm_seconds += waited_seconds

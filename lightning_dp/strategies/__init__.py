@@ -1,7 +1,9 @@
 """Lightning strategies: thin adapters from Lightning's Strategy API to the schemes in :mod:`lightning_dp.comm`."""
 
-from lightning_dp.strategies.base import DataParallelStrategy, ParameterServerBase
+from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.parameter_server import ParameterServerStrategy
+from lightning_dp.strategies.parameter_server_base import ParameterServerBase
+from lightning_dp.strategies.processes import ProcessGroupStrategy
 from lightning_dp.strategies.ring_allreduce import RingAllReduceStrategy
 from lightning_dp.strategies.sharded_ps import ShardedParameterServerStrategy
 
@@ -12,6 +14,7 @@ __all__ = [
     "DataParallelStrategy",
     "ParameterServerBase",
     "ParameterServerStrategy",
+    "ProcessGroupStrategy",
     "RingAllReduceStrategy",
     "ShardedParameterServerStrategy",
     "register_strategies",

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-
-from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.parameter_server import pull_weights, push_gradients
-from lightning_dp.strategies.base import ParameterServerBase, hyperparameters
+from torch import Tensor
 from typing_extensions import override
+
+from lightning_dp._lightning_compat import unwrap_optimizer
+from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.sharded_optimizer import hyperparameters
+from lightning_dp.comm.transports import CentralServerTransport, Transport
+from lightning_dp.strategies.options import check_rank
+from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
 
 class ParameterServerStrategy(ParameterServerBase):
@@ -30,69 +33,61 @@ class ParameterServerStrategy(ParameterServerBase):
     strategy_name = "parameter_server"
 
     def __init__(self, server_rank: int = 0, **kwargs: Any) -> None:
-        if isinstance(server_rank, bool) or not isinstance(server_rank, numbers.Integral) or server_rank < 0:
-            raise ValueError(f"server_rank must be a rank in [0, world_size), got {server_rank!r}")
+        self.server_rank = check_rank("server_rank", server_rank)
         super().__init__(**kwargs)
-        self.server_rank = int(server_rank)
 
+    @override
     def _check_world_size(self, world_size: int) -> None:
         if world_size and self.server_rank >= world_size:
-            raise ValueError(
+            raise ConfigurationError(
                 f"server_rank={self.server_rank} is outside [0, {world_size}) for a run of {world_size} processes"
             )
-
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
-        self._check_world_size(self.world_size)
 
     @property
     def is_server(self) -> bool:
         return self.global_rank == self.server_rank
 
-    def _reduce_bucket(self, bucket: GradientBucket) -> None:
-        push_gradients(bucket.buffer, self.server_rank, self.gradient_group, self.comm_stats)
-        if self.full_gradients:  # the averaged gradients back to every worker, for their hooks
-            pull_weights(bucket.buffer, self.server_rank, self.gradient_group, self.comm_stats)
+    @override
+    def _make_transport(self) -> Transport:
+        # the gradient group spans every rank in global order: its rank of the server is the global one
+        return CentralServerTransport(self.server_rank, self.gradient_group, self.sync_stats)
 
     @override
     def _copies_back(self) -> bool:
         return self.full_gradients or self.is_server
 
-    def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list:
+    @override
+    def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
         if not self.is_server:
             return []
         return [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
+    @override
     def _server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         if self.is_server:
             optimizer.step(**kwargs)
 
-    def _pull(self, optimizer: torch.optim.Optimizer) -> None:
-        for bucket in self._buckets_of(optimizer):
-            if self.is_server:
-                bucket.pack_params()
-            pull_weights(bucket.buffer, self.server_rank, self.gradient_group, self.comm_stats)
-            if not self.is_server:
-                bucket.unpack_params()
-
+    @override
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [getattr(o, "_optimizer", o) for o in self.optimizers] if self.is_server else []
+        return [unwrap_optimizer(o) for o in self.optimizers] if self.is_server else []
 
     # ------------------------------------------------------------------ checkpoints: the server's state, in torch layout
+    @override
     def optimizer_state(self, optimizer: Any) -> dict:
         """The server's full optimizer state on rank 0 (collective: every rank calls it when checkpointing)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         state = optimizer.state_dict() if self.is_server else None
         if self.server_rank == 0:
             return state if self.is_global_zero else {}
         gathered = [None] * self.world_size if self.is_global_zero else None
         dist.gather_object(state, gathered, dst=0)
-        return gathered[self.server_rank] if self.is_global_zero else {}
+        return gathered[self.server_rank] if gathered is not None else {}
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """The server loads the full state; workers take only the hyperparameters and stay without state."""
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer = unwrap_optimizer(optimizer)
             if self.is_server:
                 optimizer.load_state_dict(saved)
             else:
@@ -100,6 +95,7 @@ class ParameterServerStrategy(ParameterServerBase):
                     group.update(hyperparameters(saved_group))
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         cls._register_variants(
             strategy_registry, cls.strategy_name, "Data parallel with a central parameter server holding the optimizer"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.ring import Ring, ring_allreduce
+from typing_extensions import override
+
+from lightning_dp.comm.transports import RingTransport, Transport
 from lightning_dp.strategies.base import DataParallelStrategy
 
 
@@ -18,14 +19,12 @@ class RingAllReduceStrategy(DataParallelStrategy):
 
     strategy_name = "ring_allreduce"
 
-    def _setup_gradient_sync(self) -> None:
-        self._ring = Ring(self.gradient_group)
-        super()._setup_gradient_sync()
-
-    def _reduce_bucket(self, bucket: GradientBucket) -> None:
-        ring_allreduce(bucket.buffer, op="avg", stats=self.comm_stats, ring=self._ring)
+    @override
+    def _make_transport(self) -> Transport:
+        return RingTransport(self.gradient_group, self.sync_stats)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         cls._register_variants(
             strategy_registry, cls.strategy_name, "Data parallel with a hand-written bucketed ring all-reduce"

@@ -183,10 +183,11 @@ class Record(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         strategy_ = trainer.strategy
+        stats = getattr(strategy_, "sync_stats", None)
         record = {
             "weights": pl_module.history, "norms": getattr(pl_module, "norms", None),
             "bias_grads": getattr(pl_module, "bias_grads", None),
-            "bytes": getattr(strategy_, "last_step_bytes", None), "sync_bytes": getattr(strategy_, "sync_bytes", None),
+            "bytes": stats.last_step_bytes if stats else None, "sync_bytes": stats.bucket_bytes if stats else None,
             "full_gradients": getattr(strategy_, "full_gradients", None), "bucket_dtypes": self.bucket_dtypes,
         }  # fmt: skip
         os.makedirs(os.path.join(args.out, self.case), exist_ok=True)

@@ -45,9 +45,10 @@ class Record(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
+        stats = getattr(s, "sync_stats", None)
         self.result = {
-            "last_step_bytes": getattr(s, "last_step_bytes", None),
-            "sync_bytes": getattr(s, "sync_bytes", None),
+            "last_step_bytes": stats.last_step_bytes if stats is not None else None,
+            "sync_bytes": stats.bucket_bytes if stats is not None else None,
             "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
             "sockets": self.sockets,
         }

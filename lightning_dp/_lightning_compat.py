@@ -1,0 +1,78 @@
+"""Every private Lightning symbol lightning-dp relies on, in one place, so that a Lightning upgrade breaks here.
+
+Tested with Lightning 2.6 (``TESTED_LIGHTNING``); ``tests/test_lightning_compat.py`` pins each symbol and the
+behaviour the project relies on. Public Lightning API is imported where it is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+#: the Lightning releases the test suite runs against
+TESTED_LIGHTNING = ("2.6",)
+
+__all__ = [
+    "TESTED_LIGHTNING",
+    "_MultiProcessingLauncher",
+    "_SubprocessScriptLauncher",
+    "_destroy_dist_connection",
+    "_distributed_is_initialized",
+    "_get_default_process_group_backend_for_device",
+    "_optimizers_to_device",
+    "_sync_ddp_if_available",
+    "after_closure",
+    "patch_hydra_subprocess_command",
+    "unwrap_optimizer",
+    "wrap_closure_of",
+]
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def after_closure(plugin: Precision, model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """What Lightning runs between the closure and ``optimizer.step``: the ``on_before_optimizer_step`` hooks and
+    gradient clipping."""
+    plugin._after_closure(model, optimizer)
+
+
+def wrap_closure_of(plugin: Precision, check: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Make ``plugin`` call ``check(optimizer)`` after each closure it wraps has run (the backward, the hooks and
+    clipping) and before the optimizer uses the gradients."""
+    wrap_closure = type(plugin)._wrap_closure
+
+    def checked(model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        result = wrap_closure(plugin, model, optimizer, closure)
+        check(unwrap_optimizer(optimizer))
+        return result
+
+    plugin._wrap_closure = checked  # type: ignore[method-assign]
+
+
+def patch_hydra_subprocess_command(command: Callable[[int], tuple[list[str], str]]) -> None:
+    """Make Lightning's popen launchers (Fabric's and the Trainer's) build a Hydra run's child-process command
+    with ``command(local_rank)``. Raises ``RuntimeError`` if this Lightning has no such hook."""
+    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
+    from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+
+    for module in (fabric_launcher, pytorch_launcher):
+        if not callable(getattr(module, "_hydra_subprocess_cmd", None)):
+            raise RuntimeError(
+                f"{module.__name__} has no _hydra_subprocess_cmd: this Lightning version builds Hydra child "
+                f"commands differently, and lightning-dp's Hydra support (tested with Lightning "
+                f"{', '.join(TESTED_LIGHTNING)}) cannot fix them"
+            )
+        module._hydra_subprocess_cmd = command

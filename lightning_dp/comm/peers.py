@@ -1,0 +1,90 @@
+"""Which rank a transport error is about: a directory of the ranks' socket endpoints, and a context that turns a
+lost peer or link into :class:`~lightning_dp.comm.errors.PeerUnreachableError` naming it."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Generator, Optional
+
+import torch.distributed as dist
+
+from lightning_dp.comm.errors import PeerUnreachableError
+from lightning_dp.comm.sockets import tcp_sockets
+
+
+#: fragments of the messages gloo and NCCL raise when a peer or its link is gone (often as plain RuntimeErrors);
+#: other failures (out of memory, invalid usage) must keep their own message
+_TRANSPORT_MARKERS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
+                      "timed out", "Socket Timeout", "pair closure",
+                      "ncclRemoteError", "ncclSystemError", "remote process exited")  # fmt: skip
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether ``error`` reports a lost peer or link rather than a bug or a local failure."""
+    if isinstance(error, PeerUnreachableError):
+        return False
+    if isinstance(error, (getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
+        return True
+    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in _TRANSPORT_MARKERS)
+
+
+class PeerDirectory:
+    """Which rank owns which TCP endpoint, so a transport error that gives only a peer's address names its rank.
+
+    Built collectively once the process groups exist (gloo connects every pair of ranks when a group is created):
+    every rank shares the local endpoints of its sockets. Empty where /proc is not available.
+    """
+
+    def __init__(self, owners: Optional[dict[str, int]] = None) -> None:
+        self.owners = owners or {}
+
+    @classmethod
+    def build(cls, group: Optional[dist.ProcessGroup] = None) -> "PeerDirectory":
+        try:
+            mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
+        except OSError:  # best effort: every rank must still take part in the gather below
+            mine = []
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (dist.get_rank(), mine), group=group)
+        return cls({endpoint: rank for rank, endpoints in everyone for endpoint in endpoints})
+
+    def rank_in(self, message: str, exclude: Optional[int] = None) -> Optional[int]:
+        """The rank (other than ``exclude``) owning an endpoint ``[address]:port`` that ``message`` mentions."""
+        found = re.findall(r"\[(?:::ffff:)?([0-9A-Fa-f.:]+)\]:(\d+)", message)
+        # gloo prints some ports in network byte order: the byte-swapped number only if the literal one is unknown
+        for swap in (False, True):
+            for address, port in found:
+                number = int(port)
+                if swap:
+                    if number >= 65536:
+                        continue
+                    number = int.from_bytes(number.to_bytes(2, "little"), "big")
+                owner = self.owners.get(f"{address}:{number}")
+                if owner is not None and owner != exclude:
+                    return owner
+        return None
+
+
+@contextmanager
+def naming_lost_peer(
+    what: str, group: Optional[dist.ProcessGroup] = None, directory: Optional[PeerDirectory] = None
+) -> Generator[None, None, None]:
+    """Re-raise a transport failure inside the block as :class:`PeerUnreachableError`, saying during ``what`` it
+    happened and which rank was lost: in a group of two the other rank, otherwise the one ``directory`` finds
+    behind the address in the transport error."""
+    try:
+        yield
+    except Exception as error:
+        if not is_transport_error(error):
+            raise
+        group = group if group is not None else dist.group.WORLD
+        me, members = dist.get_rank(), dist.get_process_group_ranks(group)
+        lost = directory.rank_in(str(error), exclude=me) if directory is not None else None
+        if len(members) == 2:
+            lost = next(r for r in members if r != me)
+        peer = f"rank {lost}" if lost is not None else "a peer (the transport error below gives its address)"
+        raise PeerUnreachableError(
+            f"rank {me} could not reach {peer} during {what}: the peer is unreachable (it may have died, its link "
+            f"may be down, or it did not answer within the strategy's timeout). Transport error: {error}"
+        ) from error

@@ -1,0 +1,298 @@
+"""An optimizer sharded over the ranks of a group: each rank runs the user's optimizer on its shard only.
+
+The idea of torch's ``ZeroRedundancyOptimizer``, cut at element granularity: the gradient buckets, laid end to
+end, are split into N shards of equal bytes (:func:`~lightning_dp.comm.parameter_server.shard_segments`), and
+rank ``i`` holds the optimizer state of shard ``i`` only. A :class:`ShardLayout` maps the shard onto the
+parameters once at set-up; a :class:`ShardedOptimizer` runs one user optimizer's class and hyperparameters over
+views of this rank's pieces (updates land in the parameters), clips by the global norm, and converts its state
+to and from torch's standard, unsharded ``state_dict`` layout.
+
+Exact only for element-wise optimizers (:data:`ELEMENTWISE_OPTIMIZERS`), whose update of an element depends only
+on that element's gradient and state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
+from lightning_dp.comm.ring import Ring, ring_allreduce
+
+#: optimizers whose update of an element depends only on that element's gradient and state, so running them
+#: on an arbitrary slice of a tensor gives exactly the slice of the full update
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+#: optimizer state entries that are one number per parameter, not one per element (ASGD's eta and mu, the step)
+SCALAR_STATE_KEYS = ("step", "eta", "mu")
+
+Segment = tuple[int, int]
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """An optimizer parameter group's settings (lr, betas, ...), without its ``params``."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`ConfigurationError` unless ``optimizer`` is exact on slices of tensors."""
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise ConfigurationError(
+            f"cannot shard optimizer {type(optimizer).__name__}: running it on slices of tensors is exact only for "
+            f"element-wise optimizers ({allowed})"
+        )
+
+
+@dataclass
+class ShardPiece:
+    """The elements ``[start, end)`` of the flattened ``param`` that this rank serves."""
+
+    param: torch.nn.Parameter
+    bucket: GradientBucket
+    index_in_bucket: int
+    start: int
+    end: int
+    bucket_start: int
+    #: the optimizer-facing tensor: a view of the parameter's elements (updates land in the parameter)
+    tensor: Tensor
+
+    def take_bucket_gradient(self) -> None:
+        """The averaged gradient from the bucket (``None`` when no rank used the parameter)."""
+        used = bool(self.bucket.flags[self.index_in_bucket] != 0)
+        end = self.bucket_start + self.end - self.start
+        self.tensor.grad = self.bucket.buffer[self.bucket_start : end].clone() if used else None
+
+    def take_param_gradient(self) -> None:
+        """This piece of ``param.grad`` (as the gradient hooks left it)."""
+        grad = self.param.grad
+        self.tensor.grad = None if grad is None else grad.detach().reshape(-1)[self.start : self.end].clone()
+
+    def slice_state(self, key: str, value: Any) -> Any:
+        """This piece of one entry of the parameter's full (unsharded) optimizer state."""
+        param = self.param
+        if isinstance(value, Tensor) and value.shape == param.shape and (param.dim() > 0 or key not in SCALAR_STATE_KEYS):
+            return value.reshape(-1)[self.start : self.end].clone()
+        return value.clone() if isinstance(value, Tensor) else value
+
+
+class ShardLayout:
+    """Which elements of which parameters this rank serves, built once from the buckets and their segments.
+
+    ``segments[b][r]`` is the ``(start, end)`` element range of bucket ``b``'s gradient region that rank ``r``
+    serves.
+    """
+
+    def __init__(self, buckets: Sequence[GradientBucket], segments: Sequence[Sequence[Segment]], rank: int) -> None:
+        self.pieces: list[ShardPiece] = []
+        for bucket in buckets:
+            start, end = segments[bucket.index][rank]
+            for i, (p, (lo, hi)) in enumerate(zip(bucket.params, bucket.slices)):
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    if not p.is_contiguous():
+                        raise ConfigurationError("a sharded optimizer needs contiguous parameters")
+                    view = p.detach().view(-1)[a - lo : b - lo]
+                    self.pieces.append(ShardPiece(p, bucket, i, a - lo, b - lo, a, view))
+        self._by_param: dict[int, list[ShardPiece]] = {}
+        for piece in self.pieces:
+            self._by_param.setdefault(id(piece.param), []).append(piece)
+
+    def pieces_of(self, params: Iterable[Tensor]) -> list[ShardPiece]:
+        """This rank's pieces of ``params``, in their order."""
+        return [piece for p in params for piece in self._by_param.get(id(p), [])]
+
+    def take_bucket_gradients(self) -> None:
+        """Every piece's averaged gradient from its bucket."""
+        for piece in self.pieces:
+            piece.take_bucket_gradient()
+
+
+class ShardedOptimizer:
+    """``optimizer`` (the user's, whose ``step`` is never called) run on this rank's shard of its parameters.
+
+    One shard group per parameter group of ``optimizer`` (it may hold no pieces here); learning-rate schedulers
+    and ``add_param_group`` act on ``optimizer`` and are followed at each :meth:`step` and checkpoint. ``group``
+    is the process group the shards are spread over (its rank ``r`` serves shard ``r``).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, layout: ShardLayout, group: Optional[dist.ProcessGroup] = None
+    ) -> None:
+        check_shardable(optimizer)
+        self.optimizer = optimizer
+        self.layout = layout
+        self.group = group
+        self._group_pieces = [layout.pieces_of(g["params"]) for g in optimizer.param_groups]
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.shard = type(optimizer)(
+            [self._shard_group(g, pieces) for g, pieces in zip(optimizer.param_groups, self._group_pieces)], **defaults
+        )
+        #: the parameters of each of ``optimizer``'s groups as the shard mirrors them
+        self._mirrored = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+        self._consolidated: Optional[dict[str, Any]] = None
+        params = self._params()
+        self._device = params[0].device if params else torch.device("cpu")
+
+    @staticmethod
+    def _shard_group(group: Mapping[str, Any], pieces: list[ShardPiece]) -> dict[str, Any]:
+        return {**hyperparameters(group), "params": [pc.tensor for pc in pieces]}
+
+    @property
+    def pieces(self) -> list[ShardPiece]:
+        return [pc for pieces in self._group_pieces for pc in pieces]
+
+    @property
+    def serves_anything(self) -> bool:
+        """Whether this rank holds any piece of the optimizer's parameters (else it never steps)."""
+        return any(self._group_pieces)
+
+    def follow_param_groups(self) -> None:
+        """Mirror groups added with ``optimizer.add_param_group(...)``; a changed existing group is refused."""
+        groups = self.optimizer.param_groups
+        for k, (group, ids) in enumerate(zip(groups, self._mirrored)):
+            if [id(p) for p in group["params"]] != ids:
+                raise UnsupportedChangeError(
+                    f"the parameters of group {k} of {type(self.optimizer).__name__} changed after set-up, which the "
+                    "sharded optimizer cannot follow; add new parameters with optimizer.add_param_group(...) instead"
+                )
+        for group in groups[len(self._mirrored) :]:
+            pieces = self.layout.pieces_of(group["params"])
+            self.shard.add_param_group(self._shard_group(group, pieces))
+            self._group_pieces.append(pieces)
+            self._mirrored.append([id(p) for p in group["params"]])
+
+    def take_param_gradients(self) -> None:
+        """Every piece's gradient from ``param.grad`` (when the hooks may have edited the averaged gradients)."""
+        for piece in self.pieces:
+            piece.take_param_gradient()
+
+    def gradients(self) -> list[tuple[Tensor, Tensor]]:
+        """``(parameter, gradient piece)`` for every piece that has a gradient."""
+        return [(pc.param, pc.tensor.grad) for pc in self.pieces if pc.tensor.grad is not None]
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        for _, grad in self.gradients():
+            grad.clamp_(-clip_value, clip_value)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scale the pieces' gradients so that the global 2-norm over all shards is at most ``max_norm`` (the same
+        formula as ``torch.nn.utils.clip_grad_norm_``); collective over ``group``. Returns the total norm."""
+        grads = [grad for _, grad in self.gradients()]
+        squares = torch.zeros(1, dtype=torch.float64, device=self._device)
+        for grad in grads:
+            squares += grad.detach().double().pow(2).sum()
+        ring_allreduce(squares, op="sum", ring=Ring(self.group))
+        total_norm = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total_norm
+
+    def step(self, **kwargs: Any) -> None:
+        """One update of this rank's pieces with their gradients (then dropped), under ``optimizer``'s current
+        hyperparameters."""
+        if not self.serves_anything:
+            return
+        for front_group, shard_group in zip(self.optimizer.param_groups, self.shard.param_groups):
+            shard_group.update(hyperparameters(front_group))
+        self.shard.step(**kwargs)
+        for piece in self.pieces:
+            piece.tensor.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return sum(v.numel() * v.element_size() for s in self.shard.state.values() for v in s.values()
+                   if isinstance(v, Tensor))  # fmt: skip
+
+    # ------------------------------------------------------------------ the standard torch layout
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's state into the full, unsharded ``state_dict`` on group rank ``to`` (collective: every
+        rank of ``group`` calls it); :meth:`state_dict` returns it there."""
+        self.follow_param_groups()
+        index_of = {id(p): k for k, p in enumerate(self._params())}
+        shard_tensors = [t for g in self.shard.param_groups for t in g["params"]]
+        local = [(index_of[id(pc.param)], pc.start, pc.end, _to_cpu(self.shard.state[t]))
+                 for pc, t in zip(self.pieces, shard_tensors) if t in self.shard.state]  # fmt: skip
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        gathered: Optional[list] = [None] * size if rank == to else None
+        dist.gather_object(local, gathered, group=self.group, group_dst=to)
+        if gathered is None:
+            self._consolidated = None
+            return
+        params = self._params()
+        state: dict[int, dict[str, Any]] = {}
+        for rank_pieces in gathered:
+            for k, start, end, piece_state in rank_pieces:
+                full = state.setdefault(k, {})
+                for key, value in piece_state.items():
+                    if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == end - start:
+                        if key not in full:
+                            full[key] = torch.zeros(params[k].numel(), dtype=value.dtype)
+                        full[key][start:end] = value
+                    else:
+                        full.setdefault(key, value)
+        for k, full in state.items():
+            for key, value in full.items():
+                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == params[k].numel():
+                    full[key] = value.view_as(params[k]).to(params[k].device)
+        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": self.optimizer.state_dict()["param_groups"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state gathered by the last :meth:`consolidate_state_dict` (on the rank it was gathered to)."""
+        if self._consolidated is None:
+            raise RuntimeError("call consolidate_state_dict() on every rank first; state_dict() answers on its `to` rank")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take this rank's slices of a full (standard layout) optimizer state; the user's optimizer takes the
+        hyperparameters. Every rank passes the same full state."""
+        self.follow_param_groups()
+        saved_groups = state_dict["param_groups"]
+        if len(self.optimizer.param_groups) != len(saved_groups):
+            raise ConfigurationError(
+                f"the checkpoint's {type(self.optimizer).__name__} state has {len(saved_groups)} parameter groups, the "
+                f"optimizer {len(self.optimizer.param_groups)}: add the same groups before resuming"
+            )
+        for group, saved_group in zip(self.optimizer.param_groups, saved_groups):
+            group.update(hyperparameters(saved_group))
+        index_of = {id(p): k for k, p in enumerate(self._params())}
+        shard_state: dict[int, dict[str, Any]] = {}
+        shard_groups = []
+        shard_index = 0
+        for pieces, saved_group in zip(self._group_pieces, saved_groups):
+            indices = []
+            for pc in pieces:
+                full = state_dict["state"].get(index_of[id(pc.param)])
+                if full is not None:
+                    shard_state[shard_index] = {key: pc.slice_state(key, value) for key, value in full.items()}
+                indices.append(shard_index)
+                shard_index += 1
+            shard_groups.append({**hyperparameters(saved_group), "params": indices})
+        self.shard.load_state_dict({"state": shard_state, "param_groups": shard_groups})
+
+
+def _to_cpu(piece_state: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu().clone() if isinstance(v, Tensor) else v for k, v in piece_state.items()}

@@ -1,0 +1,124 @@
+"""Transports: how the averaged values of a gradient bucket reach the ranks.
+
+A transport is one axis of a synchronization scheme (see ``docs/architecture.md``): the same buckets, codec and
+consistency model can travel over any of them. Every transport offers two exchanges on a
+:class:`~lightning_dp.comm.buckets.GradientBucket`:
+
+- :meth:`Transport.reduce`: every element of the bucket (gradients and used-flags) is averaged on the rank that
+  owns it; :meth:`Transport.owned` tells which gradient elements this rank owns afterwards.
+- :meth:`Transport.share`: the owners send their elements to every rank. After ``reduce`` and ``share`` every
+  rank holds the whole averaged bucket. A parameter-server scheme also uses ``share`` to send updated weights:
+  owners pack their parameters into the bucket, ``share``, and everyone unpacks.
+
+Every exchange counts its bytes in the :class:`~lightning_dp.comm.stats.CommStats` given at construction, and
+every reduction is bit-identical on all ranks that hold its result.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
+from lightning_dp.comm.ring import Ring, ring_allreduce
+from lightning_dp.comm.stats import CommStats
+
+Segment = tuple[int, int]
+
+
+class Transport(ABC):
+    """One way of averaging and distributing buckets over the ranks of ``group``."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None) -> None:
+        self.ring = Ring(group)
+        self.group = self.ring.group
+        self.rank, self.size = self.ring.rank, self.ring.size
+        self.stats = stats if stats is not None else CommStats()
+
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        """Lay out the ownership of ``buckets`` (every rank passes the same buckets); called once at set-up."""
+
+    @abstractmethod
+    def reduce(self, bucket: GradientBucket) -> None:
+        """Average ``bucket.buffer`` over all ranks, at least on the elements this rank owns."""
+
+    @abstractmethod
+    def owned(self, bucket: GradientBucket) -> Segment:
+        """The ``(start, end)`` range of ``bucket``'s gradient region this rank holds averaged after :meth:`reduce`."""
+
+    @abstractmethod
+    def share(self, bucket: GradientBucket) -> None:
+        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank)."""
+
+    def owns_all(self, bucket: GradientBucket) -> bool:
+        """Whether this rank holds the whole averaged ``bucket`` after :meth:`reduce`."""
+        return self.owned(bucket) == (0, bucket.grad_numel)
+
+
+class RingTransport(Transport):
+    """Ring all-reduce: every rank holds the whole average after :meth:`reduce`; :meth:`share` has nothing to do.
+    Each rank moves ``2 (N - 1) / N S`` bytes per bucket of ``S`` bytes."""
+
+    def reduce(self, bucket: GradientBucket) -> None:
+        ring_allreduce(bucket.buffer, op="avg", stats=self.stats, ring=self.ring)
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        return (0, bucket.grad_numel)
+
+    def share(self, bucket: GradientBucket) -> None:
+        pass
+
+
+class CentralServerTransport(Transport):
+    """One server rank: :meth:`reduce` is a fan-in to it (it averages in rank order), :meth:`share` a fan-out of
+    its bucket, used-flags included. The server moves ``(N - 1) S`` bytes each way, a worker ``S``."""
+
+    def __init__(
+        self, server: int, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None
+    ) -> None:
+        super().__init__(group, stats)
+        self.server = server
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == self.server
+
+    def reduce(self, bucket: GradientBucket) -> None:
+        push_gradients(bucket.buffer, self.server, self.group, self.stats)
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        return (0, bucket.grad_numel) if self.is_server else (0, 0)
+
+    def share(self, bucket: GradientBucket) -> None:
+        pull_weights(bucket.buffer, self.server, self.group, self.stats)
+
+
+class ShardedServerTransport(Transport):
+    """N servers, one per rank: the buckets laid end to end are cut into N shards of equal bytes (element
+    granularity, so one huge tensor cannot unbalance them) and rank ``i`` owns shard ``i``. :meth:`reduce` pushes
+    each shard to its owner, which averages it, and sums the used-flags everywhere (one small all-reduce of P
+    flags); :meth:`share` sends every owner's shard to all. Each moves ``(N - 1) / N S`` bytes each way."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None) -> None:
+        super().__init__(group, stats)
+        #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns
+        self.segments: list[list[Segment]] = []
+
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        self.segments = shard_segments(
+            [b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], self.size
+        )
+
+    def reduce(self, bucket: GradientBucket) -> None:
+        push_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats)
+        ring_allreduce(bucket.flags, op="sum", stats=self.stats, ring=self.ring)
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        start, end = self.segments[bucket.index][self.rank]
+        return (start, end)
+
+    def share(self, bucket: GradientBucket) -> None:
+        pull_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats)

@@ -1,0 +1,32 @@
+"""What a LightningModule and its callbacks do with gradients, found before training starts."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+#: hooks in which a LightningModule or a callback reads or edits ``param.grad`` (``on_before_zero_grad`` sees the
+#: step's gradients after the step)
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+
+
+def gradient_readers(trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
+    """What in this run may read or edit gradients between backward and the optimizer step: overridden gradient
+    hooks of the module and of callbacks, a custom ``configure_gradient_clipping``, and manual optimization (whose
+    ``training_step`` may touch ``param.grad`` between ``manual_backward`` and ``optimizer.step``)."""
+    found = [f"{type(module).__name__}.{hook}" for hook in (*GRADIENT_HOOKS, "configure_gradient_clipping")
+             if is_overridden(hook, module, pl.LightningModule)]  # fmt: skip
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        found += [f"{type(callback).__name__}.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)]
+    if not module.automatic_optimization:
+        found.append("manual optimization")
+    return found
+
+
+def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
+    """Names of the submodules that produce sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with
+    ``sparse=True``)."""
+    return [name or type(module).__name__ for name, m in module.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]  # fmt: skip

@@ -1,0 +1,43 @@
+"""Checks of strategy options: each bad value raises a ConfigurationError naming the option and what it allows."""
+
+from __future__ import annotations
+
+import numbers
+from datetime import timedelta
+from typing import Any, Union
+
+from lightning_dp.comm.errors import ConfigurationError
+
+
+def check_choice(option: str, value: Any, allowed: tuple) -> Any:
+    if value not in allowed:
+        raise ConfigurationError(
+            f"{option}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}"
+        )
+    return value
+
+
+def check_positive(option: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ConfigurationError(f"{option} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def check_flag(option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{option} must be True or False, got {value!r}")
+    return value
+
+
+def check_rank(option: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigurationError(f"{option} must be a rank in [0, world_size), got {value!r}")
+    return int(value)
+
+
+def check_timeout(value: Union[timedelta, float, None], default: timedelta) -> timedelta:
+    if value is None:
+        return default
+    if isinstance(value, timedelta):
+        return value
+    return timedelta(seconds=check_positive("timeout", value))

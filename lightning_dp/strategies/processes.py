@@ -1,0 +1,234 @@
+"""Processes, ranks and process groups for every lightning-dp strategy: what it shares with Lightning's ``ddp``.
+
+:class:`ProcessGroupStrategy` is a :class:`~lightning.pytorch.strategies.DDPStrategy` (so Lightning's
+compiled-model check and user code that tests ``isinstance(strategy, DDPStrategy)`` accept it) that launches the
+ranks, joins the process group with sockets bound to one interface, creates a second group for gradient
+traffic, and names the lost peer when one of Lightning's collectives fails. It knows nothing of gradients.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+from typing import Any, ClassVar, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dp._lightning_compat import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+)
+from lightning_dp.comm.peers import PeerDirectory, naming_lost_peer
+from lightning_dp.comm.rendezvous import init_bound_process_group
+from lightning_dp.strategies.options import check_choice, check_timeout
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("gloo", "nccl")
+#: how long a rank waits for a peer by default: long enough for a slow checkpoint write on rank 0, short enough
+#: that a dead peer or a cut link ends the run within minutes
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+class ProcessGroupStrategy(DDPStrategy):
+    """Launching, ranks, devices, the process groups and Lightning's collectives (see the module docstring).
+
+    Args:
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA devices and gloo otherwise.
+        timeout: how long any collective or message may wait for a peer (``timedelta`` or seconds, default 5
+            minutes) before the run fails with an error instead of hanging. Raise it when nodes start minutes
+            apart or one rank works alone for long while the others wait (a long ``prepare_data`` download on
+            local rank 0, an evaluation only rank 0 runs).
+        start_method: how the extra processes are started: ``"popen"`` (re-run the script, like ``ddp``),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    """
+
+    strategy_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        check_choice("start_method", start_method, START_METHODS)
+        super().__init__(  # DDPStrategy's state for its inherited helpers; its DDP-wrapping paths are never taken
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            start_method=start_method,
+        )
+        if process_group_backend is not None:
+            check_choice("process_group_backend", process_group_backend, BACKENDS)
+        self._process_group_backend = process_group_backend
+        self._timeout = check_timeout(timeout, DEFAULT_TIMEOUT)
+        self._start_method = start_method
+        self._num_nodes = 1
+        #: the process group that carries gradient and weight traffic (never interleaved with Lightning's)
+        self.gradient_group: Optional[dist.ProcessGroup] = None
+        self._peers = PeerDirectory()
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    @override
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        # called in the launching process once the world size is known: check options that depend on it now
+        self._check_world_size(self.num_nodes * self.num_processes)
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _check_world_size(self, world_size: int) -> None:
+        """Validate options against the number of processes (subclasses)."""
+
+    @override
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        # the accelerator first (it selects the CUDA device NCCL binds to), then the process groups; DDPStrategy's
+        # own version would join them before the device is set
+        ParallelStrategy.setup_environment(self)
+        self.setup_distributed()
+
+    @override
+    def setup_distributed(self) -> None:
+        """Join the default process group (sockets on the configured interface only, see
+        :mod:`lightning_dp.comm.rendezvous`), then create the group that carries gradient traffic."""
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        env = self.cluster_environment
+        assert env is not None
+        if not _distributed_is_initialized():
+            init_bound_process_group(
+                self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
+                self._timeout, single_host=self.num_nodes == 1,
+            )  # fmt: skip
+            # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
+            os.environ["MASTER_ADDR"] = env.main_address
+            os.environ["MASTER_PORT"] = str(env.main_port)
+            if self._process_group_backend == "nccl":
+                atexit.register(_destroy_dist_connection)
+        self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
+            self._peers = PeerDirectory.build()
+        self._check_world_size(self.world_size)
+
+    # ------------------------------------------------------------------ Lightning's collectives, naming lost peers
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        with naming_lost_peer("a barrier", directory=self._peers):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        with naming_lost_peer("Lightning's broadcast", directory=self._peers):
+            dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        """Lightning's reduction of logged values and decisions, on the default group."""
+        if isinstance(tensor, Tensor):
+            what = "Lightning's reduce (sync_dist logging or a collective decision)"
+            with naming_lost_peer(what, group, self._peers):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        with naming_lost_peer("Lightning's all_gather", group, self._peers):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Each concrete strategy registers its own names (not DDPStrategy's ``ddp`` entries)."""
+
+    @classmethod
+    def _register_variants(cls, strategy_registry: Any, name: str, description: str) -> None:
+        """Register ``name`` (popen, like ``ddp``) plus ``name_spawn`` and ``name_fork`` variants."""
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            strategy_registry.register(
+                name + suffix,
+                cls,
+                description=f"{description} (start_method={start_method!r})",
+                override=True,
+                start_method=start_method,
+            )
