@@ -6,7 +6,8 @@ behaviour the project relies on. Public Lightning API is imported where it is us
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.distributed import (
@@ -75,4 +76,4 @@ def patch_hydra_subprocess_command(command: Callable[[int], tuple[list[str], str
                 f"commands differently, and lightning-dp's Hydra support (tested with Lightning "
                 f"{', '.join(TESTED_LIGHTNING)}) cannot fix them"
             )
-        module._hydra_subprocess_cmd = command
+        module._hydra_subprocess_cmd = command  # type: ignore[attr-defined]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 _CONFIG_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn", "-cd")
 
@@ -37,9 +37,10 @@ def _config_flags(argv: Sequence[str]) -> list[str]:
 
 def subprocess_command(local_rank: int) -> tuple[list[str], str]:
     """The command and working directory that start rank ``local_rank`` of the current Hydra job."""
-    import __main__
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
 
     config = HydraConfig.get()
     if __main__.__spec__ is None:

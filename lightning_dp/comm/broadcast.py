@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ def broadcast_tensors(tensors: Iterable[Tensor], src: int = 0, group: dist.Proce
     for t in tensors:
         if t.numel():
             by_kind[(t.dtype, t.device)].append(t)
-    for (dtype, device), group_tensors in by_kind.items():
+    for group_tensors in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
         dist.broadcast(flat, group=group, group_src=src)
         offset = 0

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_dp.comm.errors import SparseGradientError, UnsupportedChangeError
-
 
 #: the first bucket is small, as in DistributedDataParallel, so communication starts early in backward
 FIRST_BUCKET_CAP_BYTES = 1024 * 1024
@@ -190,7 +189,7 @@ class BucketReducer:
         #: accumulations of each parameter's gradient in the current backward, and how many a complete backward
         #: brings (learned on the first synchronized backward; ``None`` until then)
         self._accumulations = {id(p): 0 for p in self.params}
-        self._expected: Optional[dict[int, int]] = None
+        self._expected: dict[int, int] | None = None
         self._next_launch = 0
         self._futures: list[Future] = []
         self._lock = threading.Lock()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 
-def first_nonfinite(grads: Sequence[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
+def first_nonfinite(grads: Sequence[tuple[Tensor, Tensor]]) -> Tensor | None:
     """The first parameter of ``(parameter, gradient)`` pairs whose gradient holds NaN or infinity, or ``None``
     (one device synchronization when all are finite)."""
     if not grads:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import PeerUnreachableError
 
 
-def post(ops: list[tuple[str, "torch.Tensor", int, int]], group: Optional[dist.ProcessGroup]) -> list[Optional[dist.Work]]:
+def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup | None) -> list[dist.Work | None]:
     """Start ``(kind, tensor, group_peer, tag)`` sends/receives (kind ``"send"`` or ``"recv"``) as one batch and
     return their works in the same order (``None`` for empty tensors, which are skipped on both ends).
 
@@ -23,22 +21,22 @@ def post(ops: list[tuple[str, "torch.Tensor", int, int]], group: Optional[dist.P
             op = dist.irecv if kind == "recv" else dist.isend
             batch.append(dist.P2POp(op, tensor, group=group, tag=tag, group_peer=peer))
             index.append(i)
-    works: list[Optional[dist.Work]] = [None] * len(ops)
+    works: list[dist.Work | None] = [None] * len(ops)
     if batch:
         for i, work in zip(index, dist.batch_isend_irecv(batch)):
             works[i] = work
     return works
 
 
-def wait_for(work: Optional[dist.Work], group: Optional[dist.ProcessGroup], peer: int, action: str) -> None:
+def wait_for(work: dist.Work | None, group: dist.ProcessGroup | None, peer: int, action: str) -> None:
     """Wait for ``work`` (a send to / receive from group rank ``peer``); re-raise failures naming both ranks."""
     if work is None:
         return
     try:
         work.wait()
     except Exception as error:  # gloo and NCCL raise RuntimeError subclasses with transport details
-        group = group if group is not None else dist.group.WORLD
-        me, them = dist.get_rank(), dist.get_global_rank(group, peer)
+        me = dist.get_rank()
+        them = dist.get_global_rank(group, peer) if group is not None else peer  # the default group's ranks are global
         raise PeerUnreachableError(
             f"rank {me} could not {action} rank {them}: the peer is unreachable (it may have died, its link may be "
             f"down, or it did not answer within the strategy's timeout). Transport error: {error}"

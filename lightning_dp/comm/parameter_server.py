@@ -19,7 +19,7 @@ same bits.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ def _average_in_rank_order(contributions: Iterable[torch.Tensor], size: int, out
     a lazy iterable can wait for each message just before it is added); 16-bit floats are divided before they
     are summed, so that large gradients do not overflow (see :func:`~lightning_dp.comm.ring.divides_first`)."""
     first = divides_first(out.dtype)
-    total: Optional[torch.Tensor] = None
+    total: torch.Tensor | None = None
     for contribution in contributions:
         term = contribution / size if first else contribution
         total = term.clone() if total is None else total.add_(term)
@@ -48,7 +48,7 @@ def _average_in_rank_order(contributions: Iterable[torch.Tensor], size: int, out
     out.copy_(total if first else total.div_(size))
 
 
-def _wait(works: list[tuple[Optional[dist.Work], int, str]], group: dist.ProcessGroup | None) -> None:
+def _wait(works: list[tuple[dist.Work | None, int, str]], group: dist.ProcessGroup | None) -> None:
     for work, peer, action in works:
         wait_for(work, group, peer, action)
 
@@ -99,8 +99,8 @@ def pull_weights(
     if size == 1 or buffer.numel() == 0:
         return
     if rank == server:
-        _wait([(dist.isend(buffer, group=group, group_dst=p), p, "send weights to") for p in range(size) if p != server],
-              group)  # fmt: skip
+        peers = [p for p in range(size) if p != server]
+        _wait([(dist.isend(buffer, group=group, group_dst=p), p, "send weights to") for p in peers], group)
         if stats is not None:
             stats.add(sent=_nbytes(buffer) * (size - 1))
     else:

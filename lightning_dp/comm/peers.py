@@ -4,14 +4,13 @@ lost peer or link into :class:`~lightning_dp.comm.errors.PeerUnreachableError` n
 from __future__ import annotations
 
 import re
+from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Generator, Optional
 
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import PeerUnreachableError
 from lightning_dp.comm.sockets import tcp_sockets
-
 
 #: fragments of the messages gloo and NCCL raise when a peer or its link is gone (often as plain RuntimeErrors);
 #: other failures (out of memory, invalid usage) must keep their own message
@@ -36,11 +35,11 @@ class PeerDirectory:
     every rank shares the local endpoints of its sockets. Empty where /proc is not available.
     """
 
-    def __init__(self, owners: Optional[dict[str, int]] = None) -> None:
+    def __init__(self, owners: dict[str, int] | None = None) -> None:
         self.owners = owners or {}
 
     @classmethod
-    def build(cls, group: Optional[dist.ProcessGroup] = None) -> "PeerDirectory":
+    def build(cls, group: dist.ProcessGroup | None = None) -> PeerDirectory:
         try:
             mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
         except OSError:  # best effort: every rank must still take part in the gather below
@@ -49,7 +48,7 @@ class PeerDirectory:
         dist.all_gather_object(everyone, (dist.get_rank(), mine), group=group)
         return cls({endpoint: rank for rank, endpoints in everyone for endpoint in endpoints})
 
-    def rank_in(self, message: str, exclude: Optional[int] = None) -> Optional[int]:
+    def rank_in(self, message: str, exclude: int | None = None) -> int | None:
         """The rank (other than ``exclude``) owning an endpoint ``[address]:port`` that ``message`` mentions."""
         found = re.findall(r"\[(?:::ffff:)?([0-9A-Fa-f.:]+)\]:(\d+)", message)
         # gloo prints some ports in network byte order: the byte-swapped number only if the literal one is unknown
@@ -68,7 +67,7 @@ class PeerDirectory:
 
 @contextmanager
 def naming_lost_peer(
-    what: str, group: Optional[dist.ProcessGroup] = None, directory: Optional[PeerDirectory] = None
+    what: str, group: dist.ProcessGroup | None = None, directory: PeerDirectory | None = None
 ) -> Generator[None, None, None]:
     """Re-raise a transport failure inside the block as :class:`PeerUnreachableError`, saying during ``what`` it
     happened and which rank was lost: in a group of two the other rank, otherwise the one ``directory`` finds

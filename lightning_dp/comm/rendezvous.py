@@ -19,7 +19,6 @@ import os
 import socket
 import struct
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -33,7 +32,7 @@ def resolve(host: str) -> str:
     try:
         return str(ipaddress.IPv4Address(host))
     except ValueError:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
 
 
 def local_address_towards(host: str) -> str:
@@ -46,7 +45,7 @@ def local_address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-def interface_with_address(address: str) -> Optional[str]:
+def interface_with_address(address: str) -> str | None:
     """The name of the network interface whose (primary) IPv4 address is ``address`` (Linux), or ``None``."""
     try:
         import fcntl
@@ -63,7 +62,7 @@ def interface_with_address(address: str) -> Optional[str]:
     return None
 
 
-def _listening_socket(address: str, port: int) -> Optional[int]:
+def _listening_socket(address: str, port: int) -> int | None:
     """A socket listening on ``address:port`` (its file descriptor, ownership passed on), or ``None`` if
     ``address`` is not an address of this machine."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -90,23 +89,26 @@ def _agent_hosts_store(main_address: str, main_port: int) -> bool:
 
 
 def _store(
-    main_address: str, address: Optional[str], main_port: int, rank: int, world_size: int, timeout: timedelta
+    main_address: str, address: str | None, main_port: int, rank: int, world_size: int, timeout: timedelta
 ) -> dist.TCPStore:
     """The rendezvous store: rank 0 serves it on ``address:main_port`` only (everywhere if ``address`` is
     ``None``), unless torchrun's agent serves it."""
     if rank != 0 or _agent_hosts_store(main_address, main_port):
         return dist.TCPStore(main_address, main_port, world_size, False, timeout=timeout)
     # multi_tenant: a later run in this process on the same port (a sweep, a fixed SLURM port) shares the server
-    serve = dict(is_master=True, timeout=timeout, multi_tenant=True)
     try:
         listen_fd = _listening_socket(address, main_port) if address is not None else None
     except OSError as error:
         if error.errno != errno.EADDRINUSE:
             raise
-        return dist.TCPStore(main_address, main_port, world_size, **serve)  # shares this process's server, if any
+        # shares this process's server, if any
+        return dist.TCPStore(main_address, main_port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
     if listen_fd is None and address is not None:
         log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens everywhere", main_address)
-    return dist.TCPStore(main_address, main_port, world_size, wait_for_workers=False, master_listen_fd=listen_fd, **serve)
+    return dist.TCPStore(
+        main_address, main_port, world_size, is_master=True, timeout=timeout, multi_tenant=True,
+        wait_for_workers=False, master_listen_fd=listen_fd,
+    )  # fmt: skip
 
 
 def init_bound_process_group(
@@ -123,6 +125,8 @@ def init_bound_process_group(
 
     A loopback main address in a run over several hosts (a hostname that resolves to 127.0.1.1 on its own node,
     as Debian's /etc/hosts does) cannot be what the other nodes reach, so there nothing is narrowed."""
+    address: str | None
+    interface: str | None
     try:
         address = resolve(main_address)
         if not single_host and ipaddress.IPv4Address(address).is_loopback:
@@ -140,7 +144,6 @@ def init_bound_process_group(
         if single_host:  # across hosts NCCL picks its fast interfaces (InfiniBand, several NICs) itself
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
-    store = _store(main_address, address, main_port, rank, world_size, timeout)
     # the prefix init_process_group gives its own rendezvous store: keys never collide with torchrun's agent
-    store = dist.PrefixStore("default_pg", store)
+    store = dist.PrefixStore("default_pg", _store(main_address, address, main_port, rank, world_size, timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

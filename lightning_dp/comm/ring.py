@@ -11,7 +11,8 @@ Every chunk is reduced on exactly one rank and then copied, so all ranks end wit
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ class Ring:
 
     def exchange(
         self, send: torch.Tensor, recv: torch.Tensor, tag: int, stats: CommStats | None
-    ) -> tuple[Optional[dist.Work], Optional[dist.Work]]:
+    ) -> tuple[dist.Work | None, dist.Work | None]:
         """Start sending ``send`` to the right neighbour and receiving ``recv`` from the left one, as one batch
         (receive first); returns ``(receive work, send work)``."""
         if stats is not None:
@@ -107,10 +108,11 @@ def _pipelined_phase(
     by piece, as soon as that piece is ready."""
     n = ring.size
     num_pieces, largest_piece, piece = _pieces(flat, ring)
-    scratch = torch.empty(num_pieces * largest_piece, dtype=flat.dtype, device=flat.device) if reduce else None
-    sends: list[Optional[dist.Work]] = []
+    # received pieces wait here to be added (reduce) or land in place (gather)
+    scratch = torch.empty(num_pieces * largest_piece if reduce else 0, dtype=flat.dtype, device=flat.device)
+    sends: list[dist.Work | None] = []
 
-    def post(step: int, p: int) -> Optional[dist.Work]:
+    def post(step: int, p: int) -> dist.Work | None:
         s0, s1 = piece(send_chunk(step), p)
         r0, r1 = piece(recv_chunk(step), p)
         target = scratch[p * largest_piece : p * largest_piece + r1 - r0] if reduce else flat[r0:r1]

@@ -14,8 +14,9 @@ on that element's gradient and state.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,11 @@ class ShardPiece:
     def slice_state(self, key: str, value: Any) -> Any:
         """This piece of one entry of the parameter's full (unsharded) optimizer state."""
         param = self.param
-        if isinstance(value, Tensor) and value.shape == param.shape and (param.dim() > 0 or key not in SCALAR_STATE_KEYS):
+        if (
+            isinstance(value, Tensor)
+            and value.shape == param.shape
+            and (param.dim() > 0 or key not in SCALAR_STATE_KEYS)
+        ):
             return value.reshape(-1)[self.start : self.end].clone()
         return value.clone() if isinstance(value, Tensor) else value
 
@@ -135,7 +140,7 @@ class ShardedOptimizer:
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, layout: ShardLayout, group: Optional[dist.ProcessGroup] = None
+        self, optimizer: torch.optim.Optimizer, layout: ShardLayout, group: dist.ProcessGroup | None = None
     ) -> None:
         check_shardable(optimizer)
         self.optimizer = optimizer
@@ -149,7 +154,7 @@ class ShardedOptimizer:
         )
         #: the parameters of each of ``optimizer``'s groups as the shard mirrors them
         self._mirrored = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
-        self._consolidated: Optional[dict[str, Any]] = None
+        self._consolidated: dict[str, Any] | None = None
         params = self._params()
         self._device = params[0].device if params else torch.device("cpu")
 
@@ -237,7 +242,7 @@ class ShardedOptimizer:
         local = [(index_of[id(pc.param)], pc.start, pc.end, _to_cpu(self.shard.state[t]))
                  for pc, t in zip(self.pieces, shard_tensors) if t in self.shard.state]  # fmt: skip
         rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        gathered: Optional[list] = [None] * size if rank == to else None
+        gathered: list | None = [None] * size if rank == to else None
         dist.gather_object(local, gathered, group=self.group, group_dst=to)
         if gathered is None:
             self._consolidated = None
@@ -258,12 +263,17 @@ class ShardedOptimizer:
             for key, value in full.items():
                 if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == params[k].numel():
                     full[key] = value.view_as(params[k]).to(params[k].device)
-        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": self.optimizer.state_dict()["param_groups"]}
+        self._consolidated = {
+            "state": dict(sorted(state.items())),
+            "param_groups": self.optimizer.state_dict()["param_groups"],
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The full state gathered by the last :meth:`consolidate_state_dict` (on the rank it was gathered to)."""
         if self._consolidated is None:
-            raise RuntimeError("call consolidate_state_dict() on every rank first; state_dict() answers on its `to` rank")
+            raise RuntimeError(
+                "call consolidate_state_dict() on every rank first; state_dict() answers on its `to` rank"
+            )
         return self._consolidated
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ every reduction is bit-identical on all ranks that hold its result.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -32,13 +32,13 @@ Segment = tuple[int, int]
 class Transport(ABC):
     """One way of averaging and distributing buckets over the ranks of ``group``."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         self.ring = Ring(group)
         self.group = self.ring.group
         self.rank, self.size = self.ring.rank, self.ring.size
         self.stats = stats if stats is not None else CommStats()
 
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:  # noqa: B027 - most transports need no layout
         """Lay out the ownership of ``buckets`` (every rank passes the same buckets); called once at set-up."""
 
     @abstractmethod
@@ -76,9 +76,7 @@ class CentralServerTransport(Transport):
     """One server rank: :meth:`reduce` is a fan-in to it (it averages in rank order), :meth:`share` a fan-out of
     its bucket, used-flags included. The server moves ``(N - 1) S`` bytes each way, a worker ``S``."""
 
-    def __init__(
-        self, server: int, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None
-    ) -> None:
+    def __init__(self, server: int, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         super().__init__(group, stats)
         self.server = server
 
@@ -102,7 +100,7 @@ class ShardedServerTransport(Transport):
     each shard to its owner, which averages it, and sums the used-flags everywhere (one small all-reduce of P
     flags); :meth:`share` sends every owner's shard to all. Each moves ``(N - 1) / N S`` bytes each way."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, stats: Optional[CommStats] = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         super().__init__(group, stats)
         #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns
         self.segments: list[list[Segment]] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
@@ -67,7 +69,7 @@ class ReferenceCNN(LightningModule):
         return self(x).argmax(dim=1)
 
     def configure_optimizers(self):
-        hp = self.hparams
+        hp: Any = self.hparams  # an AttributeDict
         if hp.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay)
         cls = torch.optim.AdamW if hp.optimizer == "adamw" else torch.optim.Adam

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 def _check_batch_size(batch_size: int) -> None:
@@ -55,11 +55,13 @@ class DigitsDataModule(_LoadersMixin, LightningDataModule):
         super().__init__()
         _check_batch_size(batch_size)
         if test_size < 1 or val_size < 1 or test_size + val_size >= 1797:
-            raise ValueError(f"test_size and val_size must be positive and leave training data, got {test_size}, {val_size}")
+            raise ValueError(
+                f"test_size and val_size must be positive and leave training data, got {test_size}, {val_size}"
+            )
         self.batch_size, self.test_size, self.val_size = batch_size, test_size, val_size
         self.seed, self.num_workers = seed, num_workers
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         from sklearn.datasets import load_digits
 
         digits = load_digits()
@@ -67,9 +69,11 @@ class DigitsDataModule(_LoadersMixin, LightningDataModule):
         images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False)
         labels = torch.tensor(digits.target, dtype=torch.long)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
-        test, val, train = order[: self.test_size], order[self.test_size : self.test_size + self.val_size], order[
-            self.test_size + self.val_size :
-        ]
+        test, val, train = (
+            order[: self.test_size],
+            order[self.test_size : self.test_size + self.val_size],
+            order[self.test_size + self.val_size :],
+        )
         mean, std = images[train].mean(), images[train].std()
         images = (images - mean) / std
         self.train_set = TensorDataset(images[train], labels[train])
@@ -88,7 +92,12 @@ class MNISTDataModule(_LoadersMixin, LightningDataModule):
     MEAN, STD = 0.1307, 0.3081
 
     def __init__(
-        self, data_dir: str = "data", batch_size: int = 64, val_size: int = 5000, download: bool = False, num_workers: int = 0
+        self,
+        data_dir: str = "data",
+        batch_size: int = 64,
+        val_size: int = 5000,
+        download: bool = False,
+        num_workers: int = 0,
     ) -> None:
         super().__init__()
         _check_batch_size(batch_size)
@@ -107,7 +116,7 @@ class MNISTDataModule(_LoadersMixin, LightningDataModule):
             MNIST(self.data_dir, train=True, download=True)
             MNIST(self.data_dir, train=False, download=True)
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         from torchvision.datasets import MNIST
 
         full = MNIST(self.data_dir, train=True, transform=self._transform())
@@ -136,7 +145,7 @@ class FakeDataModule(_LoadersMixin, LightningDataModule):
         self.num_samples, self.image_shape, self.num_classes = num_samples, tuple(image_shape), num_classes
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         g = torch.Generator().manual_seed(self.seed)
         images = torch.randn(self.num_samples, *self.image_shape, generator=g)
         labels = torch.randint(0, self.num_classes, (self.num_samples,), generator=g)

@@ -14,9 +14,10 @@ A subclass provides :meth:`_make_transport`; a scheme whose servers run the opti
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Generator, Literal, Optional, Union
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -58,15 +59,15 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -81,8 +82,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         )
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
-        self.reducer: Optional[BucketReducer] = None
-        self.transport: Optional[Transport] = None
+        self.reducer: BucketReducer | None = None
+        self.transport: Transport | None = None
         self.codec = Codec()
         #: bytes moved by the last step, bucket size, seconds of communication (see :class:`SyncStats`)
         self.sync_stats = SyncStats()
@@ -94,7 +95,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     # ------------------------------------------------------------------ model set-up
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -129,7 +130,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
                 "to keep sparse gradients (e.g. for torch.optim.SparseAdam)."
             )
 
-    def _gradients_everywhere(self, trainer: "pl.Trainer") -> bool:
+    def _gradients_everywhere(self, trainer: pl.Trainer) -> bool:
         """Whether every rank must hold the averaged gradients in ``param.grad`` after backward."""
         return True
 
@@ -261,10 +262,12 @@ class DataParallelStrategy(ProcessGroupStrategy):
         own rule is to skip such steps."""
         return getattr(self.precision_plugin, "scaler", None) is None
 
-    def _raise_nonfinite(self, param: Optional[Tensor]) -> None:
+    def _raise_nonfinite(self, param: Tensor | None) -> None:
         assert self.lightning_module is not None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        where = f" (rank {self.global_rank} saw it in parameter {names.get(id(param), '?')!r})" if param is not None else ""
+        where = (
+            f" (rank {self.global_rank} saw it in parameter {names.get(id(param), '?')!r})" if param is not None else ""
+        )
         raise NonFiniteGradientError(
             f"non-finite (NaN or infinite) averaged gradient at global step {self.lightning_module.global_step}"
             f"{where}; every rank stops here, before the optimizer step, so the weights are still finite"
@@ -334,7 +337,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         return [unwrap_optimizer(o) for o in self.optimizers]
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if sync_grads and self.reducer is not None and self._process_group_backend == "nccl":
             self.reducer.stop_overlap()  # its backward all-reduces on the default group (see _may_overlap_backward)
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)

@@ -12,14 +12,16 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
-def gradient_readers(trainer: "pl.Trainer", module: "pl.LightningModule") -> list[str]:
+def gradient_readers(trainer: pl.Trainer, module: pl.LightningModule) -> list[str]:
     """What in this run may read or edit gradients between backward and the optimizer step: overridden gradient
     hooks of the module and of callbacks, a custom ``configure_gradient_clipping``, and manual optimization (whose
     ``training_step`` may touch ``param.grad`` between ``manual_backward`` and ``optimizer.step``)."""
     found = [f"{type(module).__name__}.{hook}" for hook in (*GRADIENT_HOOKS, "configure_gradient_clipping")
              if is_overridden(hook, module, pl.LightningModule)]  # fmt: skip
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        found += [f"{type(callback).__name__}.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)]
+        found += [
+            f"{type(callback).__name__}.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)
+        ]
     if not module.automatic_optimization:
         found.append("manual optimization")
     return found
@@ -28,5 +30,6 @@ def gradient_readers(trainer: "pl.Trainer", module: "pl.LightningModule") -> lis
 def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
     """Names of the submodules that produce sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with
     ``sparse=True``)."""
+    embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     return [name or type(module).__name__ for name, m in module.named_modules()
-            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]  # fmt: skip
+            if isinstance(m, embeddings) and m.sparse and m.weight.requires_grad]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 from lightning_dp.comm.errors import ConfigurationError
 
@@ -18,7 +18,7 @@ def check_choice(option: str, value: Any, allowed: tuple) -> Any:
 
 
 def check_positive(option: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
         raise ConfigurationError(f"{option} must be a positive number, got {value!r}")
     return float(value)
 
@@ -30,12 +30,12 @@ def check_flag(option: str, value: Any) -> bool:
 
 
 def check_rank(option: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
         raise ConfigurationError(f"{option} must be a rank in [0, world_size), got {value!r}")
     return int(value)
 
 
-def check_timeout(value: Union[timedelta, float, None], default: timedelta) -> timedelta:
+def check_timeout(value: timedelta | float | None, default: timedelta) -> timedelta:
     if value is None:
         return default
     if isinstance(value, timedelta):

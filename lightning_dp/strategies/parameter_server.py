@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,15 +72,15 @@ class ParameterServerStrategy(ParameterServerBase):
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
         return [unwrap_optimizer(o) for o in self.optimizers] if self.is_server else []
 
-    # ------------------------------------------------------------------ checkpoints: the server's state, in torch layout
+    # ------------------------------------------------------------------ checkpoints: the server's state, torch layout
     @override
     def optimizer_state(self, optimizer: Any) -> dict:
         """The server's full optimizer state on rank 0 (collective: every rank calls it when checkpointing)."""
         optimizer = unwrap_optimizer(optimizer)
-        state = optimizer.state_dict() if self.is_server else None
+        state = optimizer.state_dict() if self.is_server else {}
         if self.server_rank == 0:
-            return state if self.is_global_zero else {}
-        gathered = [None] * self.world_size if self.is_global_zero else None
+            return state
+        gathered: list[dict] | None = [{} for _ in range(self.world_size)] if self.is_global_zero else None
         dist.gather_object(state, gathered, dst=0)
         return gathered[self.server_rank] if gathered is not None else {}
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -47,7 +48,7 @@ class ParameterServerBase(DataParallelStrategy):
     _every_rank_steps = False
 
     @override
-    def _gradients_everywhere(self, trainer: "pl.Trainer") -> bool:
+    def _gradients_everywhere(self, trainer: pl.Trainer) -> bool:
         assert self.lightning_module is not None and self.gradient_group is not None
         readers = gradient_readers(trainer, self.lightning_module)
         # every rank must send the same messages: one rank's reader (a callback added on rank 0 only) decides for all

@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 from datetime import timedelta
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -64,13 +64,13 @@ class ProcessGroupStrategy(DDPStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[timedelta, float, None] = DEFAULT_TIMEOUT,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         check_choice("start_method", start_method, START_METHODS)
@@ -89,7 +89,7 @@ class ProcessGroupStrategy(DDPStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         #: the process group that carries gradient and weight traffic (never interleaved with Lightning's)
-        self.gradient_group: Optional[dist.ProcessGroup] = None
+        self.gradient_group: dist.ProcessGroup | None = None
         self._peers = PeerDirectory()
 
     @property
@@ -124,7 +124,7 @@ class ProcessGroupStrategy(DDPStrategy):
 
     @property
     @override
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @override
@@ -145,7 +145,7 @@ class ProcessGroupStrategy(DDPStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup_environment(self) -> None:
@@ -164,17 +164,21 @@ class ProcessGroupStrategy(DDPStrategy):
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         env = self.cluster_environment
         assert env is not None
+        timeout = self._timeout
+        assert timeout is not None  # set in __init__
         if not _distributed_is_initialized():
             init_bound_process_group(
                 self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
-                self._timeout, single_host=self.num_nodes == 1,
+                timeout, single_host=self.num_nodes == 1,
             )  # fmt: skip
             # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
-        self.gradient_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+        # every rank is a member of the new group (torch returns a sentinel only to non-members)
+        group = dist.new_group(backend=self._process_group_backend, timeout=timeout)
+        self.gradient_group = cast(dist.ProcessGroup, group)
         if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
             self._peers = PeerDirectory.build()
         self._check_world_size(self.world_size)
@@ -200,9 +204,7 @@ class ProcessGroupStrategy(DDPStrategy):
         return container[0]
 
     @override
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         """Lightning's reduction of logged values and decisions, on the default group."""
         if isinstance(tensor, Tensor):
             what = "Lightning's reduce (sync_dist logging or a collective decision)"
@@ -211,7 +213,7 @@ class ProcessGroupStrategy(DDPStrategy):
         return tensor
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         with naming_lost_peer("Lightning's all_gather", group, self._peers):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
