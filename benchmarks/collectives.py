@@ -1,8 +1,8 @@
 """Collectives benchmark (no Lightning): this project's ring all-reduce, gloo's all_reduce, the central and the
 sharded parameter server (push + pull), and the point-to-point bandwidth of the same transport, in one run.
 
-    python benchmarks/collectives.py                 # N = 2, 3, 4; buffers 1, 4, 16, 64 MB
-    python benchmarks/collectives.py --quick         # N = 2, 3; buffers 1, 4, 16 MB; fewer repeats
+    python -m benchmarks.collectives                 # N = 2, 3, 4; buffers 1, 4, 16, 64 MB
+    python -m benchmarks.collectives --quick         # N = 2, 3; buffers 1, 4, 16 MB; fewer repeats
 
 Bus bandwidth follows nccl-tests: busbw = S / t * 2 (N - 1) / N, the rate each rank's link must sustain for an
 all-reduce of S bytes in t seconds; a bandwidth-optimal algorithm approaches the point-to-point bandwidth.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -22,13 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from report import save  # noqa: E402
-
-from lightning_dp.comm import Ring, ring_allreduce  # noqa: E402
-from lightning_dp.comm.parameter_server import (  # noqa: E402
+from benchmarks.report import save
+from lightning_dp.comm import Ring, ring_allreduce
+from lightning_dp.comm.parameter_server import (
     pull_shards,
     pull_weights,
     push_gradients,

@@ -5,9 +5,9 @@ bytes under each scheme beside the analytic time of the classic bandwidth model:
     ring all-reduce and sharded PS:   2 (N - 1) / N * S / B   (every link carries the same load)
     central PS (the server's link):   2 (N - 1) * S / B       (fan-in then fan-out through one link)
 
-    sudo python benchmarks/emulated_cluster.py                       # N = 2, 3, 4 hosts, S = 16 MB, 1 Gbit/s
-    sudo python benchmarks/emulated_cluster.py --quick               # N = 3, S = 8 MB
-    sudo python benchmarks/emulated_cluster.py --rate-mbit 500 --size-mb 32
+    sudo python -m benchmarks.emulated_cluster                       # N = 2, 3, 4 hosts, S = 16 MB, 1 Gbit/s
+    sudo python -m benchmarks.emulated_cluster --quick               # N = 3, S = 8 MB
+    sudo python -m benchmarks.emulated_cluster --rate-mbit 500 --size-mb 32
 
 Needs root and iproute2. Namespaces are named lddp-*; addresses 10.77.0.0/24 exist only inside them. All of it
 is removed at the end, also on errors. Writes results/emulated_cluster.{json,md}.
@@ -22,18 +22,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
+from benchmarks.report import save
 
-from netns import IFNAME, SUBNET, emulated_hosts  # noqa: E402
-from report import save  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-    from collectives import timed
+    from benchmarks.collectives import timed
     from lightning_dp.comm import ring_allreduce
     from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
 
@@ -59,10 +58,12 @@ def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, 
 def measure(n: int, size_mb: float, rate_mbit: float, repeats: int, tmp: Path) -> dict:
     out = tmp / f"n{n}.json"
     port = 29500 + n
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the workers import benchmarks.* from any working directory
     with emulated_hosts(n, rate_mbit) as hosts:
         procs = [
-            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", str(rank), str(n),
-                              str(size_mb), str(repeats), str(port), str(out)])  # fmt: skip
+            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.emulated_cluster",
+                              "--worker", str(rank), str(n), str(size_mb), str(repeats), str(port), str(out)],
+                             env=env)  # fmt: skip
             for rank, ns in enumerate(hosts)
         ]
         try:
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if os.geteuid() != 0:
-        sys.exit("emulated_cluster.py needs root (network namespaces and tc)")
+        sys.exit("benchmarks.emulated_cluster needs root (network namespaces and tc)")
     world_sizes = args.world_sizes or ([3] if args.quick else [2, 3, 4])
     size_mb = args.size_mb or (8.0 if args.quick else 16.0)
     import tempfile

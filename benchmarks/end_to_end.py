@@ -1,14 +1,14 @@
 """End-to-end benchmark: optimizer steps per second, peak memory, optimizer-state bytes and hidden communication
 per rank, for every strategy against Lightning's ``ddp`` in the same run.
 
-    python benchmarks/end_to_end.py                  # reference CNN and ResNet-18, N = 2 and 4
-    python benchmarks/end_to_end.py --quick          # reference CNN and ResNet-18, N = 2, fewer steps
-    sudo python benchmarks/end_to_end.py --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
+    python -m benchmarks.end_to_end                  # reference CNN and ResNet-18, N = 2 and 4
+    python -m benchmarks.end_to_end --quick          # reference CNN and ResNet-18, N = 2, fewer steps
+    sudo python -m benchmarks.end_to_end --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
                                                      # one node per emulated host, rate-limited links
 
 Each (model, N, strategy) is a separate ``Trainer.fit`` on fake data, started the way users start it (the popen
-launcher re-runs this script per rank). Steps/s is measured after warm-up steps, as the median over ranks of
-(timed steps / time). Writes results/end_to_end.{json,md}.
+launcher re-runs ``python -m benchmarks.end_to_end`` per rank). Steps/s is measured after warm-up steps, as the
+median over ranks of (timed steps / time). Writes results/end_to_end.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.report import save
 
-from report import save  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("ddp", "ring_allreduce", "parameter_server", "sharded_ps")
 MODELS = {
@@ -137,17 +137,16 @@ def hidden_fraction(ranks: list[dict]) -> float:
 
 def run_emulated(model: str, hosts: int, rate_mbit: float, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
     """One Lightning node per emulated host (network namespace), links shaped to ``rate_mbit``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from netns import IFNAME, SUBNET, emulated_hosts
+    from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
 
     result_dir = tmp / f"emulated-{model}-{hosts}-{strategy}"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO),
            "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": "29800", "GLOO_SOCKET_IFNAME": IFNAME}  # fmt: skip
     with emulated_hosts(hosts, rate_mbit) as namespaces:
         procs = [
-            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", "--model", model,
-                              "--devices", "1", "--num-nodes", str(hosts), "--strategy", strategy, "--steps",
-                              str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)],
+            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.end_to_end", "--worker",
+                              "--model", model, "--devices", "1", "--num-nodes", str(hosts), "--strategy", strategy,
+                              "--steps", str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)],
                              env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for rank, ns in enumerate(namespaces)
         ]  # fmt: skip
@@ -185,9 +184,9 @@ def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) 
 
 def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
     result_dir = tmp / f"{model}-{devices}-{strategy}"
-    cmd = [sys.executable, __file__, "--worker", "--model", model, "--devices", str(devices), "--strategy", strategy,
-           "--steps", str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)]  # fmt: skip
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
+           "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(devices)]
 

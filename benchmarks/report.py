@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def command_line() -> str:
-    """How this benchmark was started, as a user would type it."""
-    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    """How this benchmark was started, as a user would type it (``python -m benchmarks.<name> ...``)."""
+    return " ".join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
 
 
 def save(out: Path | str, name: str, rows: list[dict], lines: list[str]) -> None:

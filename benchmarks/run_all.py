@@ -1,7 +1,7 @@
 """Run every benchmark in one go and collect the tables in results/.
 
-    python benchmarks/run_all.py            # full: a few tens of minutes on 2 CPU cores
-    python benchmarks/run_all.py --quick    # under 5 minutes
+    python -m benchmarks.run_all            # full: a few tens of minutes on 2 CPU cores
+    python -m benchmarks.run_all --quick    # under 5 minutes
 
 The emulated-cluster benchmark needs root (network namespaces); without it, it is skipped with a note.
 """
@@ -23,14 +23,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     quick = ["--quick"] if args.quick else []
-    scripts = ["collectives.py", "end_to_end.py"]
+    modules = ["benchmarks.collectives", "benchmarks.end_to_end"]
     if os.geteuid() == 0:
-        scripts.append("emulated_cluster.py")
+        modules.append("benchmarks.emulated_cluster")
     else:
-        print("not root: skipping emulated_cluster.py (it creates network namespaces)")
-    for script in scripts:
-        print(f"== {script}", flush=True)
-        subprocess.run([sys.executable, str(HERE / script), *quick, "--out", args.out], check=True)
+        print("not root: skipping benchmarks.emulated_cluster (it creates network namespaces)")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # the repository root, whatever the working directory
+    for module in modules:
+        print(f"== {module}", flush=True)
+        subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
     tables = [Path(args.out) / f"{name}.md" for name in ("collectives", "end_to_end", "emulated_cluster")]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

@@ -1,4 +1,5 @@
-"""The benchmark scripts still run (smallest settings; the numbers themselves are not asserted here)."""
+"""The benchmarks still run as ``python -m benchmarks.<name>`` (smallest settings; the numbers themselves are not
+asserted here)."""
 
 import json
 import os
@@ -17,7 +18,8 @@ def run(args, timeout=240):
 
 
 def test_collectives_benchmark_runs(tmp_path):
-    out = run(["benchmarks/collectives.py", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1", "--out", str(tmp_path)])
+    out = run(["-m", "benchmarks.collectives", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1",
+               "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "collectives.json").read_text())
     assert {r["op"] for r in rows} == {"p2p", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"}
@@ -34,7 +36,7 @@ def _can_make_namespaces() -> bool:
 
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and tc to create network namespaces")
 def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
-    out = run(["benchmarks/emulated_cluster.py", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",
+    out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "emulated_cluster.json").read_text())[0]

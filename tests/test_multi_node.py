@@ -9,13 +9,11 @@ import time
 import pytest
 import torch
 
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
 from tests.launch import PYTHONWARNINGS, REPO, load_ranks
 from tests.scripts.models import reference_training
 from tests.test_benchmarks_run import _can_make_namespaces
 from tests.test_ring_strategy import BATCH, assert_identical_replicas
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from netns import IFNAME, SUBNET, emulated_hosts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not _can_make_namespaces(), reason="needs root, iproute2 and tc to create network namespaces"

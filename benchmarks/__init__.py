@@ -1,0 +1,1 @@
+"""Benchmarks of lightning_dp, each run from the repository root as ``python -m benchmarks.<name>``."""
