@@ -82,8 +82,9 @@ def worker(args) -> None:
         def on_train_batch_end(self, trainer, *_):
             self.times.append(time.perf_counter())
             if len(self.times) == args.warmup:
-                self.comm_at_warmup = getattr(trainer.strategy, "comm_seconds", 0.0)
-                self.exposed_at_warmup = getattr(trainer.strategy, "exposed_comm_seconds", 0.0)
+                stats = getattr(trainer.strategy, "sync_stats", None)  # ddp has none
+                self.comm_at_warmup = stats.comm_seconds if stats is not None else 0.0
+                self.exposed_at_warmup = stats.exposed_comm_seconds if stats is not None else 0.0
 
         def on_train_end(self, trainer, *_):
             # the same exchange with every rank starting it together: its cost with no slower peer to wait for
@@ -102,6 +103,7 @@ def worker(args) -> None:
     model = build_model(args.model)
     trainer.fit(model, datamodule=data)
     strategy = trainer.strategy
+    stats = getattr(strategy, "sync_stats", None)
     timed = timer.times[args.warmup - 1 :]
     if hasattr(strategy, "optimizer_state_bytes"):
         state_bytes = strategy.optimizer_state_bytes()
@@ -114,13 +116,13 @@ def worker(args) -> None:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "optimizer_state_bytes": state_bytes,
         "params": sum(p.numel() for p in model.parameters()),
-        "comm_seconds": getattr(strategy, "comm_seconds", None),
-        "exposed_comm_seconds": getattr(strategy, "exposed_comm_seconds", None),
-        "comm_seconds_per_step": (getattr(strategy, "comm_seconds", 0.0) - timer.comm_at_warmup) / args.steps,
+        "comm_seconds": stats.comm_seconds if stats is not None else None,
+        "exposed_comm_seconds": stats.exposed_comm_seconds if stats is not None else None,
+        "comm_seconds_per_step": ((stats.comm_seconds if stats else 0.0) - timer.comm_at_warmup) / args.steps,
         "exposed_comm_seconds_per_step":
-            (getattr(strategy, "exposed_comm_seconds", 0.0) - timer.exposed_at_warmup) / args.steps,
+            ((stats.exposed_comm_seconds if stats else 0.0) - timer.exposed_at_warmup) / args.steps,
         "isolated_exchange_seconds": timer.isolated_exchange_seconds,
-        "sync_bytes": getattr(strategy, "sync_bytes", None),
+        "sync_bytes": stats.bucket_bytes if stats is not None else None,
     }
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
