@@ -187,7 +187,8 @@ def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) 
 def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
     result_dir = tmp / f"{model}-{devices}-{strategy}"
     cmd = [sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
-           "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)]  # fmt: skip
+           "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
+           "--result-dir", str(result_dir)]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(devices)]
