@@ -3,13 +3,11 @@ asserted here)."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
-import pytest
-
-from tests.launch import PYTHONWARNINGS, REPO
+from tests.helpers.launch import PYTHONWARNINGS, REPO
+from tests.helpers.netns import skip_without_netns
 
 
 def run(args, timeout=240):
@@ -26,15 +24,7 @@ def test_collectives_benchmark_runs(tmp_path):
     assert "| N | S (MB) |" in (tmp_path / "collectives.md").read_text()
 
 
-def _can_make_namespaces() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
-    probe = subprocess.run(["ip", "netns", "add", "lddp-probe"], capture_output=True)
-    subprocess.run(["ip", "netns", "del", "lddp-probe"], capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and tc to create network namespaces")
+@skip_without_netns
 def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
     out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_dp.demos import DigitsDataModule, FakeDataModule, MNISTDataModule, ReferenceCNN
-from tests.test_hydra_app import QUICK, run_app
+from tests.helpers.launch import QUICK, run_app
 
 
 def write_mnist(root, n_train=40, n_test=12):

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm import ring_allreduce
-from tests import test_drop_in, test_feature_matrix
-from tests.distributed import run_distributed
+from tests.helpers import replicas
+from tests.helpers.distributed import run_distributed
+from tests.helpers.runs import STRATEGIES, DropInRuns, FeatureRuns, assert_follows_ddp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,7 +19,6 @@ pytestmark = [
 GPU = {"LIGHTNING_DP_TEST_ACCELERATOR": "gpu"}
 #: NCCL sums in its own order, and cuBLAS kernels are not bitwise reproducible across ranks' streams
 GPU_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
-STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
 
 
 def _ring_on_cuda(rank, world_size):
@@ -39,20 +39,20 @@ def test_ring_allreduce_nccl(world_size):
 
 @pytest.fixture(scope="module")
 def feature_runs(tmp_path_factory):
-    return test_feature_matrix.Runs(tmp_path_factory.mktemp("features-gpu"), env=GPU)
+    return FeatureRuns(tmp_path_factory.mktemp("features-gpu"), env=GPU)
 
 
 @pytest.fixture(scope="module")
 def dropin_runs(tmp_path_factory):
-    return test_drop_in.Runs(tmp_path_factory.mktemp("dropin-gpu"), env=GPU)
+    return DropInRuns(tmp_path_factory.mktemp("dropin-gpu"), env=GPU)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_feature_matrix_under_nccl_follows_ddp(feature_runs, strategy, monkeypatch):
-    monkeypatch.setattr(test_feature_matrix, "TOLERANCE", GPU_TOLERANCE)
+    monkeypatch.setattr(replicas, "TOLERANCE", GPU_TOLERANCE)
     ranks, ddp = feature_runs.main(strategy), feature_runs.main("ddp")
     for key in ("weights", "bf16_weights", "bn_weights"):
-        test_feature_matrix.assert_replicas_follow(ranks, key, ddp[0][key], f"{key} vs ddp under NCCL")
+        replicas.assert_replicas_follow(ranks, key, ddp[0][key], f"{key} vs ddp under NCCL")
     for rank in range(2):
         assert ranks[rank]["seen"] == ddp[rank]["seen"] and ranks[rank]["epochs"] == ddp[rank]["epochs"]
 
@@ -62,10 +62,10 @@ def test_feature_matrix_under_nccl_follows_ddp(feature_runs, strategy, monkeypat
     "case", ["hooks", "add_group", "compiled", "compiled_submodule", "reentrant", "syncbn", "resume"]
 )
 def test_drop_in_cases_under_nccl_follow_ddp(dropin_runs, strategy, case):
-    test_drop_in.assert_follows_ddp(dropin_runs, strategy, case, GPU_TOLERANCE)
+    assert_follows_ddp(dropin_runs, strategy, case, GPU_TOLERANCE)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_16_bit_cases_under_nccl_follow_ddp(dropin_runs, strategy):
-    test_drop_in.assert_follows_ddp(dropin_runs, strategy, "fp16", dict(rtol=2e-3, atol=2e-3))
-    test_drop_in.assert_follows_ddp(dropin_runs, strategy, "bf16", dict(rtol=1e-2, atol=1e-2))
+    assert_follows_ddp(dropin_runs, strategy, "fp16", dict(rtol=2e-3, atol=2e-3))
+    assert_follows_ddp(dropin_runs, strategy, "bf16", dict(rtol=1e-2, atol=1e-2))

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_dp.hydra_support import _config_flags
-from tests.launch import PYTHONWARNINGS, REPO
+from tests.helpers.launch import QUICK, REPO, run_app
 
 CONF = REPO / "conf"
 STRATEGY_ARGS_NOT_IN_CONFIG = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
@@ -87,30 +86,6 @@ def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
 def test_config_flags_are_forwarded_to_ranks():
     argv = ["-m", "--config-name=other", "-cp", "/x", "strategy=a,b", "--config-dir", "/y"]
     assert _config_flags(argv) == ["--config-name=other", "-cp", "/x", "--config-dir", "/y"]
-
-
-def run_app(args, cwd, timeout=300, check=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train.py"), *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-        raise AssertionError(f"train.py {args} timed out:\n{out[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if check:
-        assert proc.returncode == 0, out[-6000:]
-    return proc.returncode, out
-
-
-QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
-         "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false"]  # fmt: skip
 
 
 def check_run_dir(run_dir: Path) -> dict:

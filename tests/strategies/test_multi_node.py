@@ -1,7 +1,6 @@
 """A real multi-node run: one Lightning node per emulated host (network namespace), joined only through
 MASTER_ADDR / MASTER_PORT / NODE_RANK as on a cluster; then a link goes down mid-run."""
 
-import os
 import subprocess
 import sys
 import time
@@ -10,19 +9,16 @@ import pytest
 import torch
 
 from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
-from tests.launch import PYTHONWARNINGS, REPO, load_ranks
+from tests.helpers.launch import BATCH, REPO, load_ranks, subprocess_env
+from tests.helpers.netns import skip_without_netns
+from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
-from tests.test_benchmarks_run import _can_make_namespaces
-from tests.test_ring_strategy import BATCH, assert_identical_replicas
 
-pytestmark = pytest.mark.skipif(
-    not _can_make_namespaces(), reason="needs root, iproute2 and tc to create network namespaces"
-)
+pytestmark = skip_without_netns
 
 
 def start_nodes(hosts, args, port):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS,
-           "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)}  # fmt: skip
+    env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     return [
         subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scripts.fit", "--devices", "1",

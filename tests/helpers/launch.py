@@ -1,4 +1,5 @@
-"""Run a training script in a subprocess (Lightning's popen launcher starts the other ranks) with a hard timeout."""
+"""Run a training script in a subprocess (Lightning's popen launcher starts the other ranks) with a hard timeout:
+``tests.scripts.<name>`` (:func:`run_script`) or the Hydra app ``examples/train.py`` (:func:`run_app`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: set by cluster schedulers; a test run must not pick them up from the machine's environment
 CLUSTER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
                      "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SLURM_JOB_ID", "SLURM_NTASKS")  # fmt: skip
@@ -32,6 +33,13 @@ def _package_modules(package: str = "lightning_dp") -> list[str]:
 #: warning is matched by the module it is attributed to: one raised with a stacklevel that points out of the package
 #: counts as the caller's.
 PYTHONWARNINGS = ",".join(["ignore", *(f"default::Warning:{module}" for module in _package_modules())])
+
+
+def subprocess_env(extra: dict | None = None) -> dict:
+    """This process's environment for a test's subprocess: the checkout importable, one thread per rank, and
+    :data:`PYTHONWARNINGS`; ``extra`` on top."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS,
+            **(extra or {})}  # fmt: skip
 
 
 def run_script(
@@ -69,5 +77,40 @@ def run_script(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 
+#: per-rank batch and optimizer steps of the equivalence runs of ``tests.scripts.fit`` (96 samples: every case stays
+#: inside one epoch)
+BATCH = 8
+STEPS = 3
+
+
 def load_ranks(out_dir: Path, world_size: int) -> list[dict]:
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+
+
+#: a few steps of the Hydra app: one epoch of three batches, one validation and two test batches
+QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1",
+         "trainer.limit_test_batches=2", "trainer.enable_progress_bar=false"]  # fmt: skip
+
+
+def run_app(args, cwd, timeout=300, check=True):
+    """Run ``examples/train.py args`` in ``cwd``; kill the whole process group on timeout.
+
+    With ``check`` a non-zero exit fails the test. Returns (exit code, output).
+    """
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train.py"), *args], cwd=cwd,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        raise AssertionError(f"train.py {args} timed out:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if check:
+        assert proc.returncode == 0, out[-6000:]
+    return proc.returncode, out

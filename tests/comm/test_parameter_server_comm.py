@@ -12,7 +12,7 @@ from lightning_dp.comm.parameter_server import (
     shard_owner,
     shard_segments,
 )
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def test_shard_segments_balance_bytes_at_element_granularity():

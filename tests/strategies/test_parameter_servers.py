@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tests.launch import load_ranks, run_script
+from tests.helpers.launch import BATCH, STEPS, load_ranks, run_script
+from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
-from tests.test_ring_strategy import BATCH, STEPS, assert_identical_replicas
 
 CASES = [
     # strategy, devices, optimizer, clipping, extra arguments

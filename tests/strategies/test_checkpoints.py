@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.launch import load_ranks, run_script
+from tests.helpers.launch import load_ranks, run_script
 from tests.scripts.models import RegressionModel, reference_training
 
 BATCH = 8
@@ -12,7 +12,7 @@ STEPS_PER_EPOCH = 96 // (2 * BATCH)
 
 @pytest.mark.parametrize(
     "first, second",
-    # a ring's checkpoint has ddp's layout: tests/test_drop_in.py resumes every strategy from one ddp wrote
+    # a ring's checkpoint has ddp's layout: tests/strategies/test_drop_in.py resumes every strategy from one ddp wrote
     [("sharded_ps", "ring_allreduce"), ("parameter_server", "single_device")],
 )
 def test_resume_under_another_strategy_matches_uninterrupted_run(tmp_path, first, second):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.launch import run_script
+from tests.helpers.launch import run_script
 
 
 @pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps"])

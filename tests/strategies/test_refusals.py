@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 
 from lightning_dp import ParameterServerStrategy, ShardedParameterServerStrategy
-from tests.launch import run_script
+from tests.helpers.launch import run_script
 
 
 @pytest.mark.parametrize(

@@ -8,67 +8,22 @@ failure names the feature and the strategy. Runs are started on first use and sh
 from __future__ import annotations
 
 import re
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import load_ranks, run_script
+from tests.helpers.launch import run_script
+from tests.helpers.replicas import assert_replicas_follow, close
+from tests.helpers.runs import STRATEGIES, FeatureRuns
 from tests.scripts.models import IN_FEATURES, reference_two_optimizers
 
-STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 FROZEN = IN_FEATURES * IN_FEATURES + IN_FEATURES  # the frozen layer comes first in the flat weights
 SAMPLES, PER_RANK_BATCH = 100, 8
 
 
-class Runs:
-    """Each (strategy, phase) run once per test session; results per rank."""
-
-    def __init__(self, root: Path, env: dict | None = None) -> None:
-        self.root = root
-        self.env = env
-        self.results: dict[tuple[str, str], object] = {}
-
-    def main(self, strategy: str) -> list[dict]:
-        key = (strategy, "main")
-        if key not in self.results:
-            out = self.root / f"{strategy}-main"
-            run_script("features", "--strategy", strategy, "--out", str(out), timeout=300, env=self.env)
-            self.results[key] = load_ranks(out, 2)
-        return self.results[key]
-
-    def crash(self, strategy: str):
-        """The crashed run: (exit code, output, seconds), then the resumed run's ranks."""
-        key = (strategy, "crash")
-        if key not in self.results:
-            out = self.root / f"{strategy}-crash"
-            start = time.monotonic()
-            crashed = run_script("features", "--strategy", strategy, "--phase", "crash", "--out", str(out),
-                                 timeout=300, check=False)  # fmt: skip
-            seconds = time.monotonic() - start
-            run_script("features", "--strategy", strategy, "--phase", "resume", "--out", str(out), timeout=300)
-            self.results[key] = (crashed.returncode, crashed.stdout, seconds, load_ranks(out, 2))
-        return self.results[key]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("features"))
-
-
-def close(got, want, what: str) -> None:
-    torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m: f"{what}: {m}")
-
-
-def assert_replicas_follow(ranks: list[dict], key: str, reference: list, what: str) -> None:
-    """``ranks[r][key]`` (weights after every step) is identical on both ranks and close to ``reference``."""
-    assert len(ranks[0][key]) == len(reference), what
-    for step, want in enumerate(reference):
-        got = ranks[0][key][step]
-        assert torch.equal(got, ranks[1][key][step]), f"{what}: ranks differ after step {step + 1}"
-        close(got, want, f"{what}: step {step + 1}")
+def runs(tmp_path_factory) -> FeatureRuns:
+    return FeatureRuns(tmp_path_factory.mktemp("features"))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

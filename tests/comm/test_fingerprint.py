@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_dp.comm.fingerprint import ReplicaMismatchError, check_replicas_match, module_fingerprint
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _check(rank, world_size, variant):

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from lightning_dp.comm import CommStats, chunk_bounds, ring_allreduce
 from lightning_dp.comm.ring import divides_first
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -133,7 +133,7 @@ def _ring_until_peer_dies(rank, world_size):
 
 
 def test_a_killed_peer_stops_the_others_with_an_error_naming_it():
-    from tests.distributed import run_distributed_allow_deaths
+    from tests.helpers.distributed import run_distributed_allow_deaths
 
     results = run_distributed_allow_deaths(_ring_until_peer_dies, 3, timeout=120)
     assert results[2] is None  # killed
@@ -168,7 +168,7 @@ def _collective_until_peer_dies(rank, world_size):
 
 
 def test_a_peer_lost_in_a_torch_collective_is_named_by_rank():
-    from tests.distributed import run_distributed_allow_deaths
+    from tests.helpers.distributed import run_distributed_allow_deaths
 
     results = run_distributed_allow_deaths(_collective_until_peer_dies, 3, timeout=120)
     assert results[2] is None

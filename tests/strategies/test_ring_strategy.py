@@ -6,17 +6,10 @@ import os
 import pytest
 import torch
 
-from tests.launch import PYTHONWARNINGS, load_ranks, run_script
+from tests.helpers.distributed import free_port
+from tests.helpers.launch import BATCH, REPO, STEPS, load_ranks, run_script, subprocess_env
+from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
-
-BATCH = 8
-STEPS = 3  # 96 samples: every case stays inside one epoch
-
-
-def assert_identical_replicas(ranks):
-    for step, weights in enumerate(ranks[0]["weights"]):
-        for r, other in enumerate(ranks[1:], start=1):
-            assert torch.equal(weights, other["weights"][step]), f"rank {r} differs from rank 0 after step {step + 1}"
 
 
 @pytest.mark.parametrize(
@@ -79,11 +72,7 @@ def test_two_nodes_through_cluster_environment_variables(tmp_path):
     import subprocess
     import sys
 
-    from tests.distributed import free_port
-    from tests.launch import REPO
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
+    env = subprocess_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
     cmd = [sys.executable, "-m", "tests.scripts.fit", "--devices", "1", "--num-nodes", "2", "--out", str(tmp_path)]
     nodes = [
         subprocess.Popen(cmd, cwd=REPO, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE,
@@ -107,10 +96,7 @@ def test_torchrun_environment(tmp_path):
     import subprocess
     import sys
 
-    from tests.distributed import free_port
-    from tests.launch import REPO
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS}
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "-m", "tests.scripts.fit", "--devices", "2", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

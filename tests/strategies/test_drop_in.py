@@ -7,59 +7,16 @@ after every step equal ``ddp``'s and are bit-identical on both ranks.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.launch import load_ranks, run_script
-
-STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-
-
-class Runs:
-    """One launch per strategy, started on first use and shared by the tests."""
-
-    def __init__(self, root: Path, env: dict | None = None) -> None:
-        self.root = root
-        self.env = env
-        self.done: set[str] = set()
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.root / "ddp-step3.ckpt"
-
-    def case(self, strategy: str, case: str) -> list[dict]:
-        if "ddp" not in self.done:
-            run_script("dropin", "--strategy", "ddp", "--save-checkpoint", str(self.checkpoint),
-                       "--out", str(self.root / "ddp"), timeout=400, env=self.env)  # fmt: skip
-            self.done.add("ddp")
-        if strategy not in self.done:
-            args = ["--strategy", strategy, "--out", str(self.root / strategy)]
-            if strategy.endswith("_spawn"):
-                args += ["--cases", "hooks"]
-            run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400, env=self.env)
-            self.done.add(strategy)
-        return load_ranks(self.root / strategy / case, 2)
+from tests.helpers.replicas import TOLERANCE
+from tests.helpers.runs import STRATEGIES, DropInRuns, assert_follows_ddp
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("dropin"))
-
-
-def assert_follows_ddp(runs: Runs, strategy: str, case: str, tolerance: dict | None = None) -> list[dict]:
-    """``case`` under ``strategy``: weights after every step identical on both ranks and close to ``ddp``'s."""
-    ranks, ddp = runs.case(strategy, case), runs.case("ddp", case)
-    reference = ddp[0]["weights"]
-    assert len(reference) >= 3 and len(ranks[0]["weights"]) == len(reference), case
-    for step, want in enumerate(reference):
-        got = ranks[0]["weights"][step]
-        assert torch.equal(got, ranks[1]["weights"][step]), f"{case}: ranks differ after step {step + 1}"
-        torch.testing.assert_close(got, want, **(tolerance or TOLERANCE), msg=lambda m: f"{case}, step {step + 1}: {m}")
-    assert not torch.equal(reference[-1], reference[0]), f"{case}: training did not move the weights"
-    return ranks
+def runs(tmp_path_factory) -> DropInRuns:
+    return DropInRuns(tmp_path_factory.mktemp("dropin"))
 
 
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "sharded_ps_spawn"])

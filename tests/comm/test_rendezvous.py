@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.rendezvous import interface_with_address, local_address_towards, resolve
-from tests.distributed import run_distributed
 from lightning_dp.comm.sockets import tcp_sockets
+from tests.helpers.distributed import run_distributed
 
 
 def test_address_helpers_on_loopback():
@@ -42,7 +42,7 @@ def test_a_later_run_in_the_same_process_reuses_the_port():
     import subprocess
     import sys
 
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
 
     code = f"""
 from datetime import timedelta
