@@ -6,8 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.launch import PYTHONWARNINGS, REPO
 from tests.helpers.netns import skip_without_netns
+
+pytestmark = pytest.mark.multiprocess
 
 
 def run(args, timeout=240):
@@ -24,6 +28,7 @@ def test_collectives_benchmark_runs(tmp_path):
     assert "| N | S (MB) |" in (tmp_path / "collectives.md").read_text()
 
 
+@pytest.mark.netns
 @skip_without_netns
 def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
     out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",

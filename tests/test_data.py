@@ -22,6 +22,7 @@ def write_mnist(root, n_train=40, n_test=12):
     return root
 
 
+@pytest.mark.unit
 def test_mnist_module_reads_mnist_files_with_the_reference_normalization(tmp_path):
     dm = MNISTDataModule(data_dir=str(write_mnist(tmp_path)), batch_size=8, val_size=10)
     dm.prepare_data()  # download=False: nothing to fetch
@@ -36,6 +37,7 @@ def test_mnist_module_reads_mnist_files_with_the_reference_normalization(tmp_pat
         MNISTDataModule(data_dir=str(tmp_path), val_size=100).setup("fit")
 
 
+@pytest.mark.multiprocess
 def test_train_py_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "data", n_train=64 * 2 + 16, n_test=16)
     run_app(["data=mnist", f"data.data_dir={tmp_path}/data", "data.val_size=16", "global_batch_size=16", *QUICK,
@@ -43,6 +45,7 @@ def test_train_py_on_mnist_files(tmp_path):
     assert (tmp_path / "run" / "metrics.json").exists()
 
 
+@pytest.mark.unit
 def test_digits_split_shapes_and_normalization():
     dm = DigitsDataModule(batch_size=32)
     dm.setup("fit")
@@ -55,6 +58,7 @@ def test_digits_split_shapes_and_normalization():
         DigitsDataModule(batch_size=0)
 
 
+@pytest.mark.unit
 def test_fake_data_is_deterministic():
     a, b = FakeDataModule(num_samples=16, image_shape=(3, 8, 8)), FakeDataModule(num_samples=16, image_shape=(3, 8, 8))
     a.setup(), b.setup()

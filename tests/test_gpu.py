@@ -13,6 +13,7 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.runs import STRATEGIES, DropInRuns, FeatureRuns, assert_follows_ddp
 
 pytestmark = [
+    pytest.mark.multiprocess,
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least two CUDA devices for NCCL"),
 ]
@@ -47,6 +48,7 @@ def dropin_runs(tmp_path_factory):
     return DropInRuns(tmp_path_factory.mktemp("dropin-gpu"), env=GPU)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_feature_matrix_under_nccl_follows_ddp(feature_runs, strategy, monkeypatch):
     monkeypatch.setattr(replicas, "TOLERANCE", GPU_TOLERANCE)
@@ -57,6 +59,7 @@ def test_feature_matrix_under_nccl_follows_ddp(feature_runs, strategy, monkeypat
         assert ranks[rank]["seen"] == ddp[rank]["seen"] and ranks[rank]["epochs"] == ddp[rank]["epochs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(
     "case", ["hooks", "add_group", "compiled", "compiled_submodule", "reentrant", "syncbn", "resume"]
@@ -65,6 +68,7 @@ def test_drop_in_cases_under_nccl_follow_ddp(dropin_runs, strategy, case):
     assert_follows_ddp(dropin_runs, strategy, case, GPU_TOLERANCE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_16_bit_cases_under_nccl_follow_ddp(dropin_runs, strategy):
     assert_follows_ddp(dropin_runs, strategy, "fp16", dict(rtol=2e-3, atol=2e-3))

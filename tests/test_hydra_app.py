@@ -31,6 +31,7 @@ def resolved(cfg, node):
     return cfg[node]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF / "strategy").glob("*.yaml")))
 def test_every_strategy_config_instantiates(name):
     cfg = compose_train([f"strategy={name}"])
@@ -38,6 +39,7 @@ def test_every_strategy_config_instantiates(name):
     assert type(strategy).__name__.endswith("Strategy")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["ring_allreduce", "parameter_server", "sharded_ps"])
 def test_strategy_configs_list_every_constructor_option_with_its_default(name):
     import inspect
@@ -67,6 +69,7 @@ GROUP_OPTIONS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
     if option == "tensorboard":
@@ -83,6 +86,7 @@ def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
         assert instantiate(node) is not None
 
 
+@pytest.mark.unit
 def test_config_flags_are_forwarded_to_ranks():
     argv = ["-m", "--config-name=other", "-cp", "/x", "strategy=a,b", "--config-dir", "/y"]
     assert _config_flags(argv) == ["--config-name=other", "-cp", "/x", "--config-dir", "/y"]
@@ -96,6 +100,8 @@ def check_run_dir(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_default_run_reaches_the_readme_accuracy(tmp_path):
     """README: plain ``python examples/train.py`` (ring_allreduce, 2 processes, 10 epochs on the bundled digits)
     reaches about 97 % test accuracy. Run exactly that, with no overrides (~30-40 s on 2 cores)."""
@@ -111,6 +117,7 @@ def test_default_run_reaches_the_readme_accuracy(tmp_path):
 
 # ring_allreduce runs the full default configuration above, sharded_ps and ddp in the sweep below; the others a
 # few steps each here
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["parameter_server", "single_device"])
 def test_train_py_end_to_end(tmp_path, strategy):
     extra = ["strategy.server_rank=1"] if strategy == "parameter_server" else []
@@ -122,11 +129,13 @@ def test_train_py_end_to_end(tmp_path, strategy):
     assert 0.0 <= summary["metrics"]["test_acc"] <= 1.0
 
 
+@pytest.mark.multiprocess
 def test_train_py_runs_a_module_from_lightning_demos(tmp_path):
     run_app(["model=boring", *QUICK, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 3
 
 
+@pytest.mark.multiprocess
 def test_sweep_runs_each_job_with_its_own_processes(tmp_path):
     code, out = run_app(["-m", "strategy=sharded_ps,ddp", *QUICK, f"hydra.sweep.dir={tmp_path}/sweep"],
                         cwd=tmp_path)  # fmt: skip
@@ -140,6 +149,7 @@ def test_sweep_runs_each_job_with_its_own_processes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no stray single-run directories
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -155,6 +165,7 @@ def test_bad_overrides_fail_before_processes_start(tmp_path, override, message):
     assert "Initializing distributed" not in out
 
 
+@pytest.mark.multiprocess
 def test_a_users_own_hydra_app_composes_lightning_dp_strategies(tmp_path):
     """Outside this repository, with only the installed package: the search-path plugin provides the groups."""
     import hydra_plugins

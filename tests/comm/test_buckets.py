@@ -8,6 +8,8 @@ from torch import nn
 
 from lightning_dp.comm.buckets import BucketReducer, assign_buckets
 
+pytestmark = pytest.mark.unit
+
 
 def test_buckets_follow_reverse_parameter_order_and_cap():
     params = [torch.zeros(100), torch.zeros(100), torch.zeros(300), torch.zeros(10, dtype=torch.float64)]

@@ -1,9 +1,12 @@
 """Transport errors are recognised and the lost rank is found behind the address gloo prints."""
 
+import pytest
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import PeerUnreachableError
 from lightning_dp.comm.peers import PeerDirectory, is_transport_error
+
+pytestmark = pytest.mark.unit
 
 
 def test_peer_directory_finds_ranks_behind_printed_addresses():

@@ -22,10 +22,12 @@ def _check(rank, world_size, variant):
     return "same"
 
 
+@pytest.mark.multiprocess
 def test_identical_replicas_pass():
     assert run_distributed(_check, 3, "none", timeout=60) == ["same"] * 3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "variant, expected",
     [
@@ -39,6 +41,7 @@ def test_mismatch_is_reported_on_every_rank(variant, expected):
     assert all(expected in m for m in messages), messages
 
 
+@pytest.mark.unit
 def test_fingerprint_lists_parameters_and_buffers():
     fp = module_fingerprint(nn.BatchNorm1d(4))
     assert [e[:2] for e in fp] == [("parameter", "weight"), ("parameter", "bias"), ("buffer", "running_mean"),

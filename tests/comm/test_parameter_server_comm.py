@@ -15,6 +15,7 @@ from lightning_dp.comm.parameter_server import (
 from tests.helpers.distributed import run_distributed
 
 
+@pytest.mark.unit
 def test_shard_segments_balance_bytes_at_element_granularity():
     # one huge buffer and a small one: every shard still gets a quarter of the bytes
     segments = shard_segments([1000, 10], [4, 4], 4)
@@ -69,6 +70,7 @@ def _exchanges(rank, world_size, numel):
     return results
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_push_pull_exact_and_byte_counts(world_size):
     numel = 1001

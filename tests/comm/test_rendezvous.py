@@ -11,6 +11,7 @@ from lightning_dp.comm.sockets import tcp_sockets
 from tests.helpers.distributed import run_distributed
 
 
+@pytest.mark.unit
 def test_address_helpers_on_loopback():
     assert resolve("localhost") == "127.0.0.1" and resolve("127.0.0.1") == "127.0.0.1"
     assert local_address_towards("127.0.0.1") == "127.0.0.1"
@@ -28,6 +29,7 @@ def _sockets_after_training_traffic(rank, world_size):
     return tcp_sockets(), t[0].item()
 
 
+@pytest.mark.multiprocess
 def test_store_and_gloo_listen_only_on_loopback():
     results = run_distributed(_sockets_after_training_traffic, 2, backend="gloo-bound", timeout=60)
     for rank, (sockets, value) in enumerate(results):
@@ -37,6 +39,7 @@ def test_store_and_gloo_listen_only_on_loopback():
         assert listening >= (2 if rank == 0 else 1), (rank, sockets)  # gloo's listener(s), and on rank 0 the store
 
 
+@pytest.mark.multiprocess
 def test_a_later_run_in_the_same_process_reuses_the_port():
     """A Hydra sweep or a fixed cluster port: the next job joins on the port a still-alive store serves."""
     import subprocess

@@ -15,6 +15,7 @@ def lengths(world_size):
     return (0, 1, 7, world_size - 1, 1_000_003, 10_000_000)
 
 
+@pytest.mark.unit
 def test_chunk_bounds_cover_range_evenly():
     for numel in (0, 1, 5, 7, 100):
         for n in (1, 2, 3, 4, 8):
@@ -71,6 +72,7 @@ def _compare_with_all_reduce(rank, world_size):
     return checked
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_allreduce_matches_gloo(world_size):
     results = run_distributed(_compare_with_all_reduce, world_size, timeout=240)
@@ -97,6 +99,7 @@ def _shapes_and_groups(rank, world_size):
     return True
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [3])
 def test_ring_allreduce_shapes_dtypes_and_subgroups(world_size):
     assert all(run_distributed(_shapes_and_groups, world_size, timeout=60))
@@ -109,6 +112,7 @@ def _single(rank, world_size):
     return torch.equal(x, before)
 
 
+@pytest.mark.multiprocess
 def test_world_size_one_is_a_no_op():
     assert run_distributed(_single, 1, timeout=60) == [True]
 
@@ -132,6 +136,7 @@ def _ring_until_peer_dies(rank, world_size):
     return "no error", 0.0
 
 
+@pytest.mark.multiprocess
 def test_a_killed_peer_stops_the_others_with_an_error_naming_it():
     from tests.helpers.distributed import run_distributed_allow_deaths
 
@@ -167,6 +172,7 @@ def _collective_until_peer_dies(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_a_peer_lost_in_a_torch_collective_is_named_by_rank():
     from tests.helpers.distributed import run_distributed_allow_deaths
 
@@ -183,6 +189,7 @@ def _large_fp16_average(rank, world_size):
     return bool(torch.isfinite(x).all()) and bool((x == 40000.0).all())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_float16_average_does_not_overflow_where_the_average_fits(world_size):
     assert all(run_distributed(_large_fp16_average, world_size, timeout=60))

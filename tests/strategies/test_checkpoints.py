@@ -6,6 +6,8 @@ import torch
 from tests.helpers.launch import load_ranks, run_script
 from tests.scripts.models import RegressionModel, reference_training
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # two launches per test
+
 BATCH = 8
 STEPS_PER_EPOCH = 96 // (2 * BATCH)
 

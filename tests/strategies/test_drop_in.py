@@ -13,6 +13,8 @@ import torch
 from tests.helpers.replicas import TOLERANCE
 from tests.helpers.runs import STRATEGIES, DropInRuns, assert_follows_ddp
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # any test may start the shared launches (minutes)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> DropInRuns:

@@ -17,6 +17,8 @@ from tests.helpers.replicas import assert_replicas_follow, close
 from tests.helpers.runs import STRATEGIES, FeatureRuns
 from tests.scripts.models import IN_FEATURES, reference_two_optimizers
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # any test may start the shared launches (minutes)
+
 FROZEN = IN_FEATURES * IN_FEATURES + IN_FEATURES  # the frozen layer comes first in the flat weights
 SAMPLES, PER_RANK_BATCH = 100, 8
 

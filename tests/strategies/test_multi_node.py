@@ -14,7 +14,7 @@ from tests.helpers.netns import skip_without_netns
 from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
 
-pytestmark = skip_without_netns
+pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
 
 
 def start_nodes(hosts, args, port):
@@ -58,6 +58,7 @@ def test_equivalence_across_emulated_hosts(tmp_path, strategy):
         assert addresses == {f"{SUBNET}.{rank + 1}"}, (rank, r["sockets"])
 
 
+@pytest.mark.slow
 def test_link_down_mid_run_fails_with_an_error_naming_the_peer(tmp_path):
     with emulated_hosts(2, rate_mbit=1000) as hosts:
         args = ["--strategy", "ring_allreduce", "--steps", "100000", "--timeout", "10", "--out", str(tmp_path)]

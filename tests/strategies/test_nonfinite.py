@@ -4,6 +4,8 @@ import pytest
 
 from tests.helpers.launch import run_script
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps"])
 def test_a_nan_on_one_rank_stops_every_rank_at_that_step(strategy):

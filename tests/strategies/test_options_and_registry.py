@@ -10,6 +10,7 @@ import lightning_dp
 from lightning_dp import ParameterServerStrategy, RingAllReduceStrategy, ShardedParameterServerStrategy
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name, cls, words",
     [
@@ -28,6 +29,7 @@ def test_strategies_are_registered_with_descriptions(name, cls, words):
     lightning_dp.register_strategies()  # idempotent
 
 
+@pytest.mark.unit
 def test_trainer_accepts_name_and_instance():
     trainer = L.Trainer(strategy="ring_allreduce", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, RingAllReduceStrategy)
@@ -41,6 +43,7 @@ def test_trainer_accepts_name_and_instance():
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 0}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -58,6 +61,7 @@ def test_bad_options_fail_at_construction(kwargs, message):
         RingAllReduceStrategy(**kwargs)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "code, expected",
     [

@@ -7,6 +7,8 @@ from tests.helpers.launch import BATCH, STEPS, load_ranks, run_script
 from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
 
+pytestmark = pytest.mark.multiprocess
+
 CASES = [
     # strategy, devices, optimizer, clipping, extra arguments
     ("parameter_server", 2, "sgd", None, []),

@@ -7,6 +7,7 @@ from lightning_dp import ParameterServerStrategy, ShardedParameterServerStrategy
 from tests.helpers.launch import run_script
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "strategy, optimizer, message",
     [
@@ -22,18 +23,21 @@ def test_optimizers_the_scheme_cannot_run_are_refused_at_setup(strategy, optimiz
     assert "TRAINED" not in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_parameter_server_runs_adafactor():
     # the central server holds whole tensors, so factored (non-element-wise) optimizers are fine there
     result = run_script("refuse", "--strategy", "parameter_server", "--optimizer", "Adafactor", timeout=120)
     assert "TRAINED" in result.stdout
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("server_rank", [-1, 1.5, True, "0"])
 def test_bad_server_rank_fails_at_construction(server_rank):
     with pytest.raises(ValueError, match="server_rank must be a rank in"):
         ParameterServerStrategy(server_rank=server_rank)
 
 
+@pytest.mark.unit
 def test_server_rank_outside_world_fails_before_launch():
     with pytest.raises(ValueError, match=r"server_rank=4 is outside \[0, 4\) for a run of 4 processes"):
         L.Trainer(strategy=ParameterServerStrategy(server_rank=4), accelerator="cpu", devices=4, logger=False)
@@ -41,6 +45,7 @@ def test_server_rank_outside_world_fails_before_launch():
     assert trainer.strategy.server_rank == 3
 
 
+@pytest.mark.unit
 def test_sharded_long_name_and_options():
     trainer = L.Trainer(strategy="sharded_parameter_server", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ShardedParameterServerStrategy)
@@ -48,6 +53,7 @@ def test_sharded_long_name_and_options():
         ShardedParameterServerStrategy(bucket_cap_mb=0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("strategy_class", [ParameterServerStrategy, ShardedParameterServerStrategy])
 def test_16_mixed_is_refused_by_the_parameter_servers(strategy_class):
     import torch
@@ -63,6 +69,7 @@ def test_16_mixed_is_refused_by_the_parameter_servers(strategy_class):
     strategy._check_optimizers()
 
 
+@pytest.mark.unit
 def test_parameter_made_trainable_after_setup_is_refused():
     import torch
 
@@ -79,6 +86,7 @@ def test_parameter_made_trainable_after_setup_is_refused():
         strategy._check_trainable_unchanged(optimizer)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("strategy_name", ["ring_allreduce", "parameter_server", "sharded_ps"])
 def test_sparse_gradients_are_refused_at_setup(strategy_name):
     import torch
@@ -92,6 +100,7 @@ def test_sparse_gradients_are_refused_at_setup(strategy_name):
     strategy._refuse_sparse_gradients()
 
 
+@pytest.mark.multiprocess
 def test_sparse_embedding_is_refused_before_training():
     result = run_script("refuse", "--strategy", "ring_allreduce", "--optimizer", "SGD", "--sparse", check=False, timeout=120)
     assert result.returncode != 0
@@ -99,6 +108,7 @@ def test_sparse_embedding_is_refused_before_training():
     assert "TRAINED" not in result.stdout
 
 
+@pytest.mark.unit
 def test_strategies_are_ddp_strategies_for_lightnings_compile_check_and_ray():
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -107,6 +117,7 @@ def test_strategies_are_ddp_strategies_for_lightnings_compile_check_and_ray():
     assert all(issubclass(cls, DDPStrategy) for cls in STRATEGIES)
 
 
+@pytest.mark.unit
 def test_the_environment_joins_the_process_groups_once():
     from lightning_dp import RingAllReduceStrategy
 
@@ -121,6 +132,7 @@ def test_the_environment_joins_the_process_groups_once():
     assert calls == [1]
 
 
+@pytest.mark.unit
 def test_nccl_gradient_traffic_waits_for_backward_when_backward_issues_collectives():
     import torch
 

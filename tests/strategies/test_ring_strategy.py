@@ -11,6 +11,8 @@ from tests.helpers.launch import BATCH, REPO, STEPS, load_ranks, run_script, sub
 from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
 
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.mark.parametrize(
     "devices, optimizer, accumulate",

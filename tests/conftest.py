@@ -1,0 +1,39 @@
+"""Test tiers: every test is ``unit`` or ``multiprocess``, optionally also ``netns``, ``slow`` or ``gpu``.
+
+    python -m pytest -m unit                  # in-process tests only, well under a minute
+    python -m pytest -m "not slow"            # everything but the longest launches
+    python -m pytest                          # everything (netns and gpu tests skip where they cannot run)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+TIERS = ("unit", "multiprocess")
+MARKERS = {
+    "unit": "runs in this process, starts no other process; fast",
+    "multiprocess": "starts processes: run_distributed, run_script, the Hydra app, a Trainer fitting with devices > 1",
+    "netns": "builds emulated hosts in network namespaces (needs root, iproute2 and tc; skipped otherwise)",
+    "slow": "a single test that takes over ~30 s on 2 CPU cores",
+    "gpu": "needs CUDA (skipped without it)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: a test without its tier fails every selection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier) is not None]
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {' and '.join(tiers) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            "every test needs exactly one of the markers @pytest.mark.unit (in-process) or "
+            "@pytest.mark.multiprocess (starts processes), per test or as the module's pytestmark; "
+            "see tests/conftest.py:\n" + "\n".join(wrong)
+        )
