@@ -1,0 +1,75 @@
+"""Every transport, under every codec, averages a bucket on its owners and shares it with every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp.comm.buckets import BucketReducer
+from lightning_dp.comm.codecs import Codec
+from lightning_dp.comm.stats import CommStats
+from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport
+
+TRANSPORTS = {
+    "ring": lambda stats: RingTransport(stats=stats),
+    "central": lambda stats: CentralServerTransport(1, stats=stats),
+    "sharded": lambda stats: ShardedServerTransport(stats=stats),
+}
+
+
+def _reduce_then_share(rank: int, world_size: int, kind: str) -> list:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4), nn.Linear(4, 3))
+    reducer = BucketReducer(model.parameters(), lambda b: None, bucket_cap_mb=30 * 4 / 2**20)
+    stats = CommStats()
+    transport, codec = TRANSPORTS[kind](stats), Codec()
+    transport.bind(reducer.buckets)
+    # rank r's gradient is r + 1 everywhere, except that only rank 0 uses the last layer
+    grads = {id(p): torch.full_like(p, rank + 1.0) for p in model.parameters()}
+    for bucket in reducer.buckets:
+        for i, p in enumerate(bucket.params):
+            bucket.fill(i, None if (p is model[2].weight and rank != 0) else grads[id(p)])
+    average = sum(range(1, world_size + 1)) / world_size
+    owned_elements = 0
+    for bucket in reducer.buckets:
+        codec.reduce(bucket, transport)
+        start, end = transport.owned(bucket)
+        owned_elements += end - start
+        expected = torch.full((end - start,), average)
+        for i, p in enumerate(bucket.params):  # the unused-by-most parameter averages its one contribution
+            lo, hi = bucket.slices[i]
+            a, b = max(lo, start), min(hi, end)
+            if p is model[2].weight and a < b:
+                expected[a - start : b - start] = 1.0 / world_size
+        assert torch.equal(bucket.buffer[start:end], expected), (kind, bucket.index)
+    reduced_bytes = stats.reset()
+    for bucket in reducer.buckets:
+        codec.share(bucket, transport)
+        assert (bucket.flags != 0).all()  # every parameter was used by some rank
+    reducer.close()
+    return [owned_elements, reduced_bytes, stats.reset(), [b.buffer.clone() for b in reducer.buckets]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", sorted(TRANSPORTS))
+def test_reduce_averages_on_owners_and_share_gives_everyone_the_same_bits(kind):
+    from tests.helpers.distributed import run_distributed
+
+    world_size = 3
+    ranks = run_distributed(_reduce_then_share, world_size, kind, timeout=120)
+    total = sum(p.numel() for p in nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4), nn.Linear(4, 3)).parameters())
+    owned = [r[0] for r in ranks]
+    if kind == "ring":
+        assert owned == [total] * world_size
+    elif kind == "central":
+        assert owned == [0, total, 0]  # the server is rank 1
+    else:
+        assert sum(owned) == total and max(owned) - min(owned) <= 1  # balanced shards
+    for r in ranks[1:]:
+        for mine, theirs in zip(r[3], ranks[0][3]):
+            assert torch.equal(mine, theirs)  # bit-identical buckets everywhere after reduce + share
+    if kind == "ring":
+        assert all(r[2] == (0, 0) for r in ranks)  # nothing left to share
+    else:
+        assert all(r[2] != (0, 0) for r in ranks)  # the owners' values travel to everyone
