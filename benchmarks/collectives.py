@@ -49,6 +49,25 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
+def _operations(rank, buf, peer_buf, segments, ring):
+    """The timed operations on one buffer, by name."""
+
+    def p2p():
+        # one link, one direction: rank 0 sends S bytes to rank 1
+        if rank == 0:
+            dist.send(buf, dst=1)
+        elif rank == 1:
+            dist.recv(peer_buf, src=0)
+
+    return {
+        "p2p": p2p,
+        "ring_allreduce": lambda: ring_allreduce(buf, ring=ring),
+        "gloo_all_reduce": lambda: dist.all_reduce(buf),
+        "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
+        "sharded_ps": lambda: (push_shards(buf, segments), pull_shards(buf, segments)),
+    }
+
+
 def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int) -> list[dict]:
     rows = []
     ring = Ring()
@@ -57,22 +76,7 @@ def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int) -> 
         nbytes = numel * 4
         buf = torch.randn(numel)
         segments = shard_segments([numel], [4], world_size)[0]
-        peer_buf = torch.empty(numel)
-
-        def p2p():
-            # one link, one direction: rank 0 sends S bytes to rank 1
-            if rank == 0:
-                dist.send(buf, dst=1)
-            elif rank == 1:
-                dist.recv(peer_buf, src=0)
-
-        ops = {
-            "p2p": p2p,
-            "ring_allreduce": lambda: ring_allreduce(buf, ring=ring),
-            "gloo_all_reduce": lambda: dist.all_reduce(buf),
-            "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
-            "sharded_ps": lambda: (push_shards(buf, segments), pull_shards(buf, segments)),
-        }
+        ops = _operations(rank, buf, torch.empty(numel), segments, ring)
         times = {name: timed(fn, repeats) for name, fn in ops.items()}
         link = nbytes / times["p2p"]
         for name, t in times.items():
@@ -109,7 +113,9 @@ def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, world_size, port, sizes_mb, repeats, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=worker, args=(r, world_size, port, sizes_mb, repeats, queue)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     rows = queue.get()
@@ -122,11 +128,12 @@ def write_report(rows: list[dict], out: Path) -> None:
     lines = [
         f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo over loopback TCP",
         "",
-        "| N | S (MB) | p2p GB/s | ring busbw GB/s | gloo busbw GB/s | ring / gloo | ring / p2p | central PS busbw | sharded PS busbw |",
+        "| N | S (MB) | p2p GB/s | ring busbw GB/s | gloo busbw GB/s | ring / gloo | ring / p2p "
+        "| central PS busbw | sharded PS busbw |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
-    for (n, size) in sorted({key(r) for r in rows}):
+    for n, size in sorted({key(r) for r in rows}):
         by = {r["op"]: r for r in rows if key(r) == (n, size)}
         lines.append(
             f"| {n} | {size:g} | {by['p2p']['bandwidth_GBps']:.2f} | {by['ring_allreduce']['busbw_GBps']:.2f} | "

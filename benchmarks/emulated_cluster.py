@@ -34,7 +34,13 @@ def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, 
 
     from benchmarks.collectives import timed
     from lightning_dp.comm import ring_allreduce
-    from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
+    from lightning_dp.comm.parameter_server import (
+        pull_shards,
+        pull_weights,
+        push_gradients,
+        push_shards,
+        shard_segments,
+    )
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
@@ -61,9 +67,25 @@ def measure(n: int, size_mb: float, rate_mbit: float, repeats: int, tmp: Path) -
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the workers import benchmarks.* from any working directory
     with emulated_hosts(n, rate_mbit) as hosts:
         procs = [
-            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.emulated_cluster",
-                              "--worker", str(rank), str(n), str(size_mb), str(repeats), str(port), str(out)],
-                             env=env)  # fmt: skip
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "benchmarks.emulated_cluster",
+                    "--worker",
+                    str(rank),
+                    str(n),
+                    str(size_mb),
+                    str(repeats),
+                    str(port),
+                    str(out),
+                ],
+                env=env,
+            )  # fmt: skip
             for rank, ns in enumerate(hosts)
         ]
         try:

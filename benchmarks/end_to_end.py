@@ -93,11 +93,17 @@ def worker(args) -> None:
 
     timer = StepTimer()
     trainer = L.Trainer(
-        strategy=args.strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
+        strategy=args.strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
         max_steps=args.warmup + args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[timer],
-    )  # fmt: skip
+    )
     world = args.devices * args.num_nodes
     data = FakeDataModule(num_samples=batch * world * (args.warmup + args.steps), image_shape=shape, batch_size=batch)
     model = build_model(args.model)
@@ -108,8 +114,13 @@ def worker(args) -> None:
     if hasattr(strategy, "optimizer_state_bytes"):
         state_bytes = strategy.optimizer_state_bytes()
     else:
-        state_bytes = sum(v.numel() * v.element_size() for o in trainer.optimizers for s in o.state.values()
-                          for v in s.values() if torch.is_tensor(v))  # fmt: skip
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for o in trainer.optimizers
+            for s in o.state.values()
+            for v in s.values()
+            if torch.is_tensor(v)
+        )
     result = {
         "rank": trainer.global_rank,
         "steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
@@ -119,8 +130,8 @@ def worker(args) -> None:
         "comm_seconds": stats.comm_seconds if stats is not None else None,
         "exposed_comm_seconds": stats.exposed_comm_seconds if stats is not None else None,
         "comm_seconds_per_step": ((stats.comm_seconds if stats else 0.0) - timer.comm_at_warmup) / args.steps,
-        "exposed_comm_seconds_per_step":
-            ((stats.exposed_comm_seconds if stats else 0.0) - timer.exposed_at_warmup) / args.steps,
+        "exposed_comm_seconds_per_step": ((stats.exposed_comm_seconds if stats else 0.0) - timer.exposed_at_warmup)
+        / args.steps,
         "isolated_exchange_seconds": timer.isolated_exchange_seconds,
         "sync_bytes": stats.bucket_bytes if stats is not None else None,
     }
@@ -133,25 +144,60 @@ def hidden_fraction(ranks: list[dict]) -> float:
     rank waited for communication after its own backward, plus blocking weight pulls) / (seconds the same exchange
     takes when every rank starts it together, measured in the same run). Waiting for a slower peer's backward
     counts as exposed, never as hidden; the share is clipped to [0, 1]."""
-    shares = [min(1.0, max(0.0, 1 - r["exposed_comm_seconds_per_step"] / r["isolated_exchange_seconds"])) for r in ranks]
+    shares = [
+        min(1.0, max(0.0, 1 - r["exposed_comm_seconds_per_step"] / r["isolated_exchange_seconds"])) for r in ranks
+    ]
     return sum(shares) / len(shares)
 
 
-def run_emulated(model: str, hosts: int, rate_mbit: float, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
+def run_emulated(
+    model: str, hosts: int, rate_mbit: float, strategy: str, steps: int, warmup: int, tmp: Path
+) -> list[dict]:
     """One Lightning node per emulated host (network namespace), links shaped to ``rate_mbit``."""
     from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
 
     result_dir = tmp / f"emulated-{model}-{hosts}-{strategy}"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO),
-           "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": "29800", "GLOO_SOCKET_IFNAME": IFNAME}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(REPO),
+        "MASTER_ADDR": f"{SUBNET}.1",
+        "MASTER_PORT": "29800",
+        "GLOO_SOCKET_IFNAME": IFNAME,
+    }
     with emulated_hosts(hosts, rate_mbit) as namespaces:
         procs = [
-            subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.end_to_end", "--worker",
-                              "--model", model, "--devices", "1", "--num-nodes", str(hosts), "--strategy", strategy,
-                              "--steps", str(steps), "--warmup", str(warmup), "--result-dir", str(result_dir)],
-                             env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "benchmarks.end_to_end",
+                    "--worker",
+                    "--model",
+                    model,
+                    "--devices",
+                    "1",
+                    "--num-nodes",
+                    str(hosts),
+                    "--strategy",
+                    strategy,
+                    "--steps",
+                    str(steps),
+                    "--warmup",
+                    str(warmup),
+                    "--result-dir",
+                    str(result_dir),
+                ],
+                env={**env, "NODE_RANK": str(rank)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             for rank, ns in enumerate(namespaces)
-        ]  # fmt: skip
+        ]
         try:
             codes = [p.wait(timeout=1800) for p in procs]
         finally:
@@ -169,7 +215,8 @@ def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) 
         f"Machine: {os.cpu_count()} CPUs; {hosts} hosts in network namespaces, links shaped to {rate_mbit:g} Mbit/s "
         f"both ways; {steps} timed steps",
         "",
-        "| model | strategy | steps/s | vs ddp | S (MB) | comm s/step (max over ranks) | analytic s/step | measured / analytic |",
+        "| model | strategy | steps/s | vs ddp | S (MB) | comm s/step (max over ranks) | analytic s/step "
+        "| measured / analytic |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -179,16 +226,33 @@ def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) 
         s = r["sync_bytes"]
         factor = 2 * (hosts - 1) if r["strategy"] == "parameter_server" else 2 * (hosts - 1) / hosts
         analytic = factor * s / b
-        lines.append(f"| {r['model']} | {r['strategy']} | {r['steps_per_s']:.2f} | {r['vs_ddp']:.2f} | {s / 2**20:.1f} | "
-                     f"{r['comm_s_per_step']:.3f} | {analytic:.3f} | {r['comm_s_per_step'] / analytic:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['strategy']} | {r['steps_per_s']:.2f} | {r['vs_ddp']:.2f} | {s / 2**20:.1f} | "
+            f"{r['comm_s_per_step']:.3f} | {analytic:.3f} | {r['comm_s_per_step'] / analytic:.2f} |"
+        )
     return lines
 
 
 def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
     result_dir = tmp / f"{model}-{devices}-{strategy}"
-    cmd = [sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
-           "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
-           "--result-dir", str(result_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.end_to_end",
+        "--worker",
+        "--model",
+        model,
+        "--devices",
+        str(devices),
+        "--strategy",
+        strategy,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--result-dir",
+        str(result_dir),
+    ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(devices)]
@@ -196,7 +260,9 @@ def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, t
 
 def median(values):
     values = sorted(values)
-    return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    return (
+        values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+    )
 
 
 def main() -> None:
@@ -229,10 +295,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for model in models:
                 for strategy in STRATEGIES:
-                    ranks = run_emulated(model, args.emulated_hosts, args.rate_mbit, strategy, steps, args.warmup, Path(tmp))
-                    row = {"model": model, "strategy": strategy, "steps_per_s": median([r["steps_per_s"] for r in ranks]),
-                           "sync_bytes": ranks[0]["sync_bytes"],
-                           "comm_s_per_step": max(r["comm_seconds_per_step"] for r in ranks)}  # fmt: skip
+                    ranks = run_emulated(
+                        model, args.emulated_hosts, args.rate_mbit, strategy, steps, args.warmup, Path(tmp)
+                    )
+                    row = {
+                        "model": model,
+                        "strategy": strategy,
+                        "steps_per_s": median([r["steps_per_s"] for r in ranks]),
+                        "sync_bytes": ranks[0]["sync_bytes"],
+                        "comm_s_per_step": max(r["comm_seconds_per_step"] for r in ranks),
+                    }
                     if strategy == "ddp":
                         baseline = row
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
@@ -247,12 +319,14 @@ def main() -> None:
                 for strategy in STRATEGIES:
                     ranks = run_case(model, n, strategy, steps, args.warmup, Path(tmp))
                     row = {
-                        "model": model, "world_size": n, "strategy": strategy,
+                        "model": model,
+                        "world_size": n,
+                        "strategy": strategy,
                         "params": ranks[0]["params"],
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "peak_rss_mb_max": max(r["peak_rss_mb"] for r in ranks),
                         "optimizer_state_mb": [round(r["optimizer_state_bytes"] / 2**20, 2) for r in ranks],
-                    }  # fmt: skip
+                    }
                     if ranks[0]["isolated_exchange_seconds"]:
                         row["hidden_comm_fraction"] = hidden_fraction(ranks)
                         row["exposed_ms_per_step"] = 1000 * median([r["exposed_comm_seconds_per_step"] for r in ranks])
@@ -280,7 +354,8 @@ def main() -> None:
         exposed = f"{r['exposed_ms_per_step']:.1f}" if "exposed_ms_per_step" in r else "n/a"
         exchange = f"{r['isolated_exchange_ms']:.1f}" if "isolated_exchange_ms" in r else "n/a"
         lines.append(
-            f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['world_size']} | {r['strategy']} | {r['steps_per_s']:.2f} | "
+            f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['world_size']} | {r['strategy']} "
+            f"| {r['steps_per_s']:.2f} | "
             f"{r['vs_ddp']:.2f} | {hidden} | {exposed} | {exchange} | {r['peak_rss_mb_max']:.0f} | "
             f"{r['optimizer_state_mb']} | {r['state_vs_ddp']} |"
         )

@@ -1,10 +1,10 @@
 """Train any LightningModule under any strategy, configured by Hydra.
 
-    python examples/train.py                                    # reference CNN, digits, 2 CPU processes, ring_allreduce
-    python examples/train.py strategy=sharded_ps trainer.devices=4
-    python examples/train.py strategy=parameter_server strategy.server_rank=1
-    python examples/train.py -m strategy=ring_allreduce,parameter_server,sharded_ps,ddp
-    python examples/train.py model=boring
+python examples/train.py                                    # reference CNN, digits, 2 CPU processes, ring_allreduce
+python examples/train.py strategy=sharded_ps trainer.devices=4
+python examples/train.py strategy=parameter_server strategy.server_rank=1
+python examples/train.py -m strategy=ring_allreduce,parameter_server,sharded_ps,ddp
+python examples/train.py model=boring
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_dp
 from lightning_dp import hydra_support
 
 

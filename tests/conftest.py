@@ -1,8 +1,8 @@
 """Test tiers: every test is ``unit`` or ``multiprocess``, optionally also ``netns``, ``slow`` or ``gpu``.
 
-    python -m pytest -m unit                  # in-process tests only, well under a minute
-    python -m pytest -m "not slow"            # everything but the longest launches
-    python -m pytest                          # everything (netns and gpu tests skip where they cannot run)
+python -m pytest -m unit                  # in-process tests only, well under a minute
+python -m pytest -m "not slow"            # everything but the longest launches
+python -m pytest                          # everything (netns and gpu tests skip where they cannot run)
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ def write_mnist(root, n_train=40, n_test=12):
         images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
         images[:, 0, 0] = 255
         labels = torch.arange(n, dtype=torch.uint8) % 10
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.numpy().tobytes())
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, n, 28, 28) + images.numpy().tobytes()
+        )
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.numpy().tobytes())
     return root
 

@@ -15,7 +15,13 @@ from lightning_dp.hydra_support import _config_flags
 from tests.helpers.launch import QUICK, REPO, run_app
 
 CONF = REPO / "conf"
-STRATEGY_ARGS_NOT_IN_CONFIG = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+STRATEGY_ARGS_NOT_IN_CONFIG = {
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+}
 
 
 def compose_train(overrides=()):
@@ -47,15 +53,23 @@ def test_strategy_configs_list_every_constructor_option_with_its_default(name):
     import lightning_dp
 
     cfg = OmegaConf.load(CONF / "strategy" / f"{name}.yaml")
-    cls = {"ring_allreduce": lightning_dp.RingAllReduceStrategy, "parameter_server": lightning_dp.ParameterServerStrategy,
-           "sharded_ps": lightning_dp.ShardedParameterServerStrategy}[name]  # fmt: skip
+    cls = {
+        "ring_allreduce": lightning_dp.RingAllReduceStrategy,
+        "parameter_server": lightning_dp.ParameterServerStrategy,
+        "sharded_ps": lightning_dp.ShardedParameterServerStrategy,
+    }[name]
     options = {}
     for klass in reversed(cls.__mro__):
         if "__init__" in vars(klass) and klass.__module__.startswith("lightning_dp"):
-            options.update({k: p.default for k, p in inspect.signature(klass.__init__).parameters.items()
-                            if k not in ("self", "kwargs") and k not in STRATEGY_ARGS_NOT_IN_CONFIG})  # fmt: skip
+            options.update(
+                {
+                    k: p.default
+                    for k, p in inspect.signature(klass.__init__).parameters.items()
+                    if k not in ("self", "kwargs") and k not in STRATEGY_ARGS_NOT_IN_CONFIG
+                }
+            )
     keys = set(cfg) - {"_target_"}
-    assert keys == set(options), (keys ^ set(options))
+    assert keys == set(options), keys ^ set(options)
     for key, default in options.items():
         value = cfg[key]
         if key == "timeout":
@@ -65,7 +79,9 @@ def test_strategy_configs_list_every_constructor_option_with_its_default(name):
 
 
 GROUP_OPTIONS = [
-    (group, p.stem) for group in ("model", "data", "callbacks", "logger", "trainer") for p in sorted((CONF / group).glob("*.yaml"))
+    (group, p.stem)
+    for group in ("model", "data", "callbacks", "logger", "trainer")
+    for p in sorted((CONF / group).glob("*.yaml"))
 ]
 
 
@@ -137,8 +153,7 @@ def test_train_py_runs_a_module_from_lightning_demos(tmp_path):
 
 @pytest.mark.multiprocess
 def test_sweep_runs_each_job_with_its_own_processes(tmp_path):
-    code, out = run_app(["-m", "strategy=sharded_ps,ddp", *QUICK, f"hydra.sweep.dir={tmp_path}/sweep"],
-                        cwd=tmp_path)  # fmt: skip
+    code, out = run_app(["-m", "strategy=sharded_ps,ddp", *QUICK, f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path)
     jobs = sorted((tmp_path / "sweep").iterdir())
     assert [j.name for j in jobs if j.is_dir()] == ["0", "1"], out[-3000:]
     strategies = [json.loads((j / "metrics.json").read_text())["strategy"] for j in jobs if j.is_dir()]
@@ -171,8 +186,10 @@ def test_a_users_own_hydra_app_composes_lightning_dp_strategies(tmp_path):
     import hydra_plugins
 
     if any("__editable__" in str(p) for p in hydra_plugins.__path__):
-        pytest.skip("Hydra cannot scan plugins of a strict editable install; use a regular install or "
-                    "pip install -e . --config-settings editable_mode=compat")  # fmt: skip
+        pytest.skip(
+            "Hydra cannot scan plugins of a strict editable install; use a regular install or "
+            "pip install -e . --config-settings editable_mode=compat"
+        )
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "config.yaml").write_text("defaults:\n  - strategy: ring_allreduce\n  - _self_\n")
     (tmp_path / "app.py").write_text(
@@ -185,9 +202,17 @@ def test_a_users_own_hydra_app_composes_lightning_dp_strategies(tmp_path):
         "main()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for overrides, expected in [([], "RingAllReduceStrategy None"),
-                                (["strategy=parameter_server", "strategy.server_rank=1"], "ParameterServerStrategy 1"),
-                                (["strategy=sharded_ps"], "ShardedParameterServerStrategy None")]:  # fmt: skip
-        out = subprocess.run([sys.executable, "app.py", *overrides, "hydra.run.dir=out"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    for overrides, expected in [
+        ([], "RingAllReduceStrategy None"),
+        (["strategy=parameter_server", "strategy.server_rank=1"], "ParameterServerStrategy 1"),
+        (["strategy=sharded_ps"], "ShardedParameterServerStrategy None"),
+    ]:
+        out = subprocess.run(
+            [sys.executable, "app.py", *overrides, "hydra.run.dir=out"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert f"STRATEGY {expected}" in out.stdout, out.stdout + out.stderr

@@ -210,7 +210,9 @@ def test_without_overlap_every_bucket_leaves_after_backward():
     reducer.finish()  # the learning backward
     reducer.stop_overlap()
     launched_during_backward = []
-    hook = model.layers[0].weight.register_post_accumulate_grad_hook(lambda p: launched_during_backward.append(len(reducer._futures)))
+    hook = model.layers[0].weight.register_post_accumulate_grad_hook(
+        lambda p: launched_during_backward.append(len(reducer._futures))
+    )
     model(torch.randn(2, 64)).backward()
     assert launched_during_backward == [0]  # the last gradient of backward arrived with nothing sent yet
     reducer.finish()

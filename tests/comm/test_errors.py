@@ -28,7 +28,9 @@ def test_transport_errors_are_told_apart_from_bugs():
     assert not is_transport_error(ValueError("Connection reset"))
     assert not is_transport_error(PeerUnreachableError("rank 0 could not reach rank 1"))  # already named
     # a local NCCL failure is not a lost peer
-    nccl_oom = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error, NCCL version "
-                                     "2.30.7\nncclUnhandledCudaError: Call to CUDA function failed. out of memory")
+    nccl_oom = dist.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error, NCCL version "
+        "2.30.7\nncclUnhandledCudaError: Call to CUDA function failed. out of memory"
+    )
     assert not is_transport_error(nccl_oom)
     assert is_transport_error(dist.DistNetworkError("failed to connect to 10.77.0.1:29500"))

@@ -38,7 +38,9 @@ def test_shard_segments_balance_bytes_at_element_granularity():
 def _exchanges(rank, world_size, numel):
     g = torch.Generator().manual_seed(rank)
     local = torch.randint(-8, 9, (numel,), generator=g).float()
-    everyone = [torch.randint(-8, 9, (numel,), generator=torch.Generator().manual_seed(r)).float() for r in range(world_size)]
+    everyone = [
+        torch.randint(-8, 9, (numel,), generator=torch.Generator().manual_seed(r)).float() for r in range(world_size)
+    ]
     mean = torch.stack(everyone).sum(0) / world_size
     results = {}
     for server in range(world_size):

@@ -6,7 +6,8 @@ import os
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,9 +62,9 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
 
     ``backend="nccl"`` puts rank ``r`` on GPU ``r``; ``"gloo-bound"`` joins through
-    :func:`lightning_dp.comm.rendezvous.init_bound_process_group`. Raises ``AssertionError`` with the worker's traceback if any rank
-    fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a deadlock fails the test
-    instead of hanging it.
+    :func:`lightning_dp.comm.rendezvous.init_bound_process_group`. Raises ``AssertionError`` with the worker's
+    traceback if any rank fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a
+    deadlock fails the test instead of hanging it.
     """
     procs, results = _start_workers(fn, world_size, args, backend)
     deadline = time.monotonic() + timeout

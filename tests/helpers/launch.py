@@ -66,7 +66,7 @@ def run_script(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
+        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}") from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # leave no rank behind
@@ -105,7 +105,7 @@ def run_app(args, cwd, timeout=300, check=True):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.communicate()[0]
-        raise AssertionError(f"train.py {args} timed out:\n{out[-4000:]}")
+        raise AssertionError(f"train.py {args} timed out:\n{out[-4000:]}") from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -8,6 +8,11 @@ import torch
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
+def prefixed(prefix: str):
+    """An ``assert_close`` message that puts ``prefix`` before torch's own description of the mismatch."""
+    return lambda message: f"{prefix}: {message}"
+
+
 def assert_identical_replicas(ranks: list[dict]) -> None:
     """``ranks[r]["weights"]`` (weights after every step) is bit-identical on every rank."""
     for step, weights in enumerate(ranks[0]["weights"]):

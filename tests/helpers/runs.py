@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tests.helpers.launch import load_ranks, run_script
-from tests.helpers.replicas import TOLERANCE
+from tests.helpers.replicas import TOLERANCE, prefixed
 
 STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
 
@@ -79,6 +79,6 @@ def assert_follows_ddp(runs: DropInRuns, strategy: str, case: str, tolerance: di
     for step, want in enumerate(reference):
         got = ranks[0]["weights"][step]
         assert torch.equal(got, ranks[1]["weights"][step]), f"{case}: ranks differ after step {step + 1}"
-        torch.testing.assert_close(got, want, **(tolerance or TOLERANCE), msg=lambda m: f"{case}, step {step + 1}: {m}")
+        torch.testing.assert_close(got, want, **(tolerance or TOLERANCE), msg=prefixed(f"{case}, step {step + 1}"))
     assert not torch.equal(reference[-1], reference[0]), f"{case}: training did not move the weights"
     return ranks

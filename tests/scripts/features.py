@@ -24,8 +24,8 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
-from tests.scripts.models import IN_FEATURES, RegressionModel, TwoOptimizerModel, flat_weights
 from lightning_dp.comm.sockets import tcp_sockets
+from tests.scripts.models import IN_FEATURES, RegressionModel, TwoOptimizerModel, flat_weights
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
@@ -160,7 +160,9 @@ def fit_features(checkpoint_dir: str, extra_callbacks=(), ckpt_path=None):
 def main():
     out = {}
     if args.phase == "crash":
-        fit_features(os.path.join(args.out, "checkpoints"), extra_callbacks=[KillRank(rank=args.kill_rank, epoch=2, batch=2)])
+        fit_features(
+            os.path.join(args.out, "checkpoints"), extra_callbacks=[KillRank(rank=args.kill_rank, epoch=2, batch=2)]
+        )
         raise AssertionError("rank 0 finished although rank 1 died")
     if args.phase == "resume":
         t, model, record = fit_features(os.path.join(args.out, "checkpoints"), ckpt_path="last")

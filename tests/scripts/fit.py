@@ -7,8 +7,8 @@ import lightning as L
 import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
-from tests.scripts.models import RegressionModel
 from lightning_dp.comm.sockets import tcp_sockets
+from tests.scripts.models import RegressionModel
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")

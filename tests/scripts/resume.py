@@ -36,4 +36,7 @@ trainer.fit(model, ckpt_path=args.resume_from)
 if args.save_to:
     trainer.save_checkpoint(args.save_to)
 os.makedirs(args.out, exist_ok=True)
-torch.save({"weights": model.history, "global_step": trainer.global_step}, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
+torch.save(
+    {"weights": model.history, "global_step": trainer.global_step},
+    os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
+)

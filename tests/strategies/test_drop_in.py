@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.replicas import TOLERANCE
+from tests.helpers.replicas import TOLERANCE, prefixed
 from tests.helpers.runs import STRATEGIES, DropInRuns, assert_follows_ddp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # any test may start the shared launches (minutes)
@@ -64,7 +64,7 @@ def test_compiled_module_and_compiled_submodule_equal_ddp_and_eager(runs, strate
     for case in ("compiled", "compiled_submodule"):
         ranks = assert_follows_ddp(runs, strategy, case)
         for step, (got, want) in enumerate(zip(ranks[0]["weights"], eager, strict=True)):
-            torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m: f"{case} vs eager, step {step + 1}: {m}")
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=prefixed(f"{case} vs eager, step {step + 1}"))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

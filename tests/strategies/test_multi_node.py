@@ -21,9 +21,27 @@ def start_nodes(hosts, args, port):
     env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     return [
-        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.scripts.fit", "--devices", "1",
-                          "--num-nodes", str(len(hosts)), *args], cwd=REPO, env={**env, "NODE_RANK": str(rank)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-m",
+                "tests.scripts.fit",
+                "--devices",
+                "1",
+                "--num-nodes",
+                str(len(hosts)),
+                *args,
+            ],
+            cwd=REPO,
+            env={**env, "NODE_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for rank, ns in enumerate(hosts)
     ]
 

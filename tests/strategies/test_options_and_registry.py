@@ -50,7 +50,10 @@ def test_trainer_accepts_name_and_instance():
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number"),
         ({"bucket_cap_mb": -5}, "bucket_cap_mb must be a positive number"),
         ({"bucket_cap_mb": "big"}, "bucket_cap_mb must be a positive number"),
-        ({"process_group_backend": "mpi"}, "process_group_backend='mpi' is not supported; allowed values: 'gloo', 'nccl'"),
+        (
+            {"process_group_backend": "mpi"},
+            "process_group_backend='mpi' is not supported; allowed values: 'gloo', 'nccl'",
+        ),
         ({"start_method": "thread"}, "start_method='thread' is not supported"),
         ({"timeout": 0}, "timeout must be a positive number"),
         ({"broadcast_buffers": "yes"}, "broadcast_buffers must be True or False"),

@@ -94,7 +94,10 @@ def test_sparse_gradients_are_refused_at_setup(strategy_name):
 
     strategy = StrategyRegistry[strategy_name]["strategy"]()
     strategy.model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
-    with pytest.raises(ValueError, match=rf"strategy '{strategy_name}' does not support sparse gradients, but 0 .*sparse=False.*strategy='ddp'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"strategy '{strategy_name}' does not support sparse gradients, but 0 .*sparse=False.*strategy='ddp'",
+    ):
         strategy._refuse_sparse_gradients()
     strategy.model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
     strategy._refuse_sparse_gradients()
@@ -102,7 +105,9 @@ def test_sparse_gradients_are_refused_at_setup(strategy_name):
 
 @pytest.mark.multiprocess
 def test_sparse_embedding_is_refused_before_training():
-    result = run_script("refuse", "--strategy", "ring_allreduce", "--optimizer", "SGD", "--sparse", check=False, timeout=120)
+    result = run_script(
+        "refuse", "--strategy", "ring_allreduce", "--optimizer", "SGD", "--sparse", check=False, timeout=120
+    )
     assert result.returncode != 0
     assert "strategy 'ring_allreduce' does not support sparse gradients" in result.stdout
     assert "TRAINED" not in result.stdout
@@ -119,9 +124,9 @@ def test_strategies_are_ddp_strategies_for_lightnings_compile_check_and_ray():
 
 @pytest.mark.unit
 def test_the_environment_joins_the_process_groups_once():
-    from lightning_dp import RingAllReduceStrategy
-
     import torch
+
+    from lightning_dp import RingAllReduceStrategy
 
     strategy = RingAllReduceStrategy(
         accelerator=L.pytorch.accelerators.CPUAccelerator(), parallel_devices=[torch.device("cpu")]
