@@ -69,11 +69,13 @@ def patch_hydra_subprocess_command(command: Callable[[int], tuple[list[str], str
     from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
     from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
 
-    for module in (fabric_launcher, pytorch_launcher):
+    modules = (fabric_launcher, pytorch_launcher)
+    for module in modules:  # all checked before any is patched
         if not callable(getattr(module, "_hydra_subprocess_cmd", None)):
             raise RuntimeError(
                 f"{module.__name__} has no _hydra_subprocess_cmd: this Lightning version builds Hydra child "
                 f"commands differently, and lightning-dp's Hydra support (tested with Lightning "
                 f"{', '.join(TESTED_LIGHTNING)}) cannot fix them"
             )
+    for module in modules:
         module._hydra_subprocess_cmd = command  # type: ignore[attr-defined]

@@ -60,6 +60,10 @@ def subprocess_command(local_rank: int) -> tuple[list[str], str]:
 def install() -> None:
     """Make Lightning's popen launcher (``ddp`` and every lightning-dp strategy) use :func:`subprocess_command`.
     Raises ``RuntimeError`` if this Lightning version has no such hook to replace."""
+    # Lightning first: loading it registers the strategies, which import the compatibility module themselves; a
+    # compatibility module still half-imported at that moment would break their registration
+    import lightning.pytorch  # noqa: F401
+
     from lightning_dp._lightning_compat import patch_hydra_subprocess_command
 
     patch_hydra_subprocess_command(subprocess_command)

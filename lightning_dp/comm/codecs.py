@@ -16,7 +16,8 @@ class Codec:
     """The bucket travels as it is (full precision): the transport's exchanges unchanged.
 
     Subclasses encode before and decode after :meth:`reduce` (gradients up) and :meth:`share` (averaged
-    gradients or weights down).
+    gradients down, and for the parameter servers updated weights down: a lossy codec must keep the residuals of
+    the two apart).
     """
 
     name = "none"

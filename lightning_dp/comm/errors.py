@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 class LightningDPError(Exception):
-    """Base of every error lightning-dp raises."""
+    """Base of the errors lightning-dp reports about a run (its options, its model, its peers, its gradients)."""
 
 
 class ConfigurationError(LightningDPError, ValueError):

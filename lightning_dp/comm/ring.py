@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.p2p import post, wait_for
 from lightning_dp.comm.stats import CommStats
 
@@ -55,7 +56,7 @@ class Ring:
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
         if segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+            raise ConfigurationError(f"segment_bytes must be positive, got {segment_bytes}")
         self.segment_bytes = segment_bytes
 
     def exchange(
@@ -71,9 +72,9 @@ class Ring:
 
 def _check_op(op: str, tensor: torch.Tensor) -> None:
     if op not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not supported; choose one of {REDUCE_OPS}")
+        raise ConfigurationError(f"op={op!r} is not supported; choose one of {REDUCE_OPS}")
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ValueError(f"op='avg' needs a floating point tensor, got dtype {tensor.dtype}")
+        raise ConfigurationError(f"op='avg' needs a floating point tensor, got dtype {tensor.dtype}")
 
 
 def _ceil_div(a: int, b: int) -> int:

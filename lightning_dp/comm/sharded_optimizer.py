@@ -58,8 +58,8 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
         allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
         raise ConfigurationError(
-            f"cannot shard optimizer {type(optimizer).__name__}: running it on slices of tensors is exact only for "
-            f"element-wise optimizers ({allowed})"
+            f"cannot shard optimizer {type(optimizer).__name__}: it runs the optimizer on slices of tensors, which is "
+            f"exact only for element-wise optimizers ({allowed})"
         )
 
 
@@ -103,10 +103,16 @@ class ShardLayout:
     """Which elements of which parameters this rank serves, built once from the buckets and their segments.
 
     ``segments[b][r]`` is the ``(start, end)`` element range of bucket ``b``'s gradient region that rank ``r``
-    serves.
+    serves. ``owner`` names the user of the layout in error messages (e.g. ``"strategy 'sharded_ps'"``).
     """
 
-    def __init__(self, buckets: Sequence[GradientBucket], segments: Sequence[Sequence[Segment]], rank: int) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[GradientBucket],
+        segments: Sequence[Sequence[Segment]],
+        rank: int,
+        owner: str = "a sharded optimizer",
+    ) -> None:
         self.pieces: list[ShardPiece] = []
         for bucket in buckets:
             start, end = segments[bucket.index][rank]
@@ -114,7 +120,7 @@ class ShardLayout:
                 a, b = max(lo, start), min(hi, end)
                 if a < b:
                     if not p.is_contiguous():
-                        raise ConfigurationError("a sharded optimizer needs contiguous parameters")
+                        raise ConfigurationError(f"{owner} needs contiguous parameters")
                     view = p.detach().view(-1)[a - lo : b - lo]
                     self.pieces.append(ShardPiece(p, bucket, i, a - lo, b - lo, a, view))
         self._by_param: dict[int, list[ShardPiece]] = {}
@@ -136,14 +142,20 @@ class ShardedOptimizer:
 
     One shard group per parameter group of ``optimizer`` (it may hold no pieces here); learning-rate schedulers
     and ``add_param_group`` act on ``optimizer`` and are followed at each :meth:`step` and checkpoint. ``group``
-    is the process group the shards are spread over (its rank ``r`` serves shard ``r``).
+    is the process group the shards are spread over (its rank ``r`` serves shard ``r``); ``owner`` names the user
+    in error messages.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, layout: ShardLayout, group: dist.ProcessGroup | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        layout: ShardLayout,
+        group: dist.ProcessGroup | None = None,
+        owner: str = "the sharded optimizer",
     ) -> None:
         check_shardable(optimizer)
         self.optimizer = optimizer
+        self.owner = owner
         self.layout = layout
         self.group = group
         self._group_pieces = [layout.pieces_of(g["params"]) for g in optimizer.param_groups]
@@ -177,8 +189,9 @@ class ShardedOptimizer:
         for k, (group, ids) in enumerate(zip(groups, self._mirrored)):
             if [id(p) for p in group["params"]] != ids:
                 raise UnsupportedChangeError(
-                    f"the parameters of group {k} of {type(self.optimizer).__name__} changed after set-up, which the "
-                    "sharded optimizer cannot follow; add new parameters with optimizer.add_param_group(...) instead"
+                    f"{self.owner}: the parameters of group {k} of {type(self.optimizer).__name__} changed after "
+                    "set-up, which the sharded optimizer cannot follow; add new parameters with "
+                    "optimizer.add_param_group(...) instead"
                 )
         for group in groups[len(self._mirrored) :]:
             pieces = self.layout.pieces_of(group["params"])

@@ -4,8 +4,10 @@ A transport is one axis of a synchronization scheme (see ``docs/architecture.md`
 consistency model can travel over any of them. Every transport offers two exchanges on a
 :class:`~lightning_dp.comm.buckets.GradientBucket`:
 
-- :meth:`Transport.reduce`: every element of the bucket (gradients and used-flags) is averaged on the rank that
-  owns it; :meth:`Transport.owned` tells which gradient elements this rank owns afterwards.
+- :meth:`Transport.reduce`: every gradient element of the bucket is averaged on the rank that owns it, and the
+  used-flags are combined so that a flag is non-zero where any rank used the parameter (averaged with the
+  gradients by the ring and the central server, summed everywhere by the sharded servers).
+  :meth:`Transport.owned` tells which gradient elements this rank owns afterwards.
 - :meth:`Transport.share`: the owners send their elements to every rank. After ``reduce`` and ``share`` every
   rank holds the whole averaged bucket. A parameter-server scheme also uses ``share`` to send updated weights:
   owners pack their parameters into the bucket, ``share``, and everyone unpacks.

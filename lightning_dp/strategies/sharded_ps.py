@@ -55,9 +55,10 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     def _setup_gradient_sync(self) -> None:
         super()._setup_gradient_sync()
         assert self.reducer is not None and isinstance(self.transport, ShardedServerTransport)
-        self.layout = ShardLayout(self.reducer.buckets, self.transport.segments, self.transport.rank)
+        owner = f"strategy {self.strategy_name!r}"
+        self.layout = ShardLayout(self.reducer.buckets, self.transport.segments, self.transport.rank, owner)
         self.sharded_optimizers = [
-            ShardedOptimizer(unwrap_optimizer(o), self.layout, self.gradient_group) for o in self.optimizers
+            ShardedOptimizer(unwrap_optimizer(o), self.layout, self.gradient_group, owner) for o in self.optimizers
         ]
         plugin = self.precision_plugin
         plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]

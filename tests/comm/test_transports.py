@@ -18,6 +18,14 @@ TRANSPORTS = {
 }
 
 
+def _buckets_of_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4), nn.Linear(4, 3))
+    reducer = BucketReducer(model.parameters(), lambda b: None, bucket_cap_mb=30 * 4 / 2**20)
+    reducer.close()
+    return reducer.buckets
+
+
 def _reduce_then_share(rank: int, world_size: int, kind: str) -> list:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4), nn.Linear(4, 3))
@@ -47,6 +55,11 @@ def _reduce_then_share(rank: int, world_size: int, kind: str) -> list:
     for bucket in reducer.buckets:
         codec.share(bucket, transport)
         assert (bucket.flags != 0).all()  # every parameter was used by some rank
+        expected = torch.full((bucket.grad_numel,), average)
+        for i, p in enumerate(bucket.params):
+            if p is model[2].weight:
+                expected[bucket.slices[i][0] : bucket.slices[i][1]] = 1.0 / world_size
+        assert torch.equal(bucket.buffer[: bucket.grad_numel], expected), (kind, bucket.index, "after share")
     reducer.close()
     return [owned_elements, reduced_bytes, stats.reset(), [b.buffer.clone() for b in reducer.buckets]]
 
@@ -69,7 +82,12 @@ def test_reduce_averages_on_owners_and_share_gives_everyone_the_same_bits(kind):
     for r in ranks[1:]:
         for mine, theirs in zip(r[3], ranks[0][3]):
             assert torch.equal(mine, theirs)  # bit-identical buckets everywhere after reduce + share
+    nbytes = sum(b.nbytes for b in _buckets_of_model())
     if kind == "ring":
         assert all(r[2] == (0, 0) for r in ranks)  # nothing left to share
-    else:
-        assert all(r[2] != (0, 0) for r in ranks)  # the owners' values travel to everyone
+    elif kind == "central":  # fan-in then fan-out of whole buckets (flags included), server rank 1
+        assert [r[1] for r in ranks] == [(nbytes, 0), (0, 2 * nbytes), (nbytes, 0)]
+        assert [r[2] for r in ranks] == [(0, nbytes), (2 * nbytes, 0), (0, nbytes)]
+    else:  # every rank sends its shard to the 2 others: the gradient regions once over, plus the flags' all-reduce
+        grad_bytes = sum(b.grad_numel * b.buffer.element_size() for b in _buckets_of_model())
+        assert sum(r[2][0] for r in ranks) == sum(r[2][1] for r in ranks) == 2 * grad_bytes

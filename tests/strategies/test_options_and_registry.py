@@ -79,8 +79,13 @@ def test_bad_options_fail_at_construction(kwargs, message):
         ("from lightning_dp import ShardedParameterServerStrategy\nimport lightning as L\n"
          "print(type(L.Trainer(strategy='sharded_ps', accelerator='cpu', devices=2, logger=False).strategy).__name__)",
          "ShardedParameterServerStrategy"),
+        # the Hydra support installed before Lightning is imported (it loads Lightning, which registers)
+        ("from lightning_dp import hydra_support\nhydra_support.install()\nimport lightning as L\n"
+         "trainer = L.Trainer(strategy='ring_allreduce', accelerator='cpu', devices=2, logger=False)\n"
+         "print(type(trainer.strategy).__name__)",
+         "RingAllReduceStrategy"),
     ],
-    ids=["comm-alone", "package-then-lightning", "class-first"],
+    ids=["comm-alone", "package-then-lightning", "class-first", "hydra-support-first"],
 )  # fmt: skip
 def test_import_orders(code, expected):
     import subprocess
