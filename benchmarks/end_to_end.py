@@ -150,6 +150,17 @@ def hidden_fraction(ranks: list[dict]) -> float:
     return sum(shares) / len(shares)
 
 
+def worker_command(
+    model: str, strategy: str, devices: int, steps: int, warmup: int, result_dir: Path, num_nodes: int = 1
+) -> list[str]:
+    """The command that runs one measurement (Lightning starts the node's other ranks)."""
+    return [
+        sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
+        "--num-nodes", str(num_nodes), "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
+        "--result-dir", str(result_dir),
+    ]  # fmt: skip
+
+
 def run_emulated(
     model: str, hosts: int, rate_mbit: float, strategy: str, steps: int, warmup: int, tmp: Path
 ) -> list[dict]:
@@ -168,30 +179,7 @@ def run_emulated(
     with emulated_hosts(hosts, rate_mbit) as namespaces:
         procs = [
             subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    sys.executable,
-                    "-m",
-                    "benchmarks.end_to_end",
-                    "--worker",
-                    "--model",
-                    model,
-                    "--devices",
-                    "1",
-                    "--num-nodes",
-                    str(hosts),
-                    "--strategy",
-                    strategy,
-                    "--steps",
-                    str(steps),
-                    "--warmup",
-                    str(warmup),
-                    "--result-dir",
-                    str(result_dir),
-                ],
+                ["ip", "netns", "exec", ns, *worker_command(model, strategy, 1, steps, warmup, result_dir, hosts)],
                 env={**env, "NODE_RANK": str(rank)},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -235,24 +223,7 @@ def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) 
 
 def run_case(model: str, devices: int, strategy: str, steps: int, warmup: int, tmp: Path) -> list[dict]:
     result_dir = tmp / f"{model}-{devices}-{strategy}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.end_to_end",
-        "--worker",
-        "--model",
-        model,
-        "--devices",
-        str(devices),
-        "--strategy",
-        strategy,
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(warmup),
-        "--result-dir",
-        str(result_dir),
-    ]
+    cmd = worker_command(model, strategy, devices, steps, warmup, result_dir)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(devices)]
