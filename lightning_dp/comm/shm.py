@@ -1,0 +1,283 @@
+"""Shared memory between the ranks of one node: one segment every local rank maps, and a barrier that sleeps.
+
+:class:`NodeSharedMemory` is created collectively at set-up. The first rank of each node creates a file in
+``/dev/shm`` under a name no other run can pick (its pid and 64 random bits), reserves its pages (so a small
+``/dev/shm`` fails here, not with a bus error later), and every local rank maps it. As soon as every rank has
+mapped it the file is unlinked: the memory stays shared while mapped and is freed by the kernel when the last
+rank exits, however it exits (SIGKILL included), so nothing is ever left behind in ``/dev/shm``.
+
+The segment holds, per *slot* (one per gradient bucket), one input region per local rank and two result regions
+(used alternately, so that a rank may write a result while a slower one still reads the previous result), and a
+dissemination barrier over process-shared POSIX semaphores: a rank waiting at the barrier sleeps in the kernel
+instead of spinning, which matters when there are more ranks than cores. A wait is bounded: every tenth of a
+second it checks that the local peers are still alive (a dead process cannot post a semaphore), and after the
+timeout it names the ranks that never arrived (:class:`~lightning_dp.comm.errors.PeerUnreachableError`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import math
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm.errors import PeerUnreachableError
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "lightning-dp-"
+#: alignment of every region (a cache line; keeps ranks writing different regions off each other's lines)
+ALIGN = 64
+#: room for one ``sem_t`` (32 bytes on 64-bit Linux) on a cache line of its own
+SEM_BYTES = 64
+#: how often a waiting rank checks that its peers are alive
+POLL_SECONDS = 0.1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+_libc.sem_post.argtypes = [ctypes.c_void_p]
+_libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+_libc.sem_destroy.argtypes = [ctypes.c_void_p]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, killed but not yet reaped, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: assume alive and let the timeout decide
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X", b"x")
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which ranks of a group share a node: ``nodes[i]`` lists node ``i``'s group ranks in order."""
+
+    nodes: list[list[int]]
+    rank: int
+
+    @classmethod
+    def gather(cls, node_key: object, group: dist.ProcessGroup | None = None) -> NodeLayout:
+        """Collective: ranks that pass equal ``node_key`` share a node (nodes numbered by their first rank)."""
+        keys: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, node_key, group=group)
+        nodes: dict[object, list[int]] = {}
+        for rank, key in enumerate(keys):
+            nodes.setdefault(key, []).append(rank)
+        return cls(list(nodes.values()), dist.get_rank(group))
+
+    @property
+    def node(self) -> int:
+        return next(i for i, ranks in enumerate(self.nodes) if self.rank in ranks)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return self.nodes[self.node]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.local_ranks)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every node has the same number of ranks."""
+        return len({len(ranks) for ranks in self.nodes}) == 1
+
+
+class SharedMemoryUnavailable(RuntimeError):
+    """The local ranks could not share a segment (no ``/dev/shm``, too small, or not one memory namespace)."""
+
+
+class NodeSharedMemory:
+    """Input and result regions of ``slot_bytes`` for each local rank, and a barrier, shared by the ranks of one
+    node. Collective over ``group``: every rank of the group constructs it (each node gets its own segment).
+
+    Raises :class:`SharedMemoryUnavailable` on every rank when any node cannot share one, so all ranks can fall
+    back together.
+    """
+
+    def __init__(
+        self,
+        layout: NodeLayout,
+        slot_bytes: Sequence[int],
+        group: dist.ProcessGroup | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        self.layout = layout
+        self.group = group
+        self.timeout = timeout
+        self.local_rank, self.local_size = layout.local_rank, layout.local_size
+        size = self.local_size
+        self.rounds = max(1, math.ceil(math.log2(size))) if size > 1 else 0
+        header = _align(8 * size)  # one arrival counter per local rank
+        self._sem_offset = header
+        offset = header + self.rounds * size * SEM_BYTES
+        #: ``(first input, stride between ranks' inputs, first result, stride between results)`` of each slot
+        self._slots: list[tuple[int, int, int, int]] = []
+        for nbytes in slot_bytes:
+            stride = _align(nbytes)
+            self._slots.append((offset, stride, offset + size * stride, stride))
+            offset += (size + 2) * stride
+        self.nbytes = max(offset, 1)
+        self._memory = self._share(offset)
+        self._base = self._memory.data_ptr()
+        self._arrivals = self._memory[:header].view(torch.int64)
+        self._arrived = 0
+        self._alive_checked_at = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    def _share(self, nbytes: int) -> torch.Tensor:
+        layout, me = self.layout, dist.get_rank(self.group)
+        leader = layout.local_ranks[0] == me
+        name, failure, memory = None, None, None
+        if leader:
+            name = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+            try:
+                memory = self._create(name, nbytes)
+            except OSError as error:
+                failure = f"rank {me} could not create {name} ({nbytes} bytes): {error}"
+                name = None
+        names: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(names, name, group=self.group)
+        try:
+            if not leader:
+                memory, failure = self._attach(names[layout.local_ranks[0]], nbytes, me)
+            outcomes: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(outcomes, (failure, os.getpid()), group=self.group)
+        finally:
+            if leader and name is not None:
+                os.unlink(name)  # mapped by every local rank (or failed): the kernel frees it with the last mapping
+        failures = [f for f, _ in outcomes if f is not None]
+        if failures:
+            raise SharedMemoryUnavailable("; ".join(failures))
+        self._pids = [outcomes[r][1] for r in layout.local_ranks]
+        #: a peer in another pid namespace cannot be watched; then only the timeout bounds a wait
+        self._watch_pids = all(os.path.exists(f"/proc/{pid}") for pid in self._pids)
+        assert memory is not None
+        return memory
+
+    def _create(self, name: str, nbytes: int) -> torch.Tensor:
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # reserve the pages now: ENOSPC here instead of SIGBUS on first touch
+        except BaseException:
+            os.close(fd)
+            os.unlink(name)
+            raise
+        os.close(fd)
+        memory = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
+        memory[: self._sem_offset].zero_()
+        for i in range(self.rounds * self.local_size):
+            if _libc.sem_init(memory.data_ptr() + self._sem_offset + i * SEM_BYTES, 1, 0) != 0:
+                raise OSError(ctypes.get_errno(), "sem_init failed")
+        return memory
+
+    @staticmethod
+    def _attach(name: str | None, nbytes: int, me: int) -> tuple[torch.Tensor | None, str | None]:
+        if name is None:
+            return None, None  # the leader failed and says why
+        try:
+            if os.path.getsize(name) != nbytes:
+                return None, f"rank {me} found {name} with an unexpected size"
+            return torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8), None
+        except OSError as error:
+            return None, f"rank {me} could not map {name} ({error}); are the ranks of one node in one /dev/shm?"
+
+    # ------------------------------------------------------------------ regions
+    def _view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        return self._memory[offset : offset + nbytes].view(dtype)
+
+    def input(self, slot: int, numel: int, dtype: torch.dtype, local_rank: int | None = None) -> torch.Tensor:
+        """Local rank ``local_rank``'s (default: this rank's) input region of ``slot``, as ``numel`` ``dtype``s."""
+        first, stride, _, _ = self._slots[slot]
+        rank = self.local_rank if local_rank is None else local_rank
+        return self._view(first + rank * stride, numel, dtype)
+
+    def result(self, slot: int, parity: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Result region ``parity`` (0 or 1) of ``slot``, shared by all local ranks."""
+        _, _, first, stride = self._slots[slot]
+        return self._view(first + parity * stride, numel, dtype)
+
+    # ------------------------------------------------------------------ synchronization
+    def barrier(self) -> None:
+        """Return once every local rank has called it as often as this one (a dissemination barrier: ``ceil(log2
+        L)`` rounds of one semaphore post and one wait). Memory written before it is visible to all after it."""
+        if self.local_size == 1:
+            return
+        self._arrived += 1
+        self._arrivals[self.local_rank] = self._arrived
+        size, me = self.local_size, self.local_rank
+        for k in range(self.rounds):
+            _libc.sem_post(self._sem(k, (me + (1 << k)) % size))
+            self._wait(self._sem(k, me), (me - (1 << k)) % size)
+
+    def _sem(self, round_: int, local_rank: int) -> int:
+        return self._base + self._sem_offset + (round_ * self.local_size + local_rank) * SEM_BYTES
+
+    def _wait(self, sem: int, peer: int) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            now = time.time() + POLL_SECONDS
+            until = _Timespec(int(now), int((now % 1) * 1e9))
+            if _libc.sem_timedwait(sem, ctypes.byref(until)) == 0:
+                return
+            code = ctypes.get_errno()
+            if code not in (errno.ETIMEDOUT, errno.EINTR):
+                raise OSError(code, f"sem_timedwait failed: {os.strerror(code)}")
+            self._check_peers(deadline, peer)
+
+    def _global_rank(self, local_rank: int) -> int:
+        group_rank = self.layout.local_ranks[local_rank]
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def _check_peers(self, deadline: float, peer: int) -> None:
+        me = self._global_rank(self.local_rank)
+        if self._watch_pids:
+            dead = [r for r, pid in enumerate(self._pids) if r != self.local_rank and not process_alive(pid)]
+            if dead:
+                names = ", ".join(f"rank {self._global_rank(r)} (pid {self._pids[r]})" for r in dead)
+                raise PeerUnreachableError(
+                    f"rank {me} lost {names} during the shared-memory exchange: the process exited"
+                )
+        if time.monotonic() > deadline:
+            arrivals = self._arrivals.tolist()
+            late = [r for r in range(self.local_size) if arrivals[r] < self._arrived] or [peer]
+            names = ", ".join(f"rank {self._global_rank(r)}" for r in late)
+            raise PeerUnreachableError(
+                f"rank {me} waited {self.timeout:.0f} s in the shared-memory exchange for {names}, which never "
+                "arrived (hung, or far behind); the strategy's timeout bounds this wait"
+            )
+
+    def close(self) -> None:
+        """Drop this rank's mapping (the memory is freed once every rank and every view of it let go)."""
+        self._memory = torch.empty(0, dtype=torch.uint8)
+        self._arrivals = torch.zeros(max(1, self.local_size), dtype=torch.int64)
