@@ -96,8 +96,22 @@ class GradientBucket:
         start, end = self.slices[i]
         return self.buffer[start:end].view_as(self.params[i])
 
+    def relocate(self, buffer: Tensor) -> None:
+        """Move the bucket into ``buffer`` (same length and dtype; e.g. shared memory), keeping its contents."""
+        if buffer.shape != self.buffer.shape or buffer.dtype != self.buffer.dtype:
+            raise ValueError(f"a bucket of {self.buffer.numel()} {self.buffer.dtype} cannot move into {buffer.shape}")
+        buffer.copy_(self.buffer)
+        self.buffer = buffer
+        self.flags = buffer[self.grad_numel :]
+
+    def holds(self, i: int, grad: Tensor) -> bool:
+        """Whether ``grad`` is parameter ``i``'s view into this bucket (a gradient that lives in the bucket)."""
+        view = self.grad_view(i)
+        return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
+
     def fill(self, i: int, grad: Tensor | None) -> None:
-        """Copy parameter ``i``'s gradient in (zeros and a 0 flag when it has none); copying again overwrites."""
+        """Copy parameter ``i``'s gradient in (zeros and a 0 flag when it has none); copying again overwrites.
+        A gradient that already lives in the bucket (:meth:`holds`) is not copied."""
         view = self.grad_view(i)
         if grad is None:
             view.zero_()
@@ -109,7 +123,8 @@ class GradientBucket:
                     "sparse=True)); lightning-dp's buckets carry dense gradients only: use sparse=False, or "
                     "strategy='ddp' for sparse gradients"
                 )
-            view.copy_(grad)
+            if not self.holds(i, grad):
+                view.copy_(grad)
             self.flags[i] = 1
         if view.is_cuda:
             event = torch.cuda.Event()
@@ -155,6 +170,11 @@ class BucketReducer:
     waits for all communication, and writes the reduced gradients into ``param.grad`` when ``copy_back``.
     Inside :meth:`no_sync` (gradient accumulation) the hooks do nothing and gradients accumulate locally.
 
+    With ``gradient_as_bucket_view`` (as in ``DistributedDataParallel``) each ``param.grad`` becomes a view into its
+    bucket once its gradient was copied in, and :meth:`copy_back` writes nothing: later backwards accumulate in
+    the bucket and the averaged values are the gradients. Only for schemes that keep nothing but gradients in the
+    buckets, and only for contiguous parameters (others keep a gradient of their own).
+
     With ``overlap`` buckets leave while backward runs; without it (or after :meth:`stop_overlap`) they all leave
     at :meth:`finish`, after every collective that backward itself issues (SyncBatchNorm's, an all_gather with
     gradients) on another NCCL communicator, so that no two ranks interleave the two communicators differently.
@@ -166,6 +186,7 @@ class BucketReducer:
         reduce_bucket: Callable[[GradientBucket], None],
         bucket_cap_mb: float = 25.0,
         overlap: bool = True,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         unique: dict[int, Parameter] = {}
         for p in params:
@@ -181,6 +202,7 @@ class BucketReducer:
         self._location = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._enabled = True
         self._overlap = overlap
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._fresh = False
         #: seconds the communication thread spent reducing buckets, and seconds :meth:`finish` waited for it;
         #: their difference is communication hidden behind backward (see :meth:`take_timing`)
@@ -249,6 +271,8 @@ class BucketReducer:
                 "use_reentrant=False))"
             )
         bucket.fill(i, param.grad)
+        if self.gradient_as_bucket_view and param.grad is not None and param.is_contiguous():
+            param.grad = bucket.grad_view(i)
         if self._expected is not None and self._accumulations[key] >= self._expected[key]:
             bucket.mark_ready(i)
             if self._overlap and bucket.complete:
@@ -335,8 +359,9 @@ class BucketReducer:
                 if not used[i]:
                     p.grad = None
                 elif p.grad is None:
-                    p.grad = bucket.grad_view(i).clone()
-                else:
+                    view = bucket.grad_view(i)
+                    p.grad = view if self.gradient_as_bucket_view and p.is_contiguous() else view.clone()
+                elif not bucket.holds(i, p.grad):
                     p.grad.copy_(bucket.grad_view(i))
 
     def close(self) -> None:

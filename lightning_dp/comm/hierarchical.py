@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -42,18 +44,15 @@ def cross_node_groups(
     if layout.num_nodes == 1:
         return None
     if not layout.uniform:
-        raise ConfigurationError(
-            f"a hierarchical all-reduce needs the same number of ranks on every node, got {[len(n) for n in layout.nodes]}"
-        )
-    from datetime import timedelta
-
+        sizes = [len(n) for n in layout.nodes]
+        raise ConfigurationError(f"a hierarchical all-reduce needs the same number of ranks on every node, got {sizes}")
     backend = dist.get_backend(group)
-    mine = None
+    mine: dist.ProcessGroup | None = None
     for i in range(layout.local_size):
         ranks = [dist.get_global_rank(group, n[i]) if group is not None else n[i] for n in layout.nodes]
         created = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout))
         if i == layout.local_rank:
-            mine = created
+            mine = cast(dist.ProcessGroup, created)
     return mine
 
 
@@ -101,14 +100,16 @@ class HierarchicalAllReduce:
     def all_reduce(self, tensor: torch.Tensor, slot: int = 0, op: ReduceOpName = "sum") -> torch.Tensor:
         """All-reduce the contiguous ``tensor`` in place (copied into ``slot``'s input region unless it is that
         region, see :meth:`buffer`) and return it; bit-identical on every rank."""
+        self._check(op, tensor)
         flat = tensor.view(-1)
         result = self.reduce_scatter(flat, slot, op)
-        self.all_gather(flat, slot, result)
+        self.gather(flat, slot, result)
         return tensor
 
     def reduce_scatter(self, flat: torch.Tensor, slot: int, op: ReduceOpName = "sum") -> torch.Tensor:
         """Reduce ``flat`` over all ranks into ``slot``'s current result region (returned); on return its
-        :meth:`slice` holds the reduced values (over every node), the rest is not yet defined."""
+        :meth:`slice` holds the reduced values (over every node), the rest is not yet defined. Finish with
+        :meth:`gather`."""
         self._check(op, flat)
         numel, dtype = flat.numel(), flat.dtype
         mine = self.memory.input(slot, numel, dtype)
@@ -121,18 +122,37 @@ class HierarchicalAllReduce:
             self._sum_slice(slot, numel, dtype, lo, hi, result[lo:hi], op)
         return result
 
-    def all_gather(self, flat: torch.Tensor, slot: int, result: torch.Tensor) -> None:
-        """After every rank wrote its slice of ``result`` (the region :meth:`reduce_scatter` returned, or
-        :meth:`share_region`): every rank copies the whole of it into ``flat``."""
+    def gather(
+        self,
+        flat: torch.Tensor,
+        slot: int,
+        result: torch.Tensor,
+        ranges: Sequence[Segment] | None = None,
+        written: Segment | None = None,
+        readers: int | None = None,
+    ) -> None:
+        """Once every rank wrote its part of ``result`` (the region :meth:`reduce_scatter` returned, or
+        :meth:`share_region`): copy ``ranges`` of it (default: all) into ``flat``. Collective on the node: every
+        rank calls it, with its own ranges (possibly none).
+
+        For the byte counts: this rank wrote ``written`` of ``result`` (default its :meth:`slice`) and ``readers``
+        peers copy it (default all). Shared-memory traffic counts as *received* the bytes a rank copies out of
+        memory a peer wrote, and as *sent* the bytes of its own writes that peers copy.
+        """
         self.memory.barrier()
-        flat.copy_(result)
+        ranges = [(0, flat.numel())] if ranges is None else ranges
+        for start, end in ranges:
+            if end > start:
+                flat[start:end].copy_(result[start:end])
         self._parity[slot] ^= 1
-        lo, hi = self.slice(flat.numel())
-        peers = self.local_size - 1
-        self.stats.add(sent=peers * (hi - lo) * flat.element_size(), received=(flat.numel() - (hi - lo)) * flat.element_size())
+        lo, hi = self.slice(flat.numel()) if written is None else written
+        readers = self.local_size - 1 if readers is None else readers
+        own = sum(max(0, min(end, hi) - max(start, lo)) for start, end in ranges)
+        element = flat.element_size()
+        self.stats.add(sent=readers * (hi - lo) * element, received=(sum(e - s for s, e in ranges) - own) * element)
 
     def share_region(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The result region the next :meth:`all_gather` of ``slot`` reads: write this rank's values there first."""
+        """The result region the next :meth:`gather` of ``slot`` reads: write this rank's values there first."""
         return self.memory.result(slot, self._parity[slot], numel, dtype)
 
     def _sum_slice(

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.hierarchical import HierarchicalAllReduce
 from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
-from lightning_dp.comm.ring import Ring, ring_allreduce
+from lightning_dp.comm.ring import Ring, chunk_bounds, ring_allreduce
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -58,6 +59,9 @@ class Transport(ABC):
     def owns_all(self, bucket: GradientBucket) -> bool:
         """Whether this rank holds the whole averaged ``bucket`` after :meth:`reduce`."""
         return self.owned(bucket) == (0, bucket.grad_numel)
+
+    def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
+        """Release what :meth:`bind` set up (shared memory); the transport is not used afterwards."""
 
 
 class RingTransport(Transport):
@@ -122,3 +126,145 @@ class ShardedServerTransport(Transport):
 
     def share(self, bucket: GradientBucket) -> None:
         pull_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats)
+
+
+class _SharedMemoryTransport(Transport):
+    """Base of the transports whose ranks of one node exchange buckets through shared memory
+    (:class:`~lightning_dp.comm.hierarchical.HierarchicalAllReduce`). :meth:`bind` maps the node's segment and moves
+    every bucket into this rank's input region there, so backward writes gradients straight into shared memory.
+    ``bind`` is collective and raises :class:`~lightning_dp.comm.shm.SharedMemoryUnavailable` on every rank when a
+    node cannot share memory (the caller then picks a socket transport). ``node_key``: which ranks share a node
+    (equal keys; default the host name)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        node_key: object = None,
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__(group, stats)
+        self.node_key = node_key
+        self.timeout = timeout
+        self._exchange: HierarchicalAllReduce | None = None
+
+    @property
+    def exchange(self) -> HierarchicalAllReduce:
+        assert self._exchange is not None, "bind() the buckets first"
+        return self._exchange
+
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        self._exchange = HierarchicalAllReduce(
+            [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats
+        )
+        for b in buckets:
+            b.relocate(self.exchange.buffer(b.index, b.buffer.numel(), b.buffer.dtype))
+
+    def close(self) -> None:
+        if self._exchange is not None:
+            self._exchange.close()
+            self._exchange = None
+
+
+class SharedMemoryTransport(_SharedMemoryTransport):
+    """The ring's contract (every rank holds the whole average after :meth:`reduce`) at memory speed inside a node:
+    each local rank sums ``1/L`` of the bucket from every rank's input region, then every rank copies the result.
+    Across nodes (hierarchical) local rank ``i`` of every node all-reduces its slice on a ring of its own, so a
+    rank moves ``2 (M - 1) / M S / L`` bytes over the network for ``M`` nodes. Nodes must have equal rank counts."""
+
+    def reduce(self, bucket: GradientBucket) -> None:
+        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
+        self.exchange.gather(bucket.buffer, bucket.index, result)
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        return (0, bucket.grad_numel)
+
+    def share(self, bucket: GradientBucket) -> None:
+        pass
+
+
+class SharedMemoryServerTransport(_SharedMemoryTransport):
+    """The central server's contract on one node: :meth:`reduce` averages the bucket through shared memory and
+    only the server takes the result; :meth:`share` lets every rank copy the server's bucket (used-flags
+    included) from shared memory. The fan-in and fan-out of :class:`CentralServerTransport` become memory copies."""
+
+    def __init__(
+        self,
+        server: int,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        node_key: object = None,
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__(group, stats, node_key, timeout)
+        self.server = server
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank == self.server
+
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        super().bind(buckets)
+        if self.exchange.layout.num_nodes > 1:
+            raise ValueError("SharedMemoryServerTransport runs on one node; use CentralServerTransport across nodes")
+
+    def reduce(self, bucket: GradientBucket) -> None:
+        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
+        if self.is_server:  # it reads every slice; each other rank's slice is read by the server alone
+            self.exchange.gather(bucket.buffer, bucket.index, result, [(0, bucket.buffer.numel())], readers=0)
+        else:
+            self.exchange.gather(bucket.buffer, bucket.index, result, [], readers=1)
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        return (0, bucket.grad_numel) if self.is_server else (0, 0)
+
+    def share(self, bucket: GradientBucket) -> None:
+        region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
+        everything = (0, bucket.buffer.numel())
+        if self.is_server:
+            region.copy_(bucket.buffer)
+            self.exchange.gather(bucket.buffer, bucket.index, region, [], written=everything)
+        else:
+            self.exchange.gather(bucket.buffer, bucket.index, region, [everything], written=(0, 0))
+
+
+class SharedMemoryShardedTransport(_SharedMemoryTransport):
+    """The sharded servers' contract on one node: rank ``i`` owns slice ``i`` of every bucket (``L`` near-equal
+    slices of the gradient region); :meth:`reduce` sums each slice on its owner in shared memory and gives every
+    rank all used-flags, :meth:`share` lets every rank copy the owners' slices. ``segments`` as in
+    :class:`ShardedServerTransport`."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        node_key: object = None,
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__(group, stats, node_key, timeout)
+        self.segments: list[list[Segment]] = []
+
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        super().bind(buckets)
+        if self.exchange.layout.num_nodes > 1:
+            raise ValueError("SharedMemoryShardedTransport runs on one node; use ShardedServerTransport across nodes")
+        self.segments = [
+            [(min(lo, b.grad_numel), min(hi, b.grad_numel)) for lo, hi in chunk_bounds(b.buffer.numel(), self.size)]
+            for b in buckets
+        ]
+
+    def reduce(self, bucket: GradientBucket) -> None:
+        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
+        flags = (bucket.grad_numel, bucket.buffer.numel())  # every rank reads every flag
+        self.exchange.gather(bucket.buffer, bucket.index, result, [self.owned(bucket), flags], readers=0)
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        start, end = self.segments[bucket.index][self.rank]
+        return (start, end)
+
+    def share(self, bucket: GradientBucket) -> None:
+        region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
+        start, end = self.owned(bucket)
+        region[start:end].copy_(bucket.buffer[start:end])
+        others = [(0, start), (end, bucket.grad_numel)]
+        self.exchange.gather(bucket.buffer, bucket.index, region, others, written=(start, end))

@@ -26,6 +26,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -36,11 +37,15 @@ from lightning_dp.comm.codecs import Codec
 from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
 from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.nonfinite import first_nonfinite
+from lightning_dp.comm.shm import SharedMemoryUnavailable
 from lightning_dp.comm.stats import SyncStats
 from lightning_dp.comm.transports import Transport
 from lightning_dp.strategies.inspection import sparse_gradient_modules
-from lightning_dp.strategies.options import check_flag, check_positive
+from lightning_dp.strategies.options import check_choice, check_flag, check_positive
 from lightning_dp.strategies.processes import DEFAULT_TIMEOUT, ProcessGroupStrategy
+
+#: values of the ``intra_node`` option
+INTRA_NODE = ("shm", "ring")
 
 
 class DataParallelStrategy(ProcessGroupStrategy):
@@ -50,12 +55,20 @@ class DataParallelStrategy(ProcessGroupStrategy):
         bucket_cap_mb: size of a gradient bucket in MiB; smaller buckets start communicating earlier in backward.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank before each
             synchronized training step, as ``DistributedDataParallel`` does.
+        intra_node: how the ranks of one machine exchange buckets: ``"shm"`` (default) through a shared-memory
+            segment, at memory speed (CPU tensors only; on GPUs and where the ranks of a node cannot share memory
+            the strategy uses sockets and says so), or ``"ring"``: through the process group's sockets, as across
+            machines. Across machines ``"shm"`` makes the ring all-reduce hierarchical (see
+            :class:`~lightning_dp.comm.transports.SharedMemoryTransport`); the parameter servers use shared memory
+            on a single machine only.
         process_group_backend, timeout, start_method: see :class:`~.processes.ProcessGroupStrategy`.
     """
 
     #: whether every rank holds the averaged gradients and steps its own optimizer (then it checks them for NaN/inf
     #: itself; the parameter servers vote instead)
     _every_rank_steps: ClassVar[bool] = True
+    #: whether ``param.grad`` may be a view into its bucket (only where the buckets never carry anything else)
+    _gradient_as_bucket_view: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -66,6 +79,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
+        intra_node: Literal["shm", "ring"] = "shm",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -82,6 +96,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         )
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
+        self.intra_node = check_choice("intra_node", intra_node, INTRA_NODE)
         self.reducer: BucketReducer | None = None
         self.transport: Transport | None = None
         self.codec = Codec()
@@ -141,21 +156,40 @@ class DataParallelStrategy(ProcessGroupStrategy):
     def _check_optimizers(self) -> None:
         """Refuse optimizers the scheme cannot run (subclasses)."""
 
-    def _make_transport(self) -> Transport:
+    def _make_transport(self, shared_memory: bool) -> Transport:
         """The transport this scheme's buckets travel over (on :attr:`gradient_group`, counting into
-        :attr:`sync_stats`)."""
+        :attr:`sync_stats`); through shared memory inside a node when ``shared_memory`` (see
+        :meth:`_shared_memory_kwargs`)."""
         raise NotImplementedError
+
+    def _uses_shared_memory(self) -> bool:
+        """Whether the ranks of a node exchange buckets through shared memory: asked for, CPU tensors, and more than
+        one rank per node."""
+        return self.intra_node == "shm" and self.root_device.type == "cpu" and self.num_processes > 1
+
+    def _shared_memory_kwargs(self) -> dict[str, Any]:
+        """What a shared-memory transport needs beyond the group and stats: which ranks share a node, the timeout."""
+        assert self._timeout is not None
+        return {"node_key": self.node_rank, "timeout": self._timeout.total_seconds()}
 
     def _setup_gradient_sync(self) -> None:
         assert self.model is not None
-        if self.reducer is not None:
-            self.reducer.close()
-        self.transport = self._make_transport()
+        self._close_gradient_sync()
         self.reducer = BucketReducer(
             self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,
-            overlap=self._may_overlap_backward(),
+            overlap=self._may_overlap_backward(), gradient_as_bucket_view=self._gradient_as_bucket_view,
         )  # fmt: skip
-        self.transport.bind(self.reducer.buckets)
+        shared_memory = self._uses_shared_memory()
+        self.transport = self._make_transport(shared_memory)
+        try:
+            self.transport.bind(self.reducer.buckets)
+        except SharedMemoryUnavailable as error:  # raised on every rank together
+            rank_zero_warn(
+                f"strategy {self.strategy_name!r}: the ranks of a node cannot share memory ({error}); their buckets "
+                "travel through sockets instead (intra_node='ring')"
+            )
+            self.transport = self._make_transport(False)
+            self.transport.bind(self.reducer.buckets)
         self._synced_params = {id(p) for p in self.reducer.params}
         self.sync_stats.bucket_bytes = sum(b.nbytes for b in self.reducer.buckets)
 
@@ -342,9 +376,15 @@ class DataParallelStrategy(ProcessGroupStrategy):
             self.reducer.stop_overlap()  # its backward all-reduces on the default group (see _may_overlap_backward)
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
-    @override
-    def teardown(self) -> None:
+    def _close_gradient_sync(self) -> None:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    @override
+    def teardown(self) -> None:
+        self._close_gradient_sync()
         super().teardown()  # DDPStrategy's: reverts SyncBatchNorm after fitting

@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import unwrap_optimizer
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.sharded_optimizer import hyperparameters
-from lightning_dp.comm.transports import CentralServerTransport, Transport
+from lightning_dp.comm.transports import CentralServerTransport, SharedMemoryServerTransport, Transport
 from lightning_dp.strategies.options import check_rank
 from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
@@ -49,8 +49,11 @@ class ParameterServerStrategy(ParameterServerBase):
         return self.global_rank == self.server_rank
 
     @override
-    def _make_transport(self) -> Transport:
+    def _make_transport(self, shared_memory: bool) -> Transport:
         # the gradient group spans every rank in global order: its rank of the server is the global one
+        if shared_memory and self.num_nodes == 1:
+            kwargs = self._shared_memory_kwargs()
+            return SharedMemoryServerTransport(self.server_rank, self.gradient_group, self.sync_stats, **kwargs)
         return CentralServerTransport(self.server_rank, self.gradient_group, self.sync_stats)
 
     @override

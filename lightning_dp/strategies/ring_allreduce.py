@@ -6,7 +6,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_dp.comm.transports import RingTransport, Transport
+from lightning_dp.comm.transports import RingTransport, SharedMemoryTransport, Transport
 from lightning_dp.strategies.base import DataParallelStrategy
 
 
@@ -14,13 +14,19 @@ class RingAllReduceStrategy(DataParallelStrategy):
     """Data parallelism with a bandwidth-optimal ring all-reduce of gradient buckets, overlapped with backward.
 
     Every rank holds the full model and optimizer; after each backward every rank holds the same averaged
-    gradients, so every replica takes the same optimizer step. Options: see :class:`DataParallelStrategy`.
+    gradients, so every replica takes the same optimizer step. The ranks of one machine reduce through shared
+    memory, and across machines the ring is hierarchical (``intra_node="shm"``, the default). As under
+    ``DistributedDataParallel(gradient_as_bucket_view=True)``, ``param.grad`` is a view into its bucket. Options:
+    see :class:`DataParallelStrategy`.
     """
 
     strategy_name = "ring_allreduce"
+    _gradient_as_bucket_view = True
 
     @override
-    def _make_transport(self) -> Transport:
+    def _make_transport(self, shared_memory: bool) -> Transport:
+        if shared_memory:
+            return SharedMemoryTransport(self.gradient_group, self.sync_stats, **self._shared_memory_kwargs())
         return RingTransport(self.gradient_group, self.sync_stats)
 
     @classmethod

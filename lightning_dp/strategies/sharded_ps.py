@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import unwrap_optimizer
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, check_shardable
-from lightning_dp.comm.transports import ShardedServerTransport, Transport
+from lightning_dp.comm.transports import ShardedServerTransport, SharedMemoryShardedTransport, Transport
 from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
 
@@ -48,13 +48,17 @@ class ShardedParameterServerStrategy(ParameterServerBase):
                 ) from None
 
     @override
-    def _make_transport(self) -> Transport:
+    def _make_transport(self, shared_memory: bool) -> Transport:
+        if shared_memory and self.num_nodes == 1:
+            return SharedMemoryShardedTransport(self.gradient_group, self.sync_stats, **self._shared_memory_kwargs())
         return ShardedServerTransport(self.gradient_group, self.sync_stats)
 
     @override
     def _setup_gradient_sync(self) -> None:
         super()._setup_gradient_sync()
-        assert self.reducer is not None and isinstance(self.transport, ShardedServerTransport)
+        assert self.reducer is not None and isinstance(
+            self.transport, (ShardedServerTransport, SharedMemoryShardedTransport)
+        )
         owner = f"strategy {self.strategy_name!r}"
         self.layout = ShardLayout(self.reducer.buckets, self.transport.segments, self.transport.rank, owner)
         self.sharded_optimizers = [

@@ -24,19 +24,25 @@ parser.add_argument("--clip", choices=["norm", "value"], default=None)
 parser.add_argument("--clip-val", type=float, default=0.05)
 parser.add_argument("--server-rank", type=int, default=None)
 parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
+parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help="strategy option")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
-strategy = args.strategy
+options = {}
 if args.no_broadcast_buffers:
-    strategy = lightning_dp.RingAllReduceStrategy(broadcast_buffers=False)
+    options["broadcast_buffers"] = False
 if args.server_rank is not None:
-    strategy = lightning_dp.ParameterServerStrategy(server_rank=args.server_rank)
+    options["server_rank"] = args.server_rank
 if args.timeout is not None:
+    options["timeout"] = args.timeout
+if args.intra_node is not None:
+    options["intra_node"] = args.intra_node
+strategy = args.strategy
+if options:
     from lightning.pytorch.strategies import StrategyRegistry
 
     entry = StrategyRegistry[strategy]
-    strategy = entry["strategy"](**entry["init_params"], timeout=args.timeout)
+    strategy = entry["strategy"](**{**entry["init_params"], **options})
 
 
 class Record(L.Callback):
@@ -51,6 +57,7 @@ class Record(L.Callback):
             "sync_bytes": stats.bucket_bytes if stats is not None else None,
             "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
             "sockets": self.sockets,
+            "transport": type(s.transport).__name__ if hasattr(s, "transport") else None,
         }
 
 

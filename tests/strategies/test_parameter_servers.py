@@ -10,24 +10,48 @@ from tests.scripts.models import reference_training
 pytestmark = pytest.mark.multiprocess
 
 CASES = [
-    # strategy, devices, optimizer, clipping, extra arguments
-    ("parameter_server", 2, "sgd", None, []),
-    ("parameter_server", 3, "adamw", "norm", ["--server-rank", "1"]),
-    ("parameter_server", 4, "sgd", "value", []),
-    ("sharded_ps", 2, "adamw", None, []),
-    ("sharded_ps", 3, "sgd", "norm", []),
-    ("sharded_ps", 4, "adamw", "value", []),
-    ("ring_allreduce", 3, "sgd", "norm", []),
+    # strategy, devices, optimizer, clipping, intra_node, extra arguments
+    ("parameter_server", 2, "sgd", None, "ring", []),
+    ("parameter_server", 3, "adamw", "norm", "shm", ["--server-rank", "1"]),
+    ("parameter_server", 4, "sgd", "value", "ring", []),
+    ("sharded_ps", 2, "adamw", None, "shm", []),
+    ("sharded_ps", 3, "sgd", "norm", "ring", []),
+    ("sharded_ps", 4, "adamw", "value", "shm", []),
+    ("ring_allreduce", 3, "sgd", "norm", "ring", []),
+    ("ring_allreduce", 4, "adamw", "value", "shm", []),
 ]
+TRANSPORTS = {
+    ("parameter_server", "ring"): "CentralServerTransport",
+    ("parameter_server", "shm"): "SharedMemoryServerTransport",
+    ("sharded_ps", "ring"): "ShardedServerTransport",
+    ("sharded_ps", "shm"): "SharedMemoryShardedTransport",
+    ("ring_allreduce", "ring"): "RingTransport",
+    ("ring_allreduce", "shm"): "SharedMemoryTransport",
+}
+
+
+def expected_bytes(strategy, intra_node, n, s, rank, server):
+    """(sent, received) by ``rank`` per step: the reference post's bandwidth model for sockets; through shared
+    memory a rank receives what it copies out of peers' writes and sends what peers copy out of its own."""
+    if strategy != "parameter_server":
+        return 2 * (n - 1) / n * s, 2 * (n - 1) / n * s  # ring and sharded servers, both transports
+    if intra_node == "ring":
+        return ((n - 1) * s,) * 2 if rank == server else (s, s)
+    # reduce-scatter ((n - 1) / n S each way), the server reads every other slice, everyone copies its weights
+    if rank == server:
+        return (n - 1) / n * s + (n - 1) * s, 2 * (n - 1) / n * s
+    return (n - 1) / n * s + s / n, (n - 1) / n * s + s
 
 
 @pytest.mark.parametrize(
-    "strategy, devices, optimizer, clip, extra", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in CASES]
+    "strategy, devices, optimizer, clip, intra_node, extra",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[4]}" for c in CASES],
 )
-def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, optimizer, clip, extra):
+def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, optimizer, clip, intra_node, extra):
     args = ["--strategy", strategy, "--devices", str(devices), "--optimizer", optimizer, "--steps", str(STEPS)]
     args += ["--clip", clip] if clip else []
-    run_script("fit", *args, *extra, "--out", str(tmp_path))
+    run_script("fit", *args, *extra, "--intra-node", intra_node, "--out", str(tmp_path))
     ranks = load_ranks(tmp_path, devices)
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * devices, STEPS, optimizer, clip=clip)
@@ -37,17 +61,13 @@ def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, opt
     # the reference post's bandwidth model; S = bytes of one rank's gradient buckets
     n, s = devices, ranks[0]["sync_bytes"]
     assert s > 0 and all(r["sync_bytes"] == s for r in ranks)
-    if strategy == "parameter_server":
-        server = int(extra[1]) if extra else 0
-        for rank, r in enumerate(ranks):
-            expected = (n - 1) * s if rank == server else s
-            assert r["last_step_bytes"] == (expected, expected), rank
-    else:
-        # 2 (N - 1) / N S, up to the rounding of chunks and shard boundaries to whole elements (4 bytes each)
-        slack = 4 * 4 * n * n
-        for rank, r in enumerate(ranks):
-            for moved in r["last_step_bytes"]:
-                assert abs(moved - 2 * (n - 1) / n * s) <= slack, (rank, moved, 2 * (n - 1) / n * s)
+    assert {r["transport"] for r in ranks} == {TRANSPORTS[strategy, intra_node]}
+    server = int(extra[1]) if extra else 0
+    # up to the rounding of chunks and shard boundaries to whole elements (4 bytes each), and used-flags
+    slack = 4 * 4 * n * n + 4 * 8 * n
+    for rank, r in enumerate(ranks):
+        for moved, want in zip(r["last_step_bytes"], expected_bytes(strategy, intra_node, n, s, rank, server)):
+            assert abs(moved - want) <= slack, (rank, moved, want)
 
     # optimizer state: SGD with momentum holds one buffer per element, AdamW two (plus a step counter)
     state = [r["optimizer_state_bytes"] for r in ranks]
