@@ -7,6 +7,8 @@ python -m pytest                          # everything (netns and gpu tests skip
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 TIERS = ("unit", "multiprocess")
@@ -37,3 +39,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "@pytest.mark.multiprocess (starts processes), per test or as the module's pytestmark; "
             "see tests/conftest.py:\n" + "\n".join(wrong)
         )
+
+
+def _shared_memory_segments() -> set[str]:
+    from lightning_dp.comm.shm import NAME_PREFIX, SHM_DIR
+
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)} if os.path.isdir(SHM_DIR) else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SEGMENTS_BEFORE] = _shared_memory_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The shared-memory transports leave nothing in /dev/shm, also after the tests that kill ranks."""
+    left = _shared_memory_segments() - session.config.stash.get(_SEGMENTS_BEFORE, set())
+    if left:
+        print(f"\nshared-memory segments left behind by the test run: {sorted(left)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_SEGMENTS_BEFORE = pytest.StashKey[set]()

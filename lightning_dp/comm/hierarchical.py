@@ -36,6 +36,11 @@ from lightning_dp.comm.stats import CommStats
 Segment = tuple[int, int]
 
 
+def overlap(a: Segment, b: Segment) -> int:
+    """Elements two ``(start, end)`` ranges share."""
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
 def cross_node_groups(
     layout: NodeLayout, group: dist.ProcessGroup | None = None, timeout: float = 300.0
 ) -> dist.ProcessGroup | None:
@@ -129,15 +134,15 @@ class HierarchicalAllReduce:
         result: torch.Tensor,
         ranges: Sequence[Segment] | None = None,
         written: Segment | None = None,
-        readers: int | None = None,
+        sent: int | None = None,
     ) -> None:
         """Once every rank wrote its part of ``result`` (the region :meth:`reduce_scatter` returned, or
         :meth:`share_region`): copy ``ranges`` of it (default: all) into ``flat``. Collective on the node: every
         rank calls it, with its own ranges (possibly none).
 
-        For the byte counts: this rank wrote ``written`` of ``result`` (default its :meth:`slice`) and ``readers``
-        peers copy it (default all). Shared-memory traffic counts as *received* the bytes a rank copies out of
-        memory a peer wrote, and as *sent* the bytes of its own writes that peers copy.
+        For the byte counts: this rank wrote ``written`` of ``result`` (default its :meth:`slice`), and peers copy
+        ``sent`` elements of it (default: every peer all of it). Shared-memory traffic counts as *received* the
+        bytes a rank copies out of memory a peer wrote, and as *sent* the bytes of its own writes that peers copy.
         """
         self.memory.barrier()
         ranges = [(0, flat.numel())] if ranges is None else ranges
@@ -146,10 +151,10 @@ class HierarchicalAllReduce:
                 flat[start:end].copy_(result[start:end])
         self._parity[slot] ^= 1
         lo, hi = self.slice(flat.numel()) if written is None else written
-        readers = self.local_size - 1 if readers is None else readers
-        own = sum(max(0, min(end, hi) - max(start, lo)) for start, end in ranges)
+        sent = (self.local_size - 1) * (hi - lo) if sent is None else sent
+        own = sum(overlap((start, end), (lo, hi)) for start, end in ranges)
         element = flat.element_size()
-        self.stats.add(sent=readers * (hi - lo) * element, received=(sum(e - s for s, e in ranges) - own) * element)
+        self.stats.add(sent=sent * element, received=(sum(e - s for s, e in ranges) - own) * element)
 
     def share_region(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The result region the next :meth:`gather` of ``slot`` reads: write this rank's values there first."""

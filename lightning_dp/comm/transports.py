@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.hierarchical import HierarchicalAllReduce
+from lightning_dp.comm.hierarchical import HierarchicalAllReduce, overlap
 from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
-from lightning_dp.comm.ring import Ring, chunk_bounds, ring_allreduce
+from lightning_dp.comm.ring import Ring, ring_allreduce
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -211,9 +211,10 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         if self.is_server:  # it reads every slice; each other rank's slice is read by the server alone
-            self.exchange.gather(bucket.buffer, bucket.index, result, [(0, bucket.buffer.numel())], readers=0)
+            self.exchange.gather(bucket.buffer, bucket.index, result, [(0, bucket.buffer.numel())], sent=0)
         else:
-            self.exchange.gather(bucket.buffer, bucket.index, result, [], readers=1)
+            lo, hi = self.exchange.slice(bucket.buffer.numel())
+            self.exchange.gather(bucket.buffer, bucket.index, result, [], sent=hi - lo)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
@@ -229,10 +230,9 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
 
 
 class SharedMemoryShardedTransport(_SharedMemoryTransport):
-    """The sharded servers' contract on one node: rank ``i`` owns slice ``i`` of every bucket (``L`` near-equal
-    slices of the gradient region); :meth:`reduce` sums each slice on its owner in shared memory and gives every
-    rank all used-flags, :meth:`share` lets every rank copy the owners' slices. ``segments`` as in
-    :class:`ShardedServerTransport`."""
+    """The sharded servers' contract on one node, with the shards of :class:`ShardedServerTransport` (byte-balanced
+    over the buckets laid end to end, ``segments`` alike): :meth:`reduce` sums the buckets in shared memory and each
+    owner takes its shard (and every rank all used-flags), :meth:`share` lets every rank copy the owners' shards."""
 
     def __init__(
         self,
@@ -248,15 +248,18 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
         super().bind(buckets)
         if self.exchange.layout.num_nodes > 1:
             raise ValueError("SharedMemoryShardedTransport runs on one node; use ShardedServerTransport across nodes")
-        self.segments = [
-            [(min(lo, b.grad_numel), min(hi, b.grad_numel)) for lo, hi in chunk_bounds(b.buffer.numel(), self.size)]
-            for b in buckets
-        ]
+        self.segments = shard_segments(
+            [b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], self.size
+        )
 
     def reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
-        flags = (bucket.grad_numel, bucket.buffer.numel())  # every rank reads every flag
-        self.exchange.gather(bucket.buffer, bucket.index, result, [self.owned(bucket), flags], readers=0)
+        numel = bucket.buffer.numel()
+        flags = (bucket.grad_numel, numel)  # every rank reads every flag
+        mine = self.exchange.slice(numel)
+        read_by_peers = sum(overlap(s, mine) for r, s in enumerate(self.segments[bucket.index]) if r != self.rank)
+        sent = read_by_peers + (self.size - 1) * overlap(flags, mine)
+        self.exchange.gather(bucket.buffer, bucket.index, result, [self.owned(bucket), flags], sent=sent)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         start, end = self.segments[bucket.index][self.rank]

@@ -1,0 +1,165 @@
+"""The shared-memory all-reduce inside a node and its hierarchical form across nodes: exact results, bounded
+waits that name a lost or late peer, a clean fallback signal, and nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
+from lightning_dp.comm.hierarchical import HierarchicalAllReduce
+from lightning_dp.comm.shm import NAME_PREFIX, SHM_DIR, SharedMemoryUnavailable, process_alive
+from tests.helpers.distributed import run_distributed, run_distributed_allow_deaths
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DTYPES += [torch.int8, torch.uint8, torch.int32, torch.int64]
+SIZES = [1, 3, 7, 1000, 65536 + 3]
+
+
+def _compare_with_gloo(rank: int, world_size: int, nodes: int) -> list:
+    """Integer-valued data in every dtype and size: the shared-memory (or hierarchical) sum equals gloo's, bit for
+    bit, on every rank; a float average equals the sum divided by N."""
+    node_key = rank * nodes // world_size
+    slot_bytes = [max(SIZES) * 8]
+    exchange = HierarchicalAllReduce(slot_bytes, node_key=node_key, timeout=60)
+    checked = []
+    for dtype in DTYPES:
+        for size in SIZES:
+            gen = torch.Generator().manual_seed(1000 * rank + size)
+            top = 3 if dtype in (torch.int8, torch.uint8) else 50  # no overflow of the smallest types at N = 4
+            data = torch.randint(0, top, (size,), generator=gen).to(dtype)
+            expected = data.clone()
+            dist.all_reduce(expected)
+            got = exchange.all_reduce(data.clone(), op="sum")
+            assert torch.equal(got, expected), (dtype, size)
+            checked.append((str(dtype), size))
+    data = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    expected = data.clone()
+    dist.all_reduce(expected)
+    # in its own input region: reduced without a copy in
+    zero_copy = exchange.buffer(0, 10, torch.float32)
+    zero_copy.copy_(data)
+    assert torch.equal(exchange.all_reduce(zero_copy, op="avg"), expected / world_size)
+    sent, received = exchange.stats.reset()
+    layout = exchange.layout
+    exchange.close()
+    return [checked, layout.num_nodes, layout.local_size, exchange.cross_group is not None, sent, received]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_equals_gloo_all_reduce_bit_for_bit_on_one_node(world_size):
+    ranks = run_distributed(_compare_with_gloo, world_size, 1, timeout=180)
+    for checked, num_nodes, local_size, hierarchical, _, _ in ranks:
+        assert len(checked) == len(DTYPES) * len(SIZES)
+        assert (num_nodes, local_size, hierarchical) == (1, world_size, False)
+    assert not _segments_left()
+
+
+@pytest.mark.multiprocess
+def test_hierarchical_two_nodes_of_two_equals_gloo():
+    ranks = run_distributed(_compare_with_gloo, 4, 2, timeout=180)
+    for checked, num_nodes, local_size, hierarchical, sent, received in ranks:
+        assert len(checked) == len(DTYPES) * len(SIZES)
+        assert (num_nodes, local_size, hierarchical) == (2, 2, True)
+        assert sent > 0 and received > 0
+    assert not _segments_left()
+
+
+def _uneven_nodes(rank: int, world_size: int) -> str:
+    try:
+        HierarchicalAllReduce([64], node_key=min(rank, 1))
+    except ConfigurationError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_nodes_of_unequal_size_are_refused():
+    for message in run_distributed(_uneven_nodes, 3, timeout=60):
+        assert "same number of ranks on every node" in message and "[1, 2]" in message
+
+
+def _killed_peer(rank: int, world_size: int) -> str | None:
+    exchange = HierarchicalAllReduce([4096], timeout=60)
+    exchange.all_reduce(torch.ones(1024))
+    if rank == world_size - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        exchange.all_reduce(torch.ones(1024))
+    except PeerUnreachableError as error:
+        return f"{time.monotonic() - start:.1f} {error}"
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_killed_local_rank_fails_the_others_quickly_naming_it():
+    world_size = 3
+    results = run_distributed_allow_deaths(_killed_peer, world_size, timeout=60)
+    assert results[-1] is None  # killed
+    for message in results[:-1]:
+        assert message is not None
+        seconds, text = message.split(" ", 1)
+        assert float(seconds) < 5, message  # noticed by polling, long before the 60 s timeout
+        assert f"rank {world_size - 1}" in text and "process exited" in text, text
+    assert not _segments_left()
+
+
+def _late_peer(rank: int, world_size: int) -> str:
+    exchange = HierarchicalAllReduce([64], timeout=1.0)
+    if rank == 1:
+        time.sleep(3)
+    start = time.monotonic()
+    try:
+        exchange.all_reduce(torch.ones(4))
+    except PeerUnreachableError as error:
+        return f"{time.monotonic() - start:.1f} {error}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_peer_that_never_arrives_is_named_after_the_timeout():
+    results = run_distributed(_late_peer, 2, timeout=60)
+    seconds, text = results[0].split(" ", 1)
+    assert 0.9 < float(seconds) < 2.5, results[0]
+    assert "rank 1" in text and "never arrived" in text, text
+
+
+def _no_shared_memory(rank: int, world_size: int) -> str:
+    import lightning_dp.comm.shm as shm
+
+    shm.SHM_DIR = "/nonexistent-lightning-dp"
+    try:
+        HierarchicalAllReduce([64])
+    except SharedMemoryUnavailable as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_cannot_share_memory_is_reported_on_every_rank():
+    for message in run_distributed(_no_shared_memory, 2, timeout=60):
+        assert "rank 0 could not create /nonexistent-lightning-dp/" in message
+
+
+@pytest.mark.unit
+def test_a_zombie_counts_as_dead():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 5
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not process_alive(pid)  # exited, not yet reaped
+    os.waitpid(pid, 0)
+    assert not process_alive(pid) and process_alive(os.getpid())
+
+
+def _segments_left() -> list[str]:
+    return [name for name in os.listdir(SHM_DIR) if name.startswith(NAME_PREFIX)]
