@@ -31,6 +31,8 @@ MODELS = {
     # name: (image shape, per-rank batch)
     "reference_cnn": ((1, 28, 28), 64),
     "resnet18": ((3, 32, 32), 32),
+    # one linear layer with 32 MiB of gradients and tiny batches: synchronization dominates each step
+    "comm_bound": ((1, 64, 64), 4),
 }
 
 
@@ -43,6 +45,22 @@ def build_model(name: str):
 
     if name == "reference_cnn":
         return ReferenceCNN(dropout=0.0)
+
+    if name == "comm_bound":
+
+        class CommBound(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64 * 64, 2048))
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return F.cross_entropy(self.net(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+        return CommBound()
 
     class ResNet18(LightningModule):
         def __init__(self):
@@ -92,8 +110,15 @@ def worker(args) -> None:
             self.isolated_exchange_seconds = measure() if measure is not None else None
 
     timer = StepTimer()
+    strategy = args.strategy
+    if "@" in strategy:  # e.g. ring_allreduce@ring: the strategy with intra_node="ring"
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        name, intra_node = strategy.split("@")
+        entry = StrategyRegistry[name]
+        strategy = entry["strategy"](**{**entry["init_params"], "intra_node": intra_node})
     trainer = L.Trainer(
-        strategy=args.strategy,
+        strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.num_nodes,
@@ -250,6 +275,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--world-sizes", type=int, nargs="+")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS))
+    parser.add_argument(
+        "--strategies", nargs="+", default=list(STRATEGIES),
+        help="registry names; NAME@ring runs NAME with intra_node='ring' (sockets inside the machine too)",
+    )  # fmt: skip
     parser.add_argument("--result-dir", default="")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
@@ -265,7 +294,7 @@ def main() -> None:
     if args.emulated_hosts:
         with tempfile.TemporaryDirectory() as tmp:
             for model in models:
-                for strategy in STRATEGIES:
+                for strategy in args.strategies:
                     ranks = run_emulated(
                         model, args.emulated_hosts, args.rate_mbit, strategy, steps, args.warmup, Path(tmp)
                     )
@@ -287,7 +316,7 @@ def main() -> None:
         for model in models:
             for n in world_sizes:
                 baseline = None
-                for strategy in STRATEGIES:
+                for strategy in args.strategies:
                     ranks = run_case(model, n, strategy, steps, args.warmup, Path(tmp))
                     row = {
                         "model": model,
@@ -306,7 +335,8 @@ def main() -> None:
                         baseline = row
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
                     ddp_state = max(baseline["optimizer_state_mb"])
-                    row["state_vs_ddp"] = [round(s / ddp_state, 3) for s in row["optimizer_state_mb"]]
+                    states = row["optimizer_state_mb"]
+                    row["state_vs_ddp"] = [round(s / ddp_state, 3) if ddp_state else None for s in states]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     lines = [
