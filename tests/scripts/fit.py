@@ -58,6 +58,8 @@ class Record(L.Callback):
             "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
             "sockets": self.sockets,
             "transport": type(s.transport).__name__ if hasattr(s, "transport") else None,
+            "hierarchical": getattr(getattr(getattr(s, "transport", None), "_exchange", None), "cross_group", None)
+            is not None,
         }
 
 

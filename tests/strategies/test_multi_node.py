@@ -17,7 +17,7 @@ from tests.scripts.models import reference_training
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
 
 
-def start_nodes(hosts, args, port):
+def start_nodes(hosts, args, port, devices=1):
     env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     return [
@@ -31,7 +31,7 @@ def start_nodes(hosts, args, port):
                 "-m",
                 "tests.scripts.fit",
                 "--devices",
-                "1",
+                str(devices),
                 "--num-nodes",
                 str(len(hosts)),
                 *args,
@@ -74,6 +74,20 @@ def test_equivalence_across_emulated_hosts(tmp_path, strategy):
     for rank, r in enumerate(ranks):
         addresses = {s["address"] for s in r["sockets"]}
         assert addresses == {f"{SUBNET}.{rank + 1}"}, (rank, r["sockets"])
+
+
+def test_hierarchical_ring_two_hosts_of_two_ranks(tmp_path):
+    """Shared memory inside each host, one ring per local rank across the hosts: the same weights as one process."""
+    with emulated_hosts(2, rate_mbit=1000) as hosts:
+        nodes = start_nodes(hosts, ["--strategy", "ring_allreduce", "--out", str(tmp_path)], port=29730, devices=2)
+        outputs = finish(nodes, timeout=240)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    ranks = load_ranks(tmp_path, 4)
+    assert_identical_replicas(ranks)
+    assert {r["transport"] for r in ranks} == {"SharedMemoryTransport"}
+    assert [r["hierarchical"] for r in ranks] == [True] * 4
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 4, 3, "sgd")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
