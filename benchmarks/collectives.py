@@ -1,12 +1,15 @@
-"""Collectives benchmark (no Lightning): this project's ring all-reduce, gloo's all_reduce, the central and the
-sharded parameter server (push + pull), and the point-to-point bandwidth of the same transport, in one run.
+"""Collectives benchmark (no Lightning), in one run: this project's shared-memory all-reduce and its ring
+all-reduce, gloo's all_reduce, MPI's Allreduce (mpi4py, if installed), the central and the sharded parameter
+server (push + pull), the point-to-point bandwidth of the TCP transport, and a memory bound.
 
     python -m benchmarks.collectives                 # N = 2, 3, 4; buffers 1, 4, 16, 64 MB
     python -m benchmarks.collectives --quick         # N = 2, 3; buffers 1, 4, 16 MB; fewer repeats
 
 Bus bandwidth follows nccl-tests: busbw = S / t * 2 (N - 1) / N, the rate each rank's link must sustain for an
 all-reduce of S bytes in t seconds; a bandwidth-optimal algorithm approaches the point-to-point bandwidth.
-Times are medians over repeats of the slowest rank. Writes results/collectives.{json,md,png}.
+Times are medians over repeats of the slowest rank. The shared-memory all-reduce copies the tensor into shared
+memory and the result back (as a caller with its own tensor pays); the memory bound is one process copying S
+bytes between two warm buffers (``copy_``), alone on the machine. Writes results/collectives.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.report import save
 from lightning_dp.comm import Ring, ring_allreduce
+from lightning_dp.comm.hierarchical import HierarchicalAllReduce
 from lightning_dp.comm.parameter_server import (
     pull_shards,
     pull_weights,
@@ -49,7 +53,7 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
-def _operations(rank, buf, peer_buf, segments, ring):
+def _operations(rank, buf, peer_buf, segments, ring, shm):
     """The timed operations on one buffer, by name."""
 
     def p2p():
@@ -61,6 +65,7 @@ def _operations(rank, buf, peer_buf, segments, ring):
 
     return {
         "p2p": p2p,
+        "shm_allreduce": lambda: shm.all_reduce(buf),
         "ring_allreduce": lambda: ring_allreduce(buf, ring=ring),
         "gloo_all_reduce": lambda: dist.all_reduce(buf),
         "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
@@ -71,12 +76,13 @@ def _operations(rank, buf, peer_buf, segments, ring):
 def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int) -> list[dict]:
     rows = []
     ring = Ring()
+    shm = HierarchicalAllReduce([int(max(sizes_mb) * MB) // 4 * 4])
     for size_mb in sizes_mb:
         numel = int(size_mb * MB) // 4
         nbytes = numel * 4
         buf = torch.randn(numel)
         segments = shard_segments([numel], [4], world_size)[0]
-        ops = _operations(rank, buf, torch.empty(numel), segments, ring)
+        ops = _operations(rank, buf, torch.empty(numel), segments, ring, shm)
         times = {name: timed(fn, repeats) for name, fn in ops.items()}
         link = nbytes / times["p2p"]
         for name, t in times.items():
@@ -92,7 +98,61 @@ def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int) -> 
         if rank == 0:
             summary = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items())
             print(f"N={world_size} S={size_mb} MB: {summary}", flush=True)
+    shm.close()
     return rows
+
+
+def memory_copy_seconds(size_mb: float, repeats: int) -> float:
+    """Median time of one process copying ``size_mb`` between two warm buffers."""
+    torch.set_num_threads(1)
+    src = torch.randn(int(size_mb * MB) // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def run_mpi(world_size: int, sizes_mb, repeats) -> list[dict]:
+    """MPI's Allreduce through ``mpiexec`` (benchmarks/mpi_allreduce.py); none when mpi4py is not installed."""
+    import importlib.util
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if importlib.util.find_spec("mpi4py") is None or mpiexec is None:
+        return []
+    cmd = [mpiexec, "-n", str(world_size), sys.executable, "-m", "benchmarks.mpi_allreduce", "--sizes-mb"]
+    cmd += [str(s) for s in sizes_mb] + ["--repeats", str(repeats)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def add_peers(rows: list[dict], world_size: int, sizes_mb, repeats) -> None:
+    """Add MPI's Allreduce and the memory bound to the rows of one world size, with the same ratios."""
+    for mpi in run_mpi(world_size, sizes_mb, repeats):
+        rows.append({**mpi, "op": "mpi_allreduce"})
+    for size_mb in sizes_mb:
+        rows.append(
+            {"world_size": world_size, "size_mb": size_mb, "op": "memory_copy",
+             "time_s": memory_copy_seconds(size_mb, repeats)}
+        )  # fmt: skip
+    for size_mb in sizes_mb:
+        by = {r["op"]: r for r in rows if (r["world_size"], r["size_mb"]) == (world_size, size_mb)}
+        nbytes = int(size_mb * MB) // 4 * 4
+        by["memory_copy"]["bandwidth_GBps"] = nbytes / by["memory_copy"]["time_s"] / 1e9
+        if "mpi_allreduce" in by:
+            mpi = by["mpi_allreduce"]
+            mpi["busbw_GBps"] = nbytes / mpi["time_s"] * 2 * (world_size - 1) / world_size / 1e9
+            mpi["vs_gloo"] = by["gloo_all_reduce"]["time_s"] / mpi["time_s"]
+        shm = by["shm_allreduce"]
+        shm["vs_mpi"] = mpi["time_s"] / shm["time_s"] if "mpi_allreduce" in by else None
+        shm["vs_memory_copy"] = shm["busbw_GBps"] / by["memory_copy"]["bandwidth_GBps"]
 
 
 def worker(rank: int, world_size: int, port: int, sizes_mb, repeats, queue) -> None:
@@ -126,20 +186,24 @@ def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
 
 def write_report(rows: list[dict], out: Path) -> None:
     lines = [
-        f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, gloo over loopback TCP",
+        f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}; gloo over loopback TCP; "
+        "MPI: the MPICH wheel (its shared-memory transport inside the node)",
         "",
-        "| N | S (MB) | p2p GB/s | ring busbw GB/s | gloo busbw GB/s | ring / gloo | ring / p2p "
-        "| central PS busbw | sharded PS busbw |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| N | S (MB) | shm busbw GB/s | shm / gloo | shm / MPI | shm / memory copy | ring busbw | ring / gloo "
+        "| gloo busbw | MPI busbw | memory copy GB/s | p2p GB/s | central PS busbw | sharded PS busbw |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
     for n, size in sorted({key(r) for r in rows}):
         by = {r["op"]: r for r in rows if key(r) == (n, size)}
+        shm, mpi = by["shm_allreduce"], by.get("mpi_allreduce")
+        mpi_cells = (f"{shm['vs_mpi']:.2f}", f"{mpi['busbw_GBps']:.2f}") if mpi else ("n/a", "n/a")
         lines.append(
-            f"| {n} | {size:g} | {by['p2p']['bandwidth_GBps']:.2f} | {by['ring_allreduce']['busbw_GBps']:.2f} | "
-            f"{by['gloo_all_reduce']['busbw_GBps']:.2f} | {by['ring_allreduce']['vs_gloo']:.2f} | "
-            f"{by['ring_allreduce']['busbw_vs_p2p']:.2f} | {by['central_ps']['busbw_GBps']:.2f} | "
-            f"{by['sharded_ps']['busbw_GBps']:.2f} |"
+            f"| {n} | {size:g} | {shm['busbw_GBps']:.2f} | {shm['vs_gloo']:.2f} | {mpi_cells[0]} | "
+            f"{shm['vs_memory_copy']:.2f} | {by['ring_allreduce']['busbw_GBps']:.2f} | "
+            f"{by['ring_allreduce']['vs_gloo']:.2f} | {by['gloo_all_reduce']['busbw_GBps']:.2f} | {mpi_cells[1]} | "
+            f"{by['memory_copy']['bandwidth_GBps']:.2f} | {by['p2p']['bandwidth_GBps']:.2f} | "
+            f"{by['central_ps']['busbw_GBps']:.2f} | {by['sharded_ps']['busbw_GBps']:.2f} |"
         )
     save(out, "collectives", rows, lines)
     try:
@@ -153,11 +217,13 @@ def write_report(rows: list[dict], out: Path) -> None:
     sizes = sorted({n for n, _ in map(key, rows)})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
     for ax, n in zip(axes[0], sizes):
-        for op in ("ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"):
+        for op in ("shm_allreduce", "mpi_allreduce", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"):
             pts = sorted((r["size_mb"], r["busbw_GBps"]) for r in rows if r["world_size"] == n and r["op"] == op)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
-        pts = sorted((r["size_mb"], r["bandwidth_GBps"]) for r in rows if r["world_size"] == n and r["op"] == "p2p")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "k--", label="p2p link")
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=op)
+        for op, style, label in (("p2p", "k--", "p2p link (TCP)"), ("memory_copy", "k:", "memory copy")):
+            pts = sorted((r["size_mb"], r["bandwidth_GBps"]) for r in rows if r["world_size"] == n and r["op"] == op)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
         ax.set(xscale="log", xlabel="buffer (MB)", ylabel="bus bandwidth (GB/s)", title=f"N = {n}")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -178,6 +244,7 @@ def main() -> None:
     rows = []
     for n in world_sizes:
         rows += run_local(n, sizes, repeats)
+        add_peers(rows, n, sizes, repeats)
     write_report(rows, Path(args.out))
 
 
