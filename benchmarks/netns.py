@@ -49,8 +49,14 @@ def emulated_hosts(n: int, rate_mbit: float, delay_ms: float = 0.0):
             for netns, dev in ((ns, IFNAME), (switch, f"{PREFIX}s{i}")):  # upload and download of host i
                 shape = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", "200ms"]
                 if delay_ms:
-                    sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
-                       "netem", "delay", f"{delay_ms}ms")  # fmt: skip
+                    try:
+                        sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
+                           "netem", "delay", f"{delay_ms}ms")  # fmt: skip
+                    except subprocess.CalledProcessError as error:
+                        raise RuntimeError(
+                            "adding delay needs the netem qdisc (kernel module sch_netem), which this kernel "
+                            "does not offer; run without a delay"
+                        ) from error
                     sh("ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle",
                        "2:", *shape)  # fmt: skip
                 else:
