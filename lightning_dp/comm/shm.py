@@ -266,7 +266,7 @@ class NodeSharedMemory:
             if dead:
                 names = ", ".join(f"rank {self._global_rank(r)} (pid {self._pids[r]})" for r in dead)
                 raise PeerUnreachableError(
-                    f"rank {me} lost {names} during the shared-memory exchange: the process exited"
+                    f"rank {me} could not reach {names} during the shared-memory exchange: the process exited"
                 )
         if time.monotonic() > deadline:
             arrivals = self._arrivals.tolist()

@@ -18,7 +18,7 @@ from tests.helpers.distributed import run_distributed, run_distributed_allow_dea
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 DTYPES += [torch.int8, torch.uint8, torch.int32, torch.int64]
-SIZES = [1, 3, 7, 1000, 65536 + 3]
+SIZES = [1, 7, 65536 + 3]  # fewer elements than ranks, uneven slices, several pages
 
 
 def _compare_with_gloo(rank: int, world_size: int, nodes: int) -> list:

@@ -17,8 +17,7 @@ CASES = [
     ("sharded_ps", 2, "adamw", None, "shm", []),
     ("sharded_ps", 3, "sgd", "norm", "ring", []),
     ("sharded_ps", 4, "adamw", "value", "shm", []),
-    ("ring_allreduce", 3, "sgd", "norm", "ring", []),
-    ("ring_allreduce", 4, "adamw", "value", "shm", []),
+    ("ring_allreduce", 3, "sgd", "norm", "ring", []),  # shared memory: every other test of ring_allreduce
 ]
 TRANSPORTS = {
     ("parameter_server", "ring"): "CentralServerTransport",
