@@ -206,6 +206,12 @@ def write_report(rows: list[dict], out: Path) -> None:
             f"{by['central_ps']['busbw_GBps']:.2f} | {by['sharded_ps']['busbw_GBps']:.2f} |"
         )
     save(out, "collectives", rows, lines)
+    plot(rows, out)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """results/collectives.png: bus bandwidth against buffer size, one panel per N, one line per method."""
+    key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
     try:
         import matplotlib
 
@@ -224,7 +230,7 @@ def write_report(rows: list[dict], out: Path) -> None:
         for op, style, label in (("p2p", "k--", "p2p link (TCP)"), ("memory_copy", "k:", "memory copy")):
             pts = sorted((r["size_mb"], r["bandwidth_GBps"]) for r in rows if r["world_size"] == n and r["op"] == op)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-        ax.set(xscale="log", xlabel="buffer (MB)", ylabel="bus bandwidth (GB/s)", title=f"N = {n}")
+        ax.set(xscale="log", yscale="log", xlabel="buffer (MB)", ylabel="bus bandwidth (GB/s)", title=f"N = {n}")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "collectives.png", dpi=100)
