@@ -106,6 +106,8 @@ class GradientBucket:
 
     def holds(self, i: int, grad: Tensor) -> bool:
         """Whether ``grad`` is parameter ``i``'s view into this bucket (a gradient that lives in the bucket)."""
+        if grad.layout != torch.strided:
+            return False
         view = self.grad_view(i)
         return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
@@ -365,7 +367,12 @@ class BucketReducer:
                     p.grad.copy_(bucket.grad_view(i))
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread."""
+        """Remove the hooks and stop the communication thread; gradients that were views into a bucket become
+        tensors of their own (the buckets, possibly shared memory, are released with the reducer)."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None and bucket.holds(i, p.grad):
+                    p.grad = p.grad.clone()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -14,8 +14,9 @@ On one node of ``L`` ranks, with every rank's tensor in its input region of a
 
 Every element is summed by exactly one rank per node in a fixed order, so all ranks end bit-identical. Averages of
 16-bit floats accumulate in float32 inside the node and are divided before the (16-bit) ring, as DDP divides them
-first. Result regions alternate between two per slot, so a rank may write the next result while a slower peer
-still copies the previous one; the barrier of the next exchange orders the rest.
+first. Each slot has two result regions, used alternately: :meth:`HierarchicalAllReduce.share_region` lets a rank
+write its values *before* the barrier of :meth:`~HierarchicalAllReduce.gather`, while a slower peer may still copy
+the previous result out of the other region; ``reduce_scatter`` writes only after its own barrier.
 """
 
 from __future__ import annotations
@@ -41,16 +42,22 @@ def overlap(a: Segment, b: Segment) -> int:
     return max(0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
+def check_uniform(layout: NodeLayout) -> None:
+    """Refuse nodes of different sizes: local rank ``i`` of every node must exist for the rings across nodes."""
+    if layout.num_nodes > 1 and not layout.uniform:
+        sizes = [len(n) for n in layout.nodes]
+        raise ConfigurationError(f"a hierarchical all-reduce needs the same number of ranks on every node, got {sizes}")
+
+
 def cross_node_groups(
     layout: NodeLayout, group: dist.ProcessGroup | None = None, timeout: float = 300.0
 ) -> dist.ProcessGroup | None:
-    """Collective over the default group: one process group per local rank index ``i``, holding local rank ``i``
-    of every node (nodes must be of equal size); returns this rank's, or ``None`` on a single node."""
+    """Collective over the default group (every process of the job calls it, as ``dist.new_group`` requires, so
+    ``group`` must span the whole job): one process group per local rank index ``i``, holding local rank ``i`` of
+    every node (nodes must be of equal size); returns this rank's, or ``None`` on a single node."""
     if layout.num_nodes == 1:
         return None
-    if not layout.uniform:
-        sizes = [len(n) for n in layout.nodes]
-        raise ConfigurationError(f"a hierarchical all-reduce needs the same number of ranks on every node, got {sizes}")
+    check_uniform(layout)
     backend = dist.get_backend(group)
     mine: dist.ProcessGroup | None = None
     for i in range(layout.local_size):
@@ -79,8 +86,9 @@ class HierarchicalAllReduce:
         self.group = group
         self.size = dist.get_world_size(group)
         self.layout = NodeLayout.gather(socket.gethostname() if node_key is None else node_key, group)
-        self.cross_group = cross_node_groups(self.layout, group, timeout)
+        check_uniform(self.layout)  # before any segment exists
         self.memory = NodeSharedMemory(self.layout, slot_bytes, group, timeout)
+        self.cross_group = cross_node_groups(self.layout, group, timeout)
         self.cross_ring = Ring(self.cross_group) if self.cross_group is not None else None
         self.stats = stats if stats is not None else CommStats()
         self._parity = [0] * len(slot_bytes)

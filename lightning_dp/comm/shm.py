@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from lightning_dp.comm.errors import PeerUnreachableError
 
-SHM_DIR = "/dev/shm"
+#: where segments are created: a tmpfs; ``LIGHTNING_DP_SHM_DIR`` picks another (e.g. a larger tmpfs mount)
+SHM_DIR = os.environ.get("LIGHTNING_DP_SHM_DIR", "/dev/shm")
 NAME_PREFIX = "lightning-dp-"
 #: alignment of every region (a cache line; keeps ranks writing different regions off each other's lines)
 ALIGN = 64
@@ -54,6 +55,14 @@ _libc.sem_destroy.argtypes = [ctypes.c_void_p]
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _pid_namespace() -> int | None:
+    """The inode of this process's pid namespace (ranks in one namespace can watch each other by pid)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def process_alive(pid: int) -> bool:
@@ -146,58 +155,60 @@ class NodeSharedMemory:
             stride = _align(nbytes)
             self._slots.append((offset, stride, offset + size * stride, stride))
             offset += (size + 2) * stride
+        #: bytes of this node's segment
         self.nbytes = max(offset, 1)
-        self._memory = self._share(offset)
+        self._memory = self._share(self.nbytes)
         self._base = self._memory.data_ptr()
         self._arrivals = self._memory[:header].view(torch.int64)
         self._arrived = 0
-        self._alive_checked_at = 0.0
 
     # ------------------------------------------------------------------ set-up
     def _share(self, nbytes: int) -> torch.Tensor:
         layout, me = self.layout, dist.get_rank(self.group)
         leader = layout.local_ranks[0] == me
-        name, failure, memory = None, None, None
-        if leader:
-            name = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-            try:
-                memory = self._create(name, nbytes)
-            except OSError as error:
-                failure = f"rank {me} could not create {name} ({nbytes} bytes): {error}"
-                name = None
-        names: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(names, name, group=self.group)
+        created, failure, memory = None, None, None
         try:
+            if leader:
+                name = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+                try:
+                    memory = self._create(name, nbytes)
+                    created = name
+                except (OSError, RuntimeError) as error:  # torch.from_file raises RuntimeError
+                    failure = f"rank {me} could not create {name} ({nbytes} bytes): {error}"
+            names: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(names, created, group=self.group)
             if not leader:
                 memory, failure = self._attach(names[layout.local_ranks[0]], nbytes, me)
             outcomes: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(outcomes, (failure, os.getpid()), group=self.group)
+            dist.all_gather_object(outcomes, (failure, os.getpid(), _pid_namespace()), group=self.group)
         finally:
-            if leader and name is not None:
-                os.unlink(name)  # mapped by every local rank (or failed): the kernel frees it with the last mapping
-        failures = [f for f, _ in outcomes if f is not None]
+            if created is not None:
+                os.unlink(created)  # mapped by every local rank (or failed): the kernel frees it with the last mapping
+        failures = [f for f, _, _ in outcomes if f is not None]
         if failures:
             raise SharedMemoryUnavailable("; ".join(failures))
-        self._pids = [outcomes[r][1] for r in layout.local_ranks]
-        #: a peer in another pid namespace cannot be watched; then only the timeout bounds a wait
-        self._watch_pids = all(os.path.exists(f"/proc/{pid}") for pid in self._pids)
+        local = [outcomes[r] for r in layout.local_ranks]
+        self._pids = [pid for _, pid, _ in local]
+        #: a peer in another pid namespace cannot be watched by pid; then only the timeout bounds a wait
+        self._watch_pids = len({namespace for _, _, namespace in local}) == 1 and local[0][2] is not None
         assert memory is not None
         return memory
 
     def _create(self, name: str, nbytes: int) -> torch.Tensor:
         fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)  # reserve the pages now: ENOSPC here instead of SIGBUS on first touch
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # reserve the pages: ENOSPC here instead of SIGBUS on first touch
+            finally:
+                os.close(fd)
+            memory = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
+            memory[: self._sem_offset].zero_()
+            for i in range(self.rounds * self.local_size):
+                if _libc.sem_init(memory.data_ptr() + self._sem_offset + i * SEM_BYTES, 1, 0) != 0:
+                    raise OSError(ctypes.get_errno(), "sem_init failed")
         except BaseException:
-            os.close(fd)
             os.unlink(name)
             raise
-        os.close(fd)
-        memory = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
-        memory[: self._sem_offset].zero_()
-        for i in range(self.rounds * self.local_size):
-            if _libc.sem_init(memory.data_ptr() + self._sem_offset + i * SEM_BYTES, 1, 0) != 0:
-                raise OSError(ctypes.get_errno(), "sem_init failed")
         return memory
 
     @staticmethod
@@ -208,24 +219,26 @@ class NodeSharedMemory:
             if os.path.getsize(name) != nbytes:
                 return None, f"rank {me} found {name} with an unexpected size"
             return torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8), None
-        except OSError as error:
+        except (OSError, RuntimeError) as error:
             return None, f"rank {me} could not map {name} ({error}); are the ranks of one node in one /dev/shm?"
 
     # ------------------------------------------------------------------ regions
-    def _view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _view(self, slot: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if nbytes > self._slots[slot][1]:
+            raise ValueError(f"{nbytes} bytes do not fit slot {slot} of {self._slots[slot][1]} bytes")
         return self._memory[offset : offset + nbytes].view(dtype)
 
     def input(self, slot: int, numel: int, dtype: torch.dtype, local_rank: int | None = None) -> torch.Tensor:
         """Local rank ``local_rank``'s (default: this rank's) input region of ``slot``, as ``numel`` ``dtype``s."""
         first, stride, _, _ = self._slots[slot]
         rank = self.local_rank if local_rank is None else local_rank
-        return self._view(first + rank * stride, numel, dtype)
+        return self._view(slot, first + rank * stride, numel, dtype)
 
     def result(self, slot: int, parity: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Result region ``parity`` (0 or 1) of ``slot``, shared by all local ranks."""
         _, _, first, stride = self._slots[slot]
-        return self._view(first + parity * stride, numel, dtype)
+        return self._view(slot, first + parity * stride, numel, dtype)
 
     # ------------------------------------------------------------------ synchronization
     def barrier(self) -> None:
@@ -233,18 +246,20 @@ class NodeSharedMemory:
         L)`` rounds of one semaphore post and one wait). Memory written before it is visible to all after it."""
         if self.local_size == 1:
             return
+        if self._memory.numel() == 0:
+            raise RuntimeError("the shared memory of this node was closed")
         self._arrived += 1
         self._arrivals[self.local_rank] = self._arrived
         size, me = self.local_size, self.local_rank
+        deadline = time.monotonic() + self.timeout
         for k in range(self.rounds):
             _libc.sem_post(self._sem(k, (me + (1 << k)) % size))
-            self._wait(self._sem(k, me), (me - (1 << k)) % size)
+            self._wait(self._sem(k, me), (me - (1 << k)) % size, deadline)
 
     def _sem(self, round_: int, local_rank: int) -> int:
         return self._base + self._sem_offset + (round_ * self.local_size + local_rank) * SEM_BYTES
 
-    def _wait(self, sem: int, peer: int) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _wait(self, sem: int, peer: int, deadline: float) -> None:
         while True:
             now = time.time() + POLL_SECONDS
             until = _Timespec(int(now), int((now % 1) * 1e9))

@@ -6,7 +6,8 @@ consistency model can travel over any of them. Every transport offers two exchan
 
 - :meth:`Transport.reduce`: every gradient element of the bucket is averaged on the rank that owns it, and the
   used-flags are combined so that a flag is non-zero where any rank used the parameter (averaged with the
-  gradients by the ring and the central server, summed everywhere by the sharded servers).
+  gradients by the ring, the central server and every shared-memory transport; summed everywhere by the sharded
+  servers over sockets).
   :meth:`Transport.owned` tells which gradient elements this rank owns afterwards.
 - :meth:`Transport.share`: the owners send their elements to every rank. After ``reduce`` and ``share`` every
   rank holds the whole averaged bucket. A parameter-server scheme also uses ``share`` to send updated weights:

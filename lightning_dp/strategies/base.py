@@ -56,11 +56,11 @@ class DataParallelStrategy(ProcessGroupStrategy):
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank before each
             synchronized training step, as ``DistributedDataParallel`` does.
         intra_node: how the ranks of one machine exchange buckets: ``"shm"`` (default) through a shared-memory
-            segment, at memory speed (CPU tensors only; on GPUs and where the ranks of a node cannot share memory
-            the strategy uses sockets and says so), or ``"ring"``: through the process group's sockets, as across
-            machines. Across machines ``"shm"`` makes the ring all-reduce hierarchical (see
-            :class:`~lightning_dp.comm.transports.SharedMemoryTransport`); the parameter servers use shared memory
-            on a single machine only.
+            segment, at memory speed (CPU tensors only: GPUs keep their socket or NCCL transport; where the ranks
+            of a node cannot share memory the strategy warns and uses sockets), or ``"ring"``: through the process
+            group's sockets, as across machines. Across machines ``"shm"`` makes the ring all-reduce hierarchical
+            (see :class:`~lightning_dp.comm.transports.SharedMemoryTransport`); the parameter servers use shared
+            memory on a single machine only.
         process_group_backend, timeout, start_method: see :class:`~.processes.ProcessGroupStrategy`.
     """
 
@@ -335,7 +335,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """Seconds one synchronization takes (the gradient exchange of every bucket, and for the parameter servers
         the weight pull) when every rank starts it together: the cost of a step's communication with no slower
         peer to wait for. The fastest of ``repeats``. Collective: every rank calls it between steps; it leaves the
-        bucket contents undefined and the weights as the servers hold them."""
+        bucket contents undefined (under ``ring_allreduce`` also ``param.grad``, a view into them) and the weights
+        as the servers hold them."""
         assert self.reducer is not None, "call it while fitting"
         best = float("inf")
         cuda = self.root_device.type == "cuda"

@@ -218,3 +218,44 @@ def test_without_overlap_every_bucket_leaves_after_backward():
     reducer.finish()
     hook.remove()
     reducer.close()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_as_bucket_views_accumulate_in_the_bucket_and_equal_copies(set_to_none):
+    """``param.grad`` is a view into its bucket after the first synchronized backward: zero_grad in either form,
+    accumulation over micro-batches and the reduction all act on the bucket, with the gradients of copying."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Chain(depth=2)
+    reference = copy.deepcopy(model)
+    halve = lambda b: b.buffer.mul_(0.5)  # noqa: E731 - the average over two ranks of equal gradients
+    reducer = BucketReducer(model.parameters(), halve, gradient_as_bucket_view=True)
+    for _ in range(3):
+        for p in [*model.parameters(), *reference.parameters()]:  # optimizer.zero_grad(set_to_none=...)
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        x1, x2 = torch.randn(2, 64), torch.randn(2, 64)
+        with reducer.no_sync():
+            model(x1).sum().backward()
+        model(x2).sum().backward()
+        reducer.finish()
+        reference(x1).sum().backward()
+        reference(x2).sum().backward()
+        for bucket in reducer.buckets:
+            for i, p in enumerate(bucket.params):
+                assert p.grad is None or bucket.holds(i, p.grad)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad * 0.5)
+    assert sum(p.grad is not None for p in model.parameters()) >= 2
+    reducer.close()
+    grads = [p.grad for b in reducer.buckets for p in b.params if p.grad is not None]
+    assert not any(b.holds(i, p.grad) for b in reducer.buckets for i, p in enumerate(b.params) if p.grad is not None)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad * 0.5)  # kept, as tensors of their own
+    assert grads

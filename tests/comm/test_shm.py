@@ -38,6 +38,11 @@ def _compare_with_gloo(rank: int, world_size: int, nodes: int) -> list:
             got = exchange.all_reduce(data.clone(), op="sum")
             assert torch.equal(got, expected), (dtype, size)
             checked.append((str(dtype), size))
+    for dtype in (torch.float16, torch.bfloat16):  # averaged in float32 inside a node, divided before the ring
+        k = torch.randint(0, 10, (1000,), generator=torch.Generator().manual_seed(rank)).to(dtype)
+        expected = k.clone()
+        dist.all_reduce(expected)  # the sum of k: exact, and the average of world_size * k
+        assert torch.equal(exchange.all_reduce(k * world_size, op="avg"), expected), dtype
     data = torch.arange(10, dtype=torch.float32) * (rank + 1)
     expected = data.clone()
     dist.all_reduce(expected)

@@ -110,3 +110,15 @@ def test_torchrun_environment(tmp_path):
             os.killpg(proc.pid, 9)
     assert proc.returncode == 0, out
     assert_identical_replicas(load_ranks(tmp_path, 2))
+
+
+def test_without_shared_memory_every_rank_falls_back_to_sockets_with_a_warning(tmp_path):
+    """A node whose ranks cannot share memory (here: no such tmpfs) trains over sockets, with the same weights."""
+    out = run_script("fit", "--devices", "2", "--out", str(tmp_path),
+                     env={"LIGHTNING_DP_SHM_DIR": str(tmp_path / "missing")})  # fmt: skip
+    assert "cannot share memory" in out.stdout and "could not create" in out.stdout, out.stdout[-3000:]
+    ranks = load_ranks(tmp_path, 2)
+    assert {r["transport"] for r in ranks} == {"RingTransport"}
+    assert_identical_replicas(ranks)
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
