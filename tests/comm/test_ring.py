@@ -12,7 +12,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def lengths(world_size):
-    return (0, 1, 7, world_size - 1, 1_000_003, 10_000_000)
+    return (0, 1, 7, world_size - 1, 1_000_003)  # the last: several pipelined pieces per chunk
 
 
 @pytest.mark.unit
