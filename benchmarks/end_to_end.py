@@ -1,12 +1,16 @@
 """End-to-end benchmark: optimizer steps per second, peak memory, optimizer-state bytes and hidden communication
 per rank, for every strategy against Lightning's ``ddp`` in the same run.
 
-    python -m benchmarks.end_to_end                  # reference CNN and ResNet-18, N = 2 and 4
-    python -m benchmarks.end_to_end --quick          # reference CNN and ResNet-18, N = 2, fewer steps
+    python -m benchmarks.end_to_end                  # all models (below), N = 2 and 4
+    python -m benchmarks.end_to_end --quick          # all models, N = 2, fewer steps
+    python -m benchmarks.end_to_end --models comm_bound --strategies ddp ring_allreduce ring_allreduce@ring
     sudo python -m benchmarks.end_to_end --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
                                                      # one node per emulated host, rate-limited links
 
-Each (model, N, strategy) is a separate ``Trainer.fit`` on fake data, started the way users start it (the popen
+Models: the reference CNN and ResNet-18 (compute dominates a step on CPU) and ``comm_bound``, one linear layer
+with 32 MiB of gradients on batches of 4 (synchronization dominates). ``NAME@ring`` runs a strategy with
+``intra_node="ring"`` (sockets inside the machine too). Each (model, N, strategy) is a separate ``Trainer.fit`` on
+fake data, started the way users start it (the popen
 launcher re-runs ``python -m benchmarks.end_to_end`` per rank). Steps/s is measured after warm-up steps, as the
 median over ranks of (timed steps / time). Writes results/end_to_end.{json,md}.
 """
@@ -347,7 +351,7 @@ def main() -> None:
         " peer counts as exposed.",
         "",
         "| model | N | strategy | steps/s | vs ddp | hidden comm | exposed ms/step | exchange ms | peak RSS MB "
-        "| Adam state MB per rank | state vs ddp |",
+        "| optimizer state MB per rank | state vs ddp |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
