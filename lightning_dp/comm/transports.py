@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch.distributed as dist
 
@@ -31,6 +32,12 @@ from lightning_dp.comm.ring import Ring, ring_allreduce
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
+
+
+def byte_balanced_shards(buckets: Sequence[GradientBucket], size: int) -> list[list[Segment]]:
+    """``[b][r]``: the range of bucket ``b``'s gradient region that rank ``r`` owns when the buckets laid end to end
+    are cut into ``size`` shards of equal bytes."""
+    return shard_segments([b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], size)
 
 
 class Transport(ABC):
@@ -113,9 +120,7 @@ class ShardedServerTransport(Transport):
         self.segments: list[list[Segment]] = []
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
-        self.segments = shard_segments(
-            [b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], self.size
-        )
+        self.segments = byte_balanced_shards(buckets, self.size)
 
     def reduce(self, bucket: GradientBucket) -> None:
         push_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats)
@@ -154,10 +159,15 @@ class _SharedMemoryTransport(Transport):
         assert self._exchange is not None, "bind() the buckets first"
         return self._exchange
 
+    #: the socket transport to use across nodes, for one that runs on a single node only
+    _across_nodes: ClassVar[str | None] = None
+
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
         self._exchange = HierarchicalAllReduce(
             [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats
         )
+        if self._across_nodes is not None and self.exchange.layout.num_nodes > 1:
+            raise ValueError(f"{type(self).__name__} runs on one node; use {self._across_nodes} across nodes")
         for b in buckets:
             b.relocate(self.exchange.buffer(b.index, b.buffer.numel(), b.buffer.dtype))
 
@@ -189,6 +199,8 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     only the server takes the result; :meth:`share` lets every rank copy the server's bucket (used-flags
     included) from shared memory. The fan-in and fan-out of :class:`CentralServerTransport` become memory copies."""
 
+    _across_nodes = "CentralServerTransport"
+
     def __init__(
         self,
         server: int,
@@ -203,11 +215,6 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     @property
     def is_server(self) -> bool:
         return self.rank == self.server
-
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:
-        super().bind(buckets)
-        if self.exchange.layout.num_nodes > 1:
-            raise ValueError("SharedMemoryServerTransport runs on one node; use CentralServerTransport across nodes")
 
     def reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
@@ -235,23 +242,13 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
     over the buckets laid end to end, ``segments`` alike): :meth:`reduce` sums the buckets in shared memory and each
     owner takes its shard (and every rank all used-flags), :meth:`share` lets every rank copy the owners' shards."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        stats: CommStats | None = None,
-        node_key: object = None,
-        timeout: float = 300.0,
-    ) -> None:
-        super().__init__(group, stats, node_key, timeout)
-        self.segments: list[list[Segment]] = []
+    _across_nodes = "ShardedServerTransport"
+    #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns (set by bind)
+    segments: list[list[Segment]]
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
         super().bind(buckets)
-        if self.exchange.layout.num_nodes > 1:
-            raise ValueError("SharedMemoryShardedTransport runs on one node; use ShardedServerTransport across nodes")
-        self.segments = shard_segments(
-            [b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], self.size
-        )
+        self.segments = byte_balanced_shards(buckets, self.size)
 
     def reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
