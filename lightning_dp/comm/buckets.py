@@ -141,10 +141,27 @@ class GradientBucket:
     def pack_params(self, start: int = 0, end: int | None = None) -> None:
         """Copy the parameters' current values into elements ``[start, end)`` of the gradient region."""
         end = self.grad_numel if end is None else end
+        self.read_params(start, end, self.buffer[start:end])
+
+    def read_params(self, start: int, end: int, out: Tensor) -> Tensor:
+        """Copy the parameters' values at elements ``[start, end)`` of the gradient region into ``out`` (1-D, of
+        length ``end - start``) and return it."""
         for p, (lo, hi) in zip(self.params, self.slices):
             a, b = max(lo, start), min(hi, end)
             if a < b:
-                self.buffer[a:b].copy_(p.detach().reshape(-1)[a - lo : b - lo])
+                out[a - start : b - start].copy_(p.detach().reshape(-1)[a - lo : b - lo])
+        return out
+
+    def write_params(self, start: int, end: int, values: Tensor) -> None:
+        """Overwrite the parameters' values at elements ``[start, end)`` of the gradient region with ``values``."""
+        with torch.no_grad():
+            for p, (lo, hi) in zip(self.params, self.slices):
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    flat = p.view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
+                    flat[a - lo : b - lo].copy_(values[a - start : b - start])
+                    if not p.is_contiguous():
+                        p.copy_(flat.view_as(p))
 
     def unpack_params(self) -> None:
         """Overwrite every parameter with its values from the gradient region (after weights were pulled)."""

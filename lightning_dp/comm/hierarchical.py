@@ -119,10 +119,19 @@ class HierarchicalAllReduce:
         self.gather(flat, slot, result)
         return tensor
 
-    def reduce_scatter(self, flat: torch.Tensor, slot: int, op: ReduceOpName = "sum") -> torch.Tensor:
+    def reduce_scatter(
+        self,
+        flat: torch.Tensor,
+        slot: int,
+        op: ReduceOpName = "sum",
+        wire: torch.dtype | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Reduce ``flat`` over all ranks into ``slot``'s current result region (returned); on return its
         :meth:`slice` holds the reduced values (over every node), the rest is not yet defined. Finish with
-        :meth:`gather`."""
+        :meth:`gather`. ``wire``: the dtype the rings across nodes send (see
+        :func:`~lightning_dp.comm.ring.ring_allreduce`); inside a node values are added in ``flat``'s dtype.
+        ``residual`` (``flat``'s shape) gains what this rank's roundings on those rings lost."""
         self._check(op, flat)
         numel, dtype = flat.numel(), flat.dtype
         mine = self.memory.input(slot, numel, dtype)
@@ -132,7 +141,8 @@ class HierarchicalAllReduce:
         self.memory.barrier()
         lo, hi = self.slice(numel)
         if hi > lo:
-            self._sum_slice(slot, numel, dtype, lo, hi, result[lo:hi], op)
+            lost = residual[lo:hi] if residual is not None else None
+            self._sum_slice(slot, numel, dtype, lo, hi, result[lo:hi], op, wire, lost)
         return result
 
     def gather(
@@ -169,7 +179,16 @@ class HierarchicalAllReduce:
         return self.memory.result(slot, self._parity[slot], numel, dtype)
 
     def _sum_slice(
-        self, slot: int, numel: int, dtype: torch.dtype, lo: int, hi: int, out: torch.Tensor, op: ReduceOpName
+        self,
+        slot: int,
+        numel: int,
+        dtype: torch.dtype,
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+        op: ReduceOpName,
+        wire: torch.dtype | None,
+        residual: torch.Tensor | None,
     ) -> None:
         key = (slot, numel, dtype)
         if key not in self._inputs:
@@ -184,7 +203,7 @@ class HierarchicalAllReduce:
                 total.add_(part)
             out.copy_(total.div_(self.size))
             if self.cross_ring is not None:
-                ring_allreduce(out, op="sum", stats=self.stats, ring=self.cross_ring)
+                ring_allreduce(out, op="sum", stats=self.stats, ring=self.cross_ring, wire=wire, residual=residual)
             return
         if len(parts) == 1:
             out.copy_(parts[0])
@@ -193,7 +212,7 @@ class HierarchicalAllReduce:
             for part in parts[2:]:
                 out.add_(part)
         if self.cross_ring is not None:
-            ring_allreduce(out, op="sum", stats=self.stats, ring=self.cross_ring)
+            ring_allreduce(out, op="sum", stats=self.stats, ring=self.cross_ring, wire=wire, residual=residual)
         if average:
             out.div_(self.size)
 

@@ -15,6 +15,11 @@ Sharded servers (rank ``i`` serves shard ``i`` of every buffer):
 
 The sums run in rank order on the serving rank, and the result is then copied, so every rank ends with the
 same bits.
+
+``wire`` (optional, every exchange): a narrower floating dtype the messages travel in. Pushes then send each
+rank's values rounded to it and the server *sums* what arrives in the buffer's own dtype (the caller divided by
+the group size beforehand, see :class:`~lightning_dp.comm.codecs.HalfPrecisionCodec`); pulls round the server's
+values to it, its own copy included, so every rank ends with the same bits.
 """
 
 from __future__ import annotations
@@ -48,6 +53,37 @@ def _average_in_rank_order(contributions: Iterable[torch.Tensor], size: int, out
     out.copy_(total if first else total.div_(size))
 
 
+def _sum_in_rank_order(contributions: Iterable[torch.Tensor], out: torch.Tensor) -> None:
+    """``out`` = the sum of ``contributions`` (in rank order, lazily as above), added in ``out``'s dtype."""
+    total: torch.Tensor | None = None
+    for contribution in contributions:
+        total = contribution.to(out.dtype, copy=True) if total is None else total.add_(contribution)
+    assert total is not None
+    out.copy_(total)
+
+
+def _combine(contributions: Iterable[torch.Tensor], size: int, out: torch.Tensor, wire: torch.dtype | None) -> None:
+    if wire is None:
+        _average_in_rank_order(contributions, size, out)
+    else:
+        _sum_in_rank_order(contributions, out)
+
+
+def _on_wire(tensor: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as it travels: itself, or a copy rounded to ``wire``."""
+    return tensor if wire is None or wire == tensor.dtype else tensor.to(wire)
+
+
+def _round_to(tensor: torch.Tensor, wire: torch.dtype | None, residual: torch.Tensor | None = None) -> None:
+    """Round ``tensor`` in place to what ``wire`` can hold (the sender keeps what the receivers get); ``residual``
+    gains what that lost."""
+    if wire is not None and wire != tensor.dtype:
+        rounded = tensor.to(wire)
+        if residual is not None:
+            residual.add_(tensor - rounded)
+        tensor.copy_(rounded)
+
+
 def _wait(works: list[tuple[dist.Work | None, int, str]], group: dist.ProcessGroup | None) -> None:
     for work, peer, action in works:
         wait_for(work, group, peer, action)
@@ -59,22 +95,25 @@ def push_gradients(
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     scratch: Sequence[torch.Tensor] | None = None,
+    wire: torch.dtype | None = None,
 ) -> None:
     """Fan-in: on group rank ``server`` leave the average of every rank's ``buffer`` (1-D); others only send.
+    With ``wire``: the sum, see the module docstring.
 
-    ``scratch`` (optional, server only) are ``N - 1`` receive buffers of ``buffer``'s size and dtype.
+    ``scratch`` (optional, server only) are ``N - 1`` receive buffers of ``buffer``'s size and the wire's dtype.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1 or buffer.numel() == 0:
         return
     if rank != server:
-        wait_for(dist.isend(buffer, group=group, group_dst=server), group, server, "push gradients to")
+        outgoing = _on_wire(buffer, wire)
+        wait_for(dist.isend(outgoing, group=group, group_dst=server), group, server, "push gradients to")
         if stats is not None:
-            stats.add(sent=_nbytes(buffer))
+            stats.add(sent=_nbytes(outgoing))
         return
     peers = [r for r in range(size) if r != server]
     if scratch is None:
-        scratch = [torch.empty_like(buffer) for _ in peers]
+        scratch = [torch.empty_like(buffer, dtype=wire or buffer.dtype) for _ in peers]
     works = [dist.irecv(scratch[k], group=group, group_src=peer) for k, peer in enumerate(peers)]
 
     def arriving() -> Iterator[torch.Tensor]:  # in rank order; each add waits only for its own message
@@ -86,27 +125,38 @@ def push_gradients(
                 wait_for(works[k], group, peer_rank, "receive gradients from")
                 yield scratch[k]
 
-    _average_in_rank_order(arriving(), size, buffer)
+    _combine(arriving(), size, buffer, wire)
     if stats is not None:
-        stats.add(received=_nbytes(buffer) * len(peers))
+        stats.add(received=_nbytes(scratch[0]) * len(peers))
 
 
 def pull_weights(
-    buffer: torch.Tensor, server: int, group: dist.ProcessGroup | None = None, stats: CommStats | None = None
+    buffer: torch.Tensor,
+    server: int,
+    group: dist.ProcessGroup | None = None,
+    stats: CommStats | None = None,
+    wire: torch.dtype | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
-    """Fan-out: every rank's ``buffer`` becomes a copy of the server's."""
+    """Fan-out: every rank's ``buffer`` becomes a copy of the server's (rounded to ``wire``, the server's too;
+    the server's ``residual`` gains what that lost)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1 or buffer.numel() == 0:
         return
     if rank == server:
+        _round_to(buffer, wire, residual)
+        outgoing = _on_wire(buffer, wire)
         peers = [p for p in range(size) if p != server]
-        _wait([(dist.isend(buffer, group=group, group_dst=p), p, "send weights to") for p in peers], group)
+        _wait([(dist.isend(outgoing, group=group, group_dst=p), p, "send weights to") for p in peers], group)
         if stats is not None:
-            stats.add(sent=_nbytes(buffer) * (size - 1))
+            stats.add(sent=_nbytes(outgoing) * (size - 1))
     else:
-        wait_for(dist.irecv(buffer, group=group, group_src=server), group, server, "pull weights from")
+        incoming = _on_wire(buffer, wire)
+        wait_for(dist.irecv(incoming, group=group, group_src=server), group, server, "pull weights from")
+        if incoming is not buffer:
+            buffer.copy_(incoming)
         if stats is not None:
-            stats.add(received=_nbytes(buffer))
+            stats.add(received=_nbytes(incoming))
 
 
 def push_shards(
@@ -114,8 +164,10 @@ def push_shards(
     segments: Sequence[Segment],
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
+    wire: torch.dtype | None = None,
 ) -> None:
-    """Sharded fan-in: ``buffer[segments[i]]`` goes to rank ``i``; this rank's own segment ends up averaged.
+    """Sharded fan-in: ``buffer[segments[i]]`` goes to rank ``i``; this rank's own segment ends up averaged (with
+    ``wire``: summed, see the module docstring).
 
     ``segments`` has one ``(start, end)`` per group rank, the same on every rank. Other segments of ``buffer`` are
     left as they were.
@@ -123,17 +175,19 @@ def push_shards(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
         return
+    dtype = wire or buffer.dtype
     mine = buffer[segments[rank][0] : segments[rank][1]]
-    scratch = {peer: torch.empty_like(mine) for peer in range(size) if peer != rank and mine.numel()}
+    scratch = {peer: torch.empty_like(mine, dtype=dtype) for peer in range(size) if peer != rank and mine.numel()}
     ops = [("recv", scratch[p], p, 0) for p in sorted(scratch)]
-    ops += [("send", buffer[s:e], p, 0) for p, (s, e) in enumerate(segments) if p != rank]
+    ops += [("send", _on_wire(buffer[s:e], wire), p, 0) for p, (s, e) in enumerate(segments) if p != rank]
     actions = ["receive a gradient shard from" if kind == "recv" else "push a gradient shard to" for kind, *_ in ops]
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
-    sent = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * buffer.element_size()
+    element = torch.empty((), dtype=dtype).element_size()
+    sent = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * element
     if mine.numel():
-        _average_in_rank_order([mine if peer == rank else scratch[peer] for peer in range(size)], size, mine)
+        _combine([mine if peer == rank else scratch[peer] for peer in range(size)], size, mine, wire)
     if stats is not None:
-        stats.add(sent=sent, received=_nbytes(mine) * (size - 1))
+        stats.add(sent=sent, received=mine.numel() * element * (size - 1))
 
 
 def pull_shards(
@@ -141,19 +195,29 @@ def pull_shards(
     segments: Sequence[Segment],
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
+    wire: torch.dtype | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
-    """Sharded fan-out: this rank's segment goes to every peer; every other segment arrives from its server."""
+    """Sharded fan-out: this rank's segment goes to every peer; every other segment arrives from its server
+    (rounded to ``wire``, the owner's copy too; ``residual``, ``buffer``'s shape, gains what that lost)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
         return
     start, end = segments[rank]
-    ops = [("recv", buffer[s:e], p, 0) for p, (s, e) in enumerate(segments) if p != rank]
-    ops += [("send", buffer[start:end], p, 0) for p in range(size) if p != rank]
+    _round_to(buffer[start:end], wire, residual[start:end] if residual is not None else None)
+    incoming = {p: _on_wire(buffer[s:e], wire) for p, (s, e) in enumerate(segments) if p != rank}
+    outgoing = _on_wire(buffer[start:end], wire)
+    ops = [("recv", incoming[p], p, 0) for p in sorted(incoming)]
+    ops += [("send", outgoing, p, 0) for p in range(size) if p != rank]
     actions = ["pull a weight shard from" if kind == "recv" else "send a weight shard to" for kind, *_ in ops]
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
-    received = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * buffer.element_size()
+    if wire is not None and wire != buffer.dtype:
+        for p, (s, e) in enumerate(segments):
+            if p != rank:
+                buffer[s:e].copy_(incoming[p])
+    received = sum(_nbytes(t) for t in incoming.values())
     if stats is not None:
-        stats.add(sent=(end - start) * buffer.element_size() * (size - 1), received=received)
+        stats.add(sent=_nbytes(outgoing) * (size - 1), received=received)
 
 
 def shard_segments(sizes: Sequence[int], element_sizes: Sequence[int], num_shards: int) -> list[list[Segment]]:

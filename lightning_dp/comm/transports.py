@@ -13,6 +13,15 @@ consistency model can travel over any of them. Every transport offers two exchan
   rank holds the whole averaged bucket. A parameter-server scheme also uses ``share`` to send updated weights:
   owners pack their parameters into the bucket, ``share``, and everyone unpacks.
 
+Both take an optional ``wire`` dtype (a codec's, see :mod:`lightning_dp.comm.codecs`): the bucket's values travel
+rounded to it. ``reduce(bucket, wire)`` then expects each rank's values already divided by the group size and
+exactly representable in ``wire`` and *sums* them, adding in the bucket's own dtype (float32) wherever a rank adds
+what arrived: the servers add every contribution in float32; the ring's partial sums are rounded to ``wire`` at
+each hop, because they travel. ``share(bucket, wire)`` rounds the owners' values to ``wire``, their own copies
+included. Both take an optional ``residual`` (the bucket's shape) that gains what this rank's own roundings lost
+(the ring's partial sums, the owners' rounded averages), for a codec's error feedback.
+:meth:`Transport.all_reduce` averages any tensor no larger than a bucket (a low-rank codec's factors).
+
 Every exchange counts its bytes in the :class:`~lightning_dp.comm.stats.CommStats` given at construction, and
 every reduction is bit-identical on all ranks that hold its result.
 """
@@ -23,12 +32,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.hierarchical import HierarchicalAllReduce, overlap
 from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
-from lightning_dp.comm.ring import Ring, ring_allreduce
+from lightning_dp.comm.ring import ReduceOpName, Ring, chunk_bounds, ring_allreduce
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -53,16 +64,29 @@ class Transport(ABC):
         """Lay out the ownership of ``buckets`` (every rank passes the same buckets); called once at set-up."""
 
     @abstractmethod
-    def reduce(self, bucket: GradientBucket) -> None:
-        """Average ``bucket.buffer`` over all ranks, at least on the elements this rank owns."""
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        """Average ``bucket.buffer`` over all ranks, at least on the elements this rank owns (with ``wire``: sum
+        values already divided by the group size, see the module docstring)."""
 
     @abstractmethod
     def owned(self, bucket: GradientBucket) -> Segment:
         """The ``(start, end)`` range of ``bucket``'s gradient region this rank holds averaged after :meth:`reduce`."""
 
     @abstractmethod
-    def share(self, bucket: GradientBucket) -> None:
-        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank)."""
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank), rounded to
+        ``wire`` if given."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        """Average the 1-D contiguous ``tensor`` (of ``bucket``'s dtype and at most its length) over all ranks, in
+        place and bit-identical everywhere. May use ``bucket``'s memory: its contents are undefined afterwards."""
+
+    @property
+    def crosses_network(self) -> bool:
+        """Whether buckets leave the machine (so that a codec's smaller encoding saves anything): true for the
+        socket transports with more than one rank, for shared memory only across nodes."""
+        return self.size > 1
 
     def owns_all(self, bucket: GradientBucket) -> bool:
         """Whether this rank holds the whole averaged ``bucket`` after :meth:`reduce`."""
@@ -76,14 +100,18 @@ class RingTransport(Transport):
     """Ring all-reduce: every rank holds the whole average after :meth:`reduce`; :meth:`share` has nothing to do.
     Each rank moves ``2 (N - 1) / N S`` bytes per bucket of ``S`` bytes."""
 
-    def reduce(self, bucket: GradientBucket) -> None:
-        ring_allreduce(bucket.buffer, op="avg", stats=self.stats, ring=self.ring)
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        op: ReduceOpName = "avg" if wire is None else "sum"
+        ring_allreduce(bucket.buffer, op=op, stats=self.stats, ring=self.ring, wire=wire, residual=residual)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
-    def share(self, bucket: GradientBucket) -> None:
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         pass
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        ring_allreduce(tensor, op="avg", stats=self.stats, ring=self.ring)
 
 
 class CentralServerTransport(Transport):
@@ -98,14 +126,18 @@ class CentralServerTransport(Transport):
     def is_server(self) -> bool:
         return self.rank == self.server
 
-    def reduce(self, bucket: GradientBucket) -> None:
-        push_gradients(bucket.buffer, self.server, self.group, self.stats)
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        push_gradients(bucket.buffer, self.server, self.group, self.stats, wire=wire)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
 
-    def share(self, bucket: GradientBucket) -> None:
-        pull_weights(bucket.buffer, self.server, self.group, self.stats)
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        pull_weights(bucket.buffer, self.server, self.group, self.stats, wire=wire, residual=residual)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        push_gradients(tensor, self.server, self.group, self.stats)
+        pull_weights(tensor, self.server, self.group, self.stats)
 
 
 class ShardedServerTransport(Transport):
@@ -122,16 +154,22 @@ class ShardedServerTransport(Transport):
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
         self.segments = byte_balanced_shards(buckets, self.size)
 
-    def reduce(self, bucket: GradientBucket) -> None:
-        push_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats)
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        push_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats, wire)
         ring_allreduce(bucket.flags, op="sum", stats=self.stats, ring=self.ring)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         start, end = self.segments[bucket.index][self.rank]
         return (start, end)
 
-    def share(self, bucket: GradientBucket) -> None:
-        pull_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats)
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        lost = residual[: bucket.grad_numel] if residual is not None else None
+        pull_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats, wire, lost)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        segments = chunk_bounds(tensor.numel(), self.size)
+        push_shards(tensor, segments, self.group, self.stats)
+        pull_shards(tensor, segments, self.group, self.stats)
 
 
 class _SharedMemoryTransport(Transport):
@@ -171,6 +209,18 @@ class _SharedMemoryTransport(Transport):
         for b in buckets:
             b.relocate(self.exchange.buffer(b.index, b.buffer.numel(), b.buffer.dtype))
 
+    @property
+    def crosses_network(self) -> bool:
+        return self.exchange.layout.num_nodes > 1
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        self.exchange.all_reduce(tensor, bucket.index, "avg")
+
+    @staticmethod
+    def _refuse_wire(wire: torch.dtype | None) -> None:
+        if wire is not None:
+            raise ValueError("inside one node buckets do not travel on a wire: use no codec (see crosses_network)")
+
     def close(self) -> None:
         if self._exchange is not None:
             self._exchange.close()
@@ -183,14 +233,15 @@ class SharedMemoryTransport(_SharedMemoryTransport):
     Across nodes (hierarchical) local rank ``i`` of every node all-reduces its slice on a ring of its own, so a
     rank moves ``2 (M - 1) / M S / L`` bytes over the network for ``M`` nodes. Nodes must have equal rank counts."""
 
-    def reduce(self, bucket: GradientBucket) -> None:
-        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        op: ReduceOpName = "avg" if wire is None else "sum"
+        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, op, wire, residual)
         self.exchange.gather(bucket.buffer, bucket.index, result)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
-    def share(self, bucket: GradientBucket) -> None:
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         pass
 
 
@@ -216,7 +267,8 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def is_server(self) -> bool:
         return self.rank == self.server
 
-    def reduce(self, bucket: GradientBucket) -> None:
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        self._refuse_wire(wire)
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         if self.is_server:  # it reads every slice; each other rank's slice is read by the server alone
             self.exchange.gather(bucket.buffer, bucket.index, result, [(0, bucket.buffer.numel())], sent=0)
@@ -227,7 +279,8 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
 
-    def share(self, bucket: GradientBucket) -> None:
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        self._refuse_wire(wire)
         region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
         everything = (0, bucket.buffer.numel())
         if self.is_server:
@@ -250,7 +303,8 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
         super().bind(buckets)
         self.segments = byte_balanced_shards(buckets, self.size)
 
-    def reduce(self, bucket: GradientBucket) -> None:
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        self._refuse_wire(wire)
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         numel = bucket.buffer.numel()
         flags = (bucket.grad_numel, numel)  # every rank reads every flag
@@ -263,7 +317,8 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
         start, end = self.segments[bucket.index][self.rank]
         return (start, end)
 
-    def share(self, bucket: GradientBucket) -> None:
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        self._refuse_wire(wire)
         region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
         start, end = self.owned(bucket)
         region[start:end].copy_(bucket.buffer[start:end])

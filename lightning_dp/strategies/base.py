@@ -14,7 +14,7 @@ A subclass provides :meth:`_make_transport`; a scheme whose servers run the opti
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -26,14 +26,14 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
-from lightning_dp.comm.codecs import Codec
+from lightning_dp.comm.codecs import CODEC_NAMES, Codec, make_codec
 from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
 from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.nonfinite import first_nonfinite
@@ -41,11 +41,13 @@ from lightning_dp.comm.shm import SharedMemoryUnavailable
 from lightning_dp.comm.stats import SyncStats
 from lightning_dp.comm.transports import Transport
 from lightning_dp.strategies.inspection import sparse_gradient_modules
-from lightning_dp.strategies.options import check_choice, check_flag, check_positive
+from lightning_dp.strategies.options import check_choice, check_count, check_flag, check_positive
 from lightning_dp.strategies.processes import DEFAULT_TIMEOUT, ProcessGroupStrategy
 
 #: values of the ``intra_node`` option
 INTRA_NODE = ("shm", "ring")
+#: the checkpoint entry holding every rank's codec state
+CODEC_STATE_KEY = "lightning_dp_codec"
 
 
 class DataParallelStrategy(ProcessGroupStrategy):
@@ -61,6 +63,14 @@ class DataParallelStrategy(ProcessGroupStrategy):
             group's sockets, as across machines. Across machines ``"shm"`` makes the ring all-reduce hierarchical
             (see :class:`~lightning_dp.comm.transports.SharedMemoryTransport`); the parameter servers use shared
             memory on a single machine only.
+        compression: how buckets travel over the network (:mod:`lightning_dp.comm.codecs`): ``"none"`` (default),
+            ``"fp16"`` / ``"bf16"`` (16 bits per element, both directions) or ``"powersgd"`` (low-rank factors of
+            the gradients; weights travel uncompressed). Applies where buckets cross a network: ranks on one
+            machine that exchange through shared memory (``intra_node="shm"``) send nothing to compress, and run
+            uncompressed (the strategy says so at set-up). Needs float32 gradients.
+        error_feedback: keep what compression lost on this rank and add it to the next step's gradients.
+        powersgd_rank: the rank ``r`` of PowerSGD's factors.
+        powersgd_warmup_steps: synchronizations that run uncompressed before PowerSGD starts.
         process_group_backend, timeout, start_method: see :class:`~.processes.ProcessGroupStrategy`.
     """
 
@@ -80,6 +90,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
         intra_node: Literal["shm", "ring"] = "shm",
+        compression: Literal["none", "fp16", "bf16", "powersgd"] = "none",
+        error_feedback: bool = True,
+        powersgd_rank: int = 4,
+        powersgd_warmup_steps: int = 10,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -97,6 +111,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
         self.intra_node = check_choice("intra_node", intra_node, INTRA_NODE)
+        self.compression = check_choice("compression", compression, CODEC_NAMES)
+        self.error_feedback = check_flag("error_feedback", error_feedback)
+        self.powersgd_rank = check_count("powersgd_rank", powersgd_rank, 1)
+        self.powersgd_warmup_steps = check_count("powersgd_warmup_steps", powersgd_warmup_steps, 0)
         self.reducer: BucketReducer | None = None
         self.transport: Transport | None = None
         self.codec = Codec()
@@ -190,8 +208,23 @@ class DataParallelStrategy(ProcessGroupStrategy):
             )
             self.transport = self._make_transport(False)
             self.transport.bind(self.reducer.buckets)
+        self.codec = self._make_codec(self.transport)
+        self.codec.bind(self.reducer.buckets, self.transport)
         self._synced_params = {id(p) for p in self.reducer.params}
         self.sync_stats.bucket_bytes = sum(b.nbytes for b in self.reducer.buckets)
+
+    def _make_codec(self, transport: Transport) -> Codec:
+        """The ``compression`` option's codec, where buckets cross a network (see :attr:`Transport.crosses_network`)."""
+        if self.compression == "none":
+            return Codec()
+        if not transport.crosses_network:
+            rank_zero_info(
+                f"strategy {self.strategy_name!r}: compression={self.compression!r} has nothing to compress: every "
+                "bucket of this run stays inside one machine's shared memory, so it runs uncompressed (full "
+                "precision). Use intra_node='ring' to compress between the ranks of one machine anyway."
+            )
+            return Codec()
+        return make_codec(self.compression, self.error_feedback, self.powersgd_rank, self.powersgd_warmup_steps)
 
     def _may_overlap_backward(self) -> bool:
         """Gradient traffic runs on its own process group; under NCCL it may not overlap a backward that issues
@@ -376,6 +409,48 @@ class DataParallelStrategy(ProcessGroupStrategy):
         if sync_grads and self.reducer is not None and self._process_group_backend == "nccl":
             self.reducer.stop_overlap()  # its backward all-reduces on the default group (see _may_overlap_backward)
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ checkpoints: the codec's state of every rank
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's, plus every rank's codec state (error-feedback residuals, low-rank factors, the servers'
+        full-precision weights) gathered to rank 0 under :data:`CODEC_STATE_KEY`, for a full (not weights-only)
+        checkpoint. Collective, as Lightning calls it on every rank."""
+        if "optimizer_states" in checkpoint and self.reducer is not None and type(self.codec) is not Codec:
+            gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(self.codec.state_dict(), gathered, dst=0)
+            if gathered is not None:
+                checkpoint = {**checkpoint, CODEC_STATE_KEY: {"codec": self.codec.name, "ranks": gathered}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._load_optimizer_states(checkpoint)
+        self._load_codec_state(checkpoint)
+
+    def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the optimizers' states of a checkpoint (subclasses whose servers hold them differently)."""
+        super().load_optimizer_state_dict(checkpoint)
+
+    def _load_codec_state(self, checkpoint: Mapping[str, Any]) -> None:
+        saved = checkpoint.get(CODEC_STATE_KEY)
+        if type(self.codec) is Codec:
+            return
+        problem = None
+        if saved is None:
+            problem = "the checkpoint holds no codec state"
+        elif saved["codec"] != self.codec.name or len(saved["ranks"]) != self.world_size:
+            problem = f"the checkpoint's codec state is for {saved['codec']!r} on {len(saved['ranks'])} ranks"
+        else:
+            try:
+                self.codec.load_state_dict(saved["ranks"][self.global_rank])
+            except ValueError as error:
+                problem = str(error)
+        if problem is not None:
+            rank_zero_warn(
+                f"strategy {self.strategy_name!r}: {problem}; compression={self.compression!r} starts afresh (no "
+                "error-feedback residuals carried over), so this run does not continue the saved one exactly"
+            )
 
     def _close_gradient_sync(self) -> None:
         if self.reducer is not None:

@@ -41,3 +41,9 @@ def check_timeout(value: timedelta | float | None, default: timedelta) -> timede
     if isinstance(value, timedelta):
         return value
     return timedelta(seconds=check_positive("timeout", value))
+
+
+def check_count(option: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        raise ConfigurationError(f"{option} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

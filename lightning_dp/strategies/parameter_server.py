@@ -88,7 +88,7 @@ class ParameterServerStrategy(ParameterServerBase):
         return gathered[self.server_rank] if gathered is not None else {}
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """The server loads the full state; workers take only the hyperparameters and stay without state."""
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = unwrap_optimizer(optimizer)

@@ -85,6 +85,9 @@ class ParameterServerBase(DataParallelStrategy):
         after_closure(self.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
         self._gradients_after_hooks(optimizer)
         self._check_server_gradients(optimizer)
+        assert self.transport is not None
+        for bucket in self._buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
+            self.codec.before_update(bucket, self.transport)
         self._server_update(optimizer, **kwargs)
         start = time.perf_counter()
         self._pull(optimizer)
@@ -118,8 +121,8 @@ class ParameterServerBase(DataParallelStrategy):
         for bucket in self._buckets_of(optimizer):
             start, end = self.transport.owned(bucket)
             bucket.pack_params(start, end)
-            self.codec.share(bucket, self.transport)
-            if not self.transport.owns_all(bucket):
+            self.codec.share_weights(bucket, self.transport)
+            if self.codec.rewrites_weights or not self.transport.owns_all(bucket):
                 bucket.unpack_params()
 
     @override

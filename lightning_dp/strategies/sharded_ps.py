@@ -124,7 +124,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         return sharded.state_dict() if self.is_global_zero else {}
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Each rank takes its shard's slice of a full (standard layout) optimizer state."""
         for sharded, saved in zip(self.sharded_optimizers, checkpoint["optimizer_states"]):
             sharded.load_state_dict(saved)

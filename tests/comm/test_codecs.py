@@ -1,0 +1,221 @@
+"""Codecs over every socket transport: bounded error, error feedback that tracks the exact sum, identical replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_dp.comm.buckets import BucketReducer
+from lightning_dp.comm.codecs import Codec, HalfPrecisionCodec, PowerSGDCodec, compression_ratio, make_codec
+from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.stats import CommStats
+from lightning_dp.comm.transports import (
+    CentralServerTransport,
+    RingTransport,
+    ShardedServerTransport,
+    SharedMemoryTransport,
+)
+
+WORLD = 3
+TRANSPORTS = {
+    "ring": lambda stats: RingTransport(stats=stats),
+    "central": lambda stats: CentralServerTransport(1, stats=stats),
+    "sharded": lambda stats: ShardedServerTransport(stats=stats),
+    # three nodes of one rank: the 16-bit wire is the ring across nodes
+    "hierarchical": lambda stats: SharedMemoryTransport(stats=stats, node_key=dist.get_rank()),
+}
+CODECS = {
+    "none": lambda ef: Codec(),
+    "bf16": lambda ef: HalfPrecisionCodec(torch.bfloat16, ef),
+    "fp16": lambda ef: HalfPrecisionCodec(torch.float16, ef),
+    "powersgd": lambda ef: PowerSGDCodec(rank=4, warmup_steps=1, error_feedback=ef),
+    # as many factors as the average of WORLD rank-1 gradients has: extra columns would be orthonormalized noise
+    "powersgd-3": lambda ef: PowerSGDCodec(rank=WORLD, warmup_steps=1, error_feedback=ef),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 24), nn.Linear(24, 3))
+
+
+def _gradients(model: nn.Module, rank: int, step: int, low_rank: bool) -> dict[int, torch.Tensor]:
+    """Rank ``rank``'s gradients at ``step`` (every rank can compute every rank's); rank-1 matrices if ``low_rank``."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    grads = {}
+    for p in model.parameters():
+        if low_rank and p.dim() == 2:
+            u = torch.randn(p.shape[0], 1, generator=generator)
+            v = torch.randn(1, p.shape[1], generator=generator)
+            grads[id(p)] = u @ v
+        else:
+            grads[id(p)] = torch.randn(p.shape, generator=generator)
+    return grads
+
+
+def _synchronize(
+    rank: int, world_size: int, kind: str, codec_name: str, steps: int, low_rank: bool, ef: bool, constant: bool
+):
+    model = _model()
+    reducer = BucketReducer(model.parameters(), lambda b: None, bucket_cap_mb=2000 * 4 / 2**20)
+    stats = CommStats()
+    transport = TRANSPORTS[kind](stats)
+    transport.bind(reducer.buckets)
+    codec = CODECS[codec_name](ef)
+    codec.bind(reducer.buckets, transport)
+    results, exact = [], []
+    for step in range(steps):
+        seed = 0 if constant else step
+        mine = _gradients(model, rank, seed, low_rank)
+        every = [_gradients(model, r, seed, low_rank) for r in range(world_size)]
+        for bucket in reducer.buckets:
+            for i, p in enumerate(bucket.params):
+                bucket.fill(i, mine[id(p)])
+        for bucket in reducer.buckets:
+            codec.reduce(bucket, transport)
+            codec.share(bucket, transport)
+        results.append(torch.cat([b.buffer[: b.grad_numel].clone() for b in reducer.buckets]))
+        exact.append(
+            torch.cat(
+                [
+                    torch.cat([sum(g[id(p)] for g in every).reshape(-1) / world_size for p in b.params])
+                    for b in reducer.buckets
+                ]
+            )
+        )
+        assert all((b.flags != 0).all() for b in reducer.buckets)
+    sent = stats.reset()[0]
+    ratio = compression_ratio(codec, reducer.buckets)
+    reducer.close()
+    transport.close()
+    return [torch.stack(results).tolist(), torch.stack(exact).tolist(), sent, ratio]
+
+
+def _check(
+    kind: str, codec_name: str, steps: int = 4, low_rank: bool = False, ef: bool = True, constant: bool = False
+):
+    from tests.helpers.distributed import run_distributed
+
+    ranks = run_distributed(_synchronize, WORLD, kind, codec_name, steps, low_rank, ef, constant, timeout=120)
+    for other in ranks[1:]:
+        assert other[0] == ranks[0][0], "replicas differ"
+    return torch.tensor(ranks[0][0]), torch.tensor(ranks[0][1]), [r[2] for r in ranks], ranks[0][3]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", sorted(TRANSPORTS))
+def test_16_bit_codecs_halve_the_bytes_and_stay_within_their_rounding(kind):
+    _, _, plain_bytes, _ = _check(kind, "none", steps=1)
+    for name, eps in (("bf16", 2.0**-8), ("fp16", 2.0**-11)):
+        results, exact, sent, ratio = _check(kind, name, steps=3)
+        # one rounding of each contribution, the ring's rounded partial sums, and the last step's residual
+        bound = 2 * (WORLD + 1) * eps * exact.abs().max().item() / WORLD * WORLD
+        assert (results - exact).abs().max().item() <= bound, (name, kind)
+        assert ratio == 0.5
+        if kind in ("ring", "central", "hierarchical"):
+            assert sum(sent) * 2 == sum(plain_bytes) * 3  # 3 steps at half the bytes of 1
+        else:  # the sharded servers' flags travel as float32
+            assert sum(sent) < sum(plain_bytes) * 3 / 2 * 1.05
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["ring", "sharded"])
+def test_powersgd_is_exact_on_low_rank_gradients_and_sends_its_factors(kind):
+    results, exact, sent, ratio = _check(kind, "powersgd-3", steps=3, low_rank=True)
+    # the average of 3 rank-1 matrices has rank 3: P spans it, P P^T M recovers it
+    assert torch.allclose(results, exact, atol=1e-4, rtol=1e-4)
+    _, _, plain, _ = _check(kind, "none", steps=1)
+    if kind == "ring":  # warm-up step uncompressed, then two steps of factors: each all-reduce moves 2 (N-1) L
+        assert sum(sent) == pytest.approx(sum(plain) * (1 + 2 * ratio), rel=0.01)
+    assert ratio < 0.5
+
+
+def _constant_bucket(rank: int, world_size: int, codec_name: str, ef: bool, steps: int):
+    """Every rank sends 1 + 2^-10 (which bfloat16 rounds to 1) for ``steps`` steps; returns the sum received."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8, bias=False)
+    reducer = BucketReducer(layer.parameters(), lambda b: None)
+    transport = RingTransport()
+    codec = make_codec(codec_name, error_feedback=ef)
+    codec.bind(reducer.buckets, transport)
+    total = torch.zeros(64)
+    for _ in range(steps):
+        bucket = reducer.buckets[0]
+        bucket.fill(0, torch.full((8, 8), 1 + 2.0**-10))
+        codec.reduce(bucket, transport)
+        total += bucket.buffer[:64]
+    reducer.close()
+    return total.tolist()
+
+
+@pytest.mark.multiprocess
+def test_error_feedback_keeps_the_sum_of_updates_on_the_exact_sum():
+    from tests.helpers.distributed import run_distributed
+
+    steps = 64
+    exact = steps * (1 + 2.0**-10)
+    with_feedback = torch.tensor(run_distributed(_constant_bucket, WORLD, "bf16", True, steps)[0])
+    without = torch.tensor(run_distributed(_constant_bucket, WORLD, "bf16", False, steps)[0])
+    # with feedback the sum is off by at most what one step's rounding holds back; without, every step loses 2^-10
+    assert (with_feedback - exact).abs().max().item() <= 2 * 2.0**-8
+    assert (without - exact).abs().min().item() >= steps * 2.0**-10 * 0.9
+
+
+@pytest.mark.multiprocess
+def test_powersgd_error_feedback_tracks_the_sum_of_full_rank_gradients():
+    steps = 24  # the same gradients every step: without feedback the same part is missing every time
+    results, exact, _, _ = _check("ring", "powersgd", steps=steps, ef=True, constant=True)
+    results_no_ef, _, _, _ = _check("ring", "powersgd", steps=steps, ef=False, constant=True)
+    drift = (results.sum(0) - exact.sum(0)).norm().item()
+    drift_no_ef = (results_no_ef.sum(0) - exact.sum(0)).norm().item()
+    one_step = exact[0].norm().item()
+    # bounded by what the residuals hold (measured: 63 after 12 steps, 66 after 30); without feedback the same
+    # missing part adds up every step (165 after 12, 435 after 30)
+    assert drift <= 4 * one_step
+    assert drift < 0.25 * drift_no_ef
+
+
+def _weights_in_16_bits(rank: int, world_size: int, kind: str, steps: int, delta: float):
+    """The owners add ``delta`` (far below bfloat16's resolution at 1.0) to their weights every step."""
+    layer = nn.Linear(16, 16, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    reducer = BucketReducer(layer.parameters(), lambda b: None)
+    transport = TRANSPORTS[kind](None)
+    transport.bind(reducer.buckets)
+    codec = HalfPrecisionCodec(torch.bfloat16)
+    codec.bind(reducer.buckets, transport)
+    bucket = reducer.buckets[0]
+    for _ in range(steps):
+        codec.before_update(bucket, transport)
+        start, end = transport.owned(bucket)
+        with torch.no_grad():
+            layer.weight.view(-1)[start:end] += delta  # the optimizer's step on the full-precision weights
+        bucket.pack_params(start, end)
+        codec.share_weights(bucket, transport)
+        bucket.unpack_params()
+    reducer.close()
+    return layer.weight.detach().reshape(-1).tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["central", "sharded"])
+def test_weights_in_16_bits_lose_no_update_and_replicas_stay_identical(kind):
+    from tests.helpers.distributed import run_distributed
+
+    steps, delta = 100, 1e-4
+    ranks = run_distributed(_weights_in_16_bits, WORLD, kind, steps, delta)
+    assert ranks[0] == ranks[1] == ranks[2]
+    weights = torch.tensor(ranks[0])
+    # plain bfloat16 weights would stay at 1.0 (1e-4 is below half a bfloat16 step at 1.0)
+    assert (weights - (1 + steps * delta)).abs().max().item() < 1e-5
+
+
+@pytest.mark.unit
+def test_codec_options_are_checked():
+    with pytest.raises(ConfigurationError, match="compression='zip'.*'none', 'fp16', 'bf16', 'powersgd'"):
+        make_codec("zip")
+    with pytest.raises(ConfigurationError, match="float16 or torch.bfloat16"):
+        HalfPrecisionCodec(torch.float32)
