@@ -357,7 +357,7 @@ class PowerSGDCodec(Codec):
             transport.share(bucket)
 
     def wire_bytes(self, bucket: GradientBucket) -> int:
-        plan = self.plans[bucket.index]
+        plan = self.plans.get(bucket.index) or _LowRankPlan(bucket, self.rank, self.min_compression_rate)
         if not plan.matrices:
             return bucket.nbytes
         return (plan.plain_numel + plan.p_numel + plan.q_numel) * bucket.buffer.element_size()

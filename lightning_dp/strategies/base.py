@@ -416,7 +416,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """Lightning's, plus every rank's codec state (error-feedback residuals, low-rank factors, the servers'
         full-precision weights) gathered to rank 0 under :data:`CODEC_STATE_KEY`, for a full (not weights-only)
         checkpoint. Collective, as Lightning calls it on every rank."""
-        if "optimizer_states" in checkpoint and self.reducer is not None and type(self.codec) is not Codec:
+        if "optimizer_states" in checkpoint and type(self.codec) is not Codec:
             gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
             dist.gather_object(self.codec.state_dict(), gathered, dst=0)
             if gathered is not None:

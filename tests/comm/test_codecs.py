@@ -93,9 +93,7 @@ def _synchronize(
     return [torch.stack(results).tolist(), torch.stack(exact).tolist(), sent, ratio]
 
 
-def _check(
-    kind: str, codec_name: str, steps: int = 4, low_rank: bool = False, ef: bool = True, constant: bool = False
-):
+def _check(kind: str, codec_name: str, steps: int = 4, low_rank: bool = False, ef: bool = True, constant: bool = False):
     from tests.helpers.distributed import run_distributed
 
     ranks = run_distributed(_synchronize, WORLD, kind, codec_name, steps, low_rank, ef, constant, timeout=120)

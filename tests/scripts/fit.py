@@ -25,6 +25,9 @@ parser.add_argument("--clip-val", type=float, default=0.05)
 parser.add_argument("--server-rank", type=int, default=None)
 parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help="strategy option")
+parser.add_argument("--compression", default=None, help="strategy option")
+parser.add_argument("--powersgd-rank", type=int, default=None, help="strategy option")
+parser.add_argument("--powersgd-warmup", type=int, default=None, help="strategy option powersgd_warmup_steps")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -37,6 +40,12 @@ if args.timeout is not None:
     options["timeout"] = args.timeout
 if args.intra_node is not None:
     options["intra_node"] = args.intra_node
+if args.compression is not None:
+    options["compression"] = args.compression
+if args.powersgd_rank is not None:
+    options["powersgd_rank"] = args.powersgd_rank
+if args.powersgd_warmup is not None:
+    options["powersgd_warmup_steps"] = args.powersgd_warmup
 strategy = args.strategy
 if options:
     from lightning.pytorch.strategies import StrategyRegistry
@@ -58,6 +67,7 @@ class Record(L.Callback):
             "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
             "sockets": self.sockets,
             "transport": type(s.transport).__name__ if hasattr(s, "transport") else None,
+            "codec": s.codec.name if hasattr(s, "codec") else None,
             "hierarchical": getattr(getattr(getattr(s, "transport", None), "_exchange", None), "cross_group", None)
             is not None,
         }

@@ -17,13 +17,24 @@ parser.add_argument("--optimizer", default="adamw")
 parser.add_argument("--max-epochs", type=int, default=1)
 parser.add_argument("--resume-from", default=None)
 parser.add_argument("--save-to", default=None)
+parser.add_argument("--compression", default=None, help="strategy option (with intra_node='ring')")
+parser.add_argument("--powersgd-rank", type=int, default=1)
+parser.add_argument("--powersgd-warmup", type=int, default=2)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+
+strategy = args.strategy
+if args.compression is not None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[strategy]
+    options = {"intra_node": "ring", "compression": args.compression, "powersgd_rank": args.powersgd_rank}
+    strategy = entry["strategy"](**{**entry["init_params"], **options, "powersgd_warmup_steps": args.powersgd_warmup})
 
 single = args.strategy == "single_device"
 model = RegressionModel(args.batch_size, args.optimizer, explicit_sampler=single)
 trainer = L.Trainer(
-    strategy="auto" if single else args.strategy,
+    strategy="auto" if single else strategy,
     accelerator="cpu",
     devices=1 if single else args.devices,
     max_epochs=args.max_epochs,
