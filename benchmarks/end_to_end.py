@@ -83,6 +83,55 @@ def build_model(name: str):
     return ResNet18()
 
 
+#: torch's own DDP communication hooks, as ``ddp+<name>``
+DDP_HOOKS = ("fp16_hook", "bf16_hook", "powersgd_hook")
+#: the PowerSGD settings every PowerSGD run here uses (ours and torch's): rank 4, compression from the 2nd step
+POWERSGD_RANK, POWERSGD_START = 4, 1
+
+
+def build_strategy(spec: str):
+    """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME@ring`` (``intra_node="ring"``),
+    ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), or ``ddp+HOOK`` (Lightning's
+    ``ddp`` with one of torch's communication hooks, :data:`DDP_HOOKS`, registered on the DDP module at the start of
+    training: Lightning registers hooks itself only on CUDA)."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    name, _, codec = spec.partition("+")
+    if name == "ddp" and codec:
+        if codec not in DDP_HOOKS:
+            raise ValueError(f"ddp+{codec}: choose one of {DDP_HOOKS}")
+
+        class RegisterHook(Callback):
+            def on_train_start(self, trainer, pl_module):
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+                ddp = trainer.strategy.model
+                if codec == "powersgd_hook":
+                    state = powerSGD_hook.PowerSGDState(
+                        process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                        start_powerSGD_iter=max(2, POWERSGD_START + 1),
+                    )  # fmt: skip
+                    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                else:
+                    fp16 = codec == "fp16_hook"
+                    ddp.register_comm_hook(
+                        None, default_hooks.fp16_compress_hook if fp16 else default_hooks.bf16_compress_hook
+                    )
+
+        return "ddp", [RegisterHook()]
+    name, _, intra_node = name.partition("@")
+    options = {}
+    if intra_node:
+        options["intra_node"] = intra_node
+    if codec:
+        options.update(compression=codec, powersgd_rank=POWERSGD_RANK, powersgd_warmup_steps=POWERSGD_START)
+    if not options:
+        return name, []
+    entry = StrategyRegistry[name]
+    return entry["strategy"](**{**entry["init_params"], **options}), []
+
+
 def worker(args) -> None:
     import lightning as L
     import torch
@@ -114,13 +163,7 @@ def worker(args) -> None:
             self.isolated_exchange_seconds = measure() if measure is not None else None
 
     timer = StepTimer()
-    strategy = args.strategy
-    if "@" in strategy:  # e.g. ring_allreduce@ring: the strategy with intra_node="ring"
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        name, intra_node = strategy.split("@")
-        entry = StrategyRegistry[name]
-        strategy = entry["strategy"](**{**entry["init_params"], "intra_node": intra_node})
+    strategy, callbacks = build_strategy(args.strategy)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -131,7 +174,7 @@ def worker(args) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[timer, *callbacks],
     )
     world = args.devices * args.num_nodes
     data = FakeDataModule(num_samples=batch * world * (args.warmup + args.steps), image_shape=shape, batch_size=batch)
@@ -163,6 +206,7 @@ def worker(args) -> None:
         / args.steps,
         "isolated_exchange_seconds": timer.isolated_exchange_seconds,
         "sync_bytes": stats.bucket_bytes if stats is not None else None,
+        "last_step_bytes": list(stats.last_step_bytes) if stats is not None else None,
     }
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))

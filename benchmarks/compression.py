@@ -1,0 +1,226 @@
+"""Compression on slow links: steps/s, bytes per step and accuracy for every codec, against torch's DDP hooks.
+
+Throughput (needs root: one Lightning node per emulated host, links shaped with tc; N = 3 hosts):
+
+    sudo python -m benchmarks.compression                   # reference CNN and ResNet-18, 1000 and 100 Mbit/s
+    sudo python -m benchmarks.compression --quick           # reference CNN, 100 Mbit/s, fewer steps
+
+Every row is one ``Trainer.fit`` on fake data (``benchmarks.end_to_end``'s worker); ``vs none`` is steps/s over the
+same strategy uncompressed, ``vs torch`` over Lightning's ``ddp`` with torch's hook for the same codec
+(``bf16_compress_hook``, ``powerSGD_hook`` at rank 4, compressing from the 2nd step like ours), in the same run.
+Bytes: what every rank sent in the last step, summed, over the uncompressed run's, beside the analytic ratio of
+the codec (:func:`lightning_dp.comm.codecs.compression_ratio`: 1/2 for 16 bits; for PowerSGD the factors
+``(n + m) r`` per ``n x m`` matrix plus what stays uncompressed). Writes results/compression.{json,md}.
+
+Accuracy (no root; the ranks of one machine over sockets, ``strategy.intra_node=ring``, since shared memory leaves
+nothing to compress):
+
+    python -m benchmarks.compression --accuracy             # the default digits run, every strategy x codec
+
+runs ``examples/train.py`` unchanged but for the overrides and writes results/compression_accuracy.{json,md,png}:
+test accuracy after the run and validation accuracy after every epoch, one line per codec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.end_to_end import MODELS, build_model, median, run_emulated
+from benchmarks.report import save
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTS = 3
+#: (spec, codec, uncompressed baseline spec, torch's hook for the same codec)
+THROUGHPUT = [
+    ("ddp", "none", None, None),
+    ("ddp+bf16_hook", "bf16", "ddp", None),
+    ("ddp+powersgd_hook", "powersgd", "ddp", None),
+    ("ring_allreduce", "none", None, "ddp"),
+    ("ring_allreduce+bf16", "bf16", "ring_allreduce", "ddp+bf16_hook"),
+    ("ring_allreduce+powersgd", "powersgd", "ring_allreduce", "ddp+powersgd_hook"),
+    ("sharded_ps", "none", None, "ddp"),
+    ("sharded_ps+bf16", "bf16", "sharded_ps", "ddp+bf16_hook"),
+    ("sharded_ps+powersgd", "powersgd", "sharded_ps", "ddp+powersgd_hook"),
+]
+STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps")
+CODECS = ("none", "bf16", "fp16", "powersgd")
+
+
+def analytic_ratio(model: str, codec: str) -> float:
+    """Bytes on the wire with ``codec`` over without, for ``model``'s gradient buckets (default bucket size)."""
+    from benchmarks.end_to_end import POWERSGD_RANK
+    from lightning_dp.comm.buckets import BucketReducer
+    from lightning_dp.comm.codecs import compression_ratio, make_codec
+
+    reducer = BucketReducer(build_model(model).parameters(), lambda b: None)
+    reducer.close()
+    return compression_ratio(make_codec(codec, powersgd_rank=POWERSGD_RANK), reducer.buckets)
+
+
+def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            for rate in rates:
+                measured: dict[str, dict] = {}
+                for spec, codec, baseline, torch_hook in THROUGHPUT:
+                    ranks = run_emulated(model, HOSTS, rate, spec, steps, warmup, Path(tmp))
+                    sent = [r["last_step_bytes"][0] for r in ranks] if ranks[0]["last_step_bytes"] else None
+                    row = {
+                        "model": model,
+                        "rate_mbit": rate,
+                        "strategy": spec,
+                        "codec": codec,
+                        "steps_per_s": median([r["steps_per_s"] for r in ranks]),
+                        "bytes_sent": sum(sent) if sent else None,
+                        "analytic_ratio": analytic_ratio(model, codec),
+                    }
+                    if baseline is not None:
+                        base = measured[baseline]
+                        row["vs_none"] = row["steps_per_s"] / base["steps_per_s"]
+                        if row["bytes_sent"] and base["bytes_sent"]:
+                            row["bytes_ratio"] = row["bytes_sent"] / base["bytes_sent"]
+                    if torch_hook is not None:
+                        row["vs_torch"] = row["steps_per_s"] / measured[torch_hook]["steps_per_s"]
+                    measured[spec] = row
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    return rows
+
+
+def throughput_report(rows: list[dict], steps: int) -> list[str]:
+    lines = [
+        f"Machine: {os.cpu_count()} CPUs; {HOSTS} hosts in network namespaces (one rank each), links shaped to the "
+        f"rate both ways; {steps} timed steps per row, fake data",
+        "",
+        "| model | Mbit/s | strategy | steps/s | vs none | vs torch | bytes sent (MB, all ranks) | bytes / none "
+        "| analytic |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(r: dict, key: str, fmt: str = "{:.2f}") -> str:
+        return fmt.format(r[key]) if r.get(key) is not None else ""
+
+    for r in rows:
+        sent = f"{r['bytes_sent'] / 1e6:.1f}" if r.get("bytes_sent") else ""
+        lines.append(
+            f"| {r['model']} | {r['rate_mbit']:g} | {r['strategy']} | {r['steps_per_s']:.3f} | {cell(r, 'vs_none')} | "
+            f"{cell(r, 'vs_torch')} | {sent} | {cell(r, 'bytes_ratio', '{:.3f}')} | {r['analytic_ratio']:.3f} |"
+        )
+    return lines
+
+
+def run_digits(strategy: str, codec: str, workdir: Path) -> dict:
+    """The default digits run under ``strategy`` with ``codec`` over sockets; test accuracy and val_acc per epoch."""
+    run_dir = workdir / f"{strategy}-{codec}"
+    overrides = [
+        f"strategy={strategy}", f"strategy.compression={codec}", "strategy.intra_node=ring",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train.py"), *overrides],
+        check=True, env=env, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800,
+    )  # fmt: skip
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    per_epoch: dict[int, float] = {}
+    for metrics in run_dir.glob("logs/version_*/metrics.csv"):
+        with metrics.open() as f:
+            for line in csv.DictReader(f):
+                if line.get("val_acc"):
+                    per_epoch[int(line["epoch"])] = float(line["val_acc"])
+    return {
+        "strategy": strategy,
+        "codec": codec,
+        "test_acc": summary["metrics"]["test_acc"],
+        "val_acc_per_epoch": [per_epoch[e] for e in sorted(per_epoch)],
+    }
+
+
+def accuracy(strategies: list[str], codecs: list[str]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy in strategies:
+            for codec in codecs:
+                row = run_digits(strategy, codec, Path(tmp))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def accuracy_report(rows: list[dict]) -> list[str]:
+    lines = [
+        f"Machine: {os.cpu_count()} CPUs; `python examples/train.py` (2 processes, 10 epochs of the bundled digits) "
+        "with `strategy=S strategy.compression=C strategy.intra_node=ring`",
+        "",
+        "| strategy | codec | test accuracy | vs none (points) | val accuracy after epoch 1 / 5 / 10 |",
+        "|---|---|---|---|---|",
+    ]
+    plain = {r["strategy"]: r["test_acc"] for r in rows if r["codec"] == "none"}
+    for r in rows:
+        vs = f"{100 * (r['test_acc'] - plain[r['strategy']]):+.1f}" if r["strategy"] in plain else ""
+        curve = r["val_acc_per_epoch"]
+        picks = " / ".join(f"{100 * curve[e]:.1f}" for e in (0, 4, 9) if e < len(curve))
+        lines.append(f"| {r['strategy']} | {r['codec']} | {100 * r['test_acc']:.1f} % | {vs} | {picks} |")
+    return lines
+
+
+def plot_accuracy(rows: list[dict], out: Path) -> None:
+    """results/compression_accuracy.png: validation accuracy per epoch, one panel per strategy, one line per codec."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install '.[bench]')")
+        return
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    fig, axes = plt.subplots(1, len(strategies), figsize=(5 * len(strategies), 4), squeeze=False, sharey=True)
+    for ax, strategy in zip(axes[0], strategies):
+        for r in rows:
+            if r["strategy"] == strategy:
+                curve = r["val_acc_per_epoch"]
+                label = f"{r['codec']} (test {100 * r['test_acc']:.1f} %)"
+                ax.plot(range(1, len(curve) + 1), [100 * a for a in curve], marker="o", label=label)
+        ax.set(xlabel="epoch", ylabel="validation accuracy (%)", title=strategy, ylim=(80, 100))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "compression_accuracy.png", dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--accuracy", action="store_true", help="the digits run per strategy x codec (no root)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS))
+    parser.add_argument("--rates-mbit", type=float, nargs="+")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.accuracy:
+        rows = accuracy(args.strategies, args.codecs)
+        save(out, "compression_accuracy", rows, accuracy_report(rows))
+        plot_accuracy(rows, out)
+        return
+    models = args.models or (["reference_cnn"] if args.quick else ["reference_cnn", "resnet18"])
+    rates = args.rates_mbit or ([100.0] if args.quick else [1000.0, 100.0])
+    steps = args.steps or (3 if args.quick else 5)
+    rows = throughput(models, rates, steps, args.warmup)
+    save(out, "compression", rows, throughput_report(rows, steps))
+
+
+if __name__ == "__main__":
+    main()
