@@ -47,8 +47,6 @@ class Codec:
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         """Prepare for ``buckets`` travelling over ``transport`` (every rank, the same buckets)."""
-        if any(b.buffer.dtype != buckets[0].buffer.dtype for b in buckets):
-            raise ConfigurationError("a codec needs every gradient bucket in one dtype")
 
     def reduce(self, bucket: GradientBucket, transport: Transport) -> None:
         """Average ``bucket`` over the ranks through ``transport`` (see :meth:`Transport.reduce`)."""
@@ -78,12 +76,19 @@ class Codec:
 
 
 def _check_float32(buckets: Sequence[GradientBucket], name: str) -> None:
-    dtype = buckets[0].buffer.dtype if buckets else torch.float32
-    if dtype not in (torch.float32, torch.float64):
+    narrow = sorted({str(b.buffer.dtype) for b in buckets if b.buffer.dtype not in (torch.float32, torch.float64)})
+    if narrow:
         raise ConfigurationError(
-            f"compression={name!r} encodes float32 gradients, but the model's gradients are {dtype} (a 16-bit "
-            "'-true' precision): they already travel in 16 bits. Use compression='none', or a '-mixed' precision."
+            f"compression={name!r} encodes float32 gradients, but some of the model's gradients are {narrow[0]} "
+            "(a 16-bit '-true' precision): they already travel in 16 bits. Use compression='none', or a '-mixed' "
+            "precision."
         )
+
+
+def _drop_nonfinite(state: Tensor) -> None:
+    """Zero what an overflowing step (inf/NaN gradients, skipped by a gradient scaler) left in a codec's state, so
+    that it does not poison every later step."""
+    torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _restore(saved: dict[int, Tensor], into: dict[int, Tensor], what: str) -> None:
@@ -166,12 +171,14 @@ class HalfPrecisionCodec(Codec):
         transport.reduce(bucket, wire=self.dtype, residual=residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
+            _drop_nonfinite(residual)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         residual = self.residuals.get(bucket.index)
         transport.share(bucket, wire=self.dtype, residual=residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
+            _drop_nonfinite(residual)
 
     def before_update(self, bucket: GradientBucket, transport: Transport) -> None:
         start, end = transport.owned(bucket)
@@ -294,9 +301,13 @@ class PowerSGDCodec(Codec):
             plan = self.plans[b.index]
             if self.error_feedback and plan.matrices:
                 self.residuals[b.index] = torch.zeros_like(b.buffer[: b.grad_numel])
-            generator = torch.Generator().manual_seed(1000003 * (b.index + 1))
-            q = torch.randn(plan.q_numel, generator=generator, dtype=b.buffer.dtype)
-            self.factors[b.index] = q.to(b.buffer.device)
+            self.factors[b.index] = self._initial_factors(b)
+
+    def _initial_factors(self, bucket: GradientBucket) -> Tensor:
+        """Seeded random ``Q`` factors for ``bucket``: the same on every rank."""
+        generator = torch.Generator().manual_seed(1000003 * (bucket.index + 1))
+        q = torch.randn(self.plans[bucket.index].q_numel, generator=generator, dtype=bucket.buffer.dtype)
+        return q.to(bucket.buffer.device)
 
     def _compressing(self, bucket: GradientBucket) -> bool:
         return self.steps[bucket.index] >= self.warmup_steps and bool(self.plans[bucket.index].matrices)
@@ -351,6 +362,10 @@ class PowerSGDCodec(Codec):
             torch.matmul(p, q.t(), out=approximation)
             if residual is not None:
                 residual[start : start + rows * cols].view(rows, cols).copy_(m).sub_(approximation)
+        if residual is not None:
+            _drop_nonfinite(residual)
+        if not bool(torch.isfinite(q_all).all()):  # the same verdict on every rank: q_all was averaged
+            self.factors[index] = self._initial_factors(bucket)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         if not self._everywhere.get(bucket.index, False):

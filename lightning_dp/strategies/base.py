@@ -369,7 +369,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         the weight pull) when every rank starts it together: the cost of a step's communication with no slower
         peer to wait for. The fastest of ``repeats``. Collective: every rank calls it between steps; it leaves the
         bucket contents undefined (under ``ring_allreduce`` also ``param.grad``, a view into them) and the weights
-        as the servers hold them."""
+        as the servers hold them; a compressing codec's state (residuals, factors) advances as in a step."""
         assert self.reducer is not None, "call it while fitting"
         best = float("inf")
         cuda = self.root_device.type == "cuda"

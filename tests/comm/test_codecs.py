@@ -253,3 +253,13 @@ def test_codec_options_are_checked():
         make_codec("zip")
     with pytest.raises(ConfigurationError, match="float16 or torch.bfloat16"):
         HalfPrecisionCodec(torch.float32)
+
+
+@pytest.mark.unit
+def test_compression_refuses_16_bit_gradients():
+    layer = nn.Linear(4, 4).to(torch.bfloat16)
+    reducer = BucketReducer(layer.parameters(), lambda b: None)
+    reducer.close()
+    for codec in (HalfPrecisionCodec(), PowerSGDCodec()):
+        with pytest.raises(ConfigurationError, match="torch.bfloat16 .* already travel in 16 bits"):
+            codec.bind(reducer.buckets, None)  # type: ignore[arg-type]  # refused before the transport is used

@@ -68,6 +68,13 @@ def test_powersgd_sends_its_factors_and_keeps_replicas_identical(tmp_path):
     assert sum(r["last_step_bytes"][0] for r in ranks) == 2 * (DEVICES - 1) * wire
 
 
+def test_nothing_to_compress_inside_shared_memory(tmp_path):
+    run_script("fit", "--devices", "2", "--steps", "2", "--compression", "bf16", "--out", str(tmp_path))
+    ranks = load_ranks(tmp_path, 2)
+    assert ranks[0]["transport"] == "SharedMemoryTransport" and ranks[0]["codec"] == "none"
+    assert_identical_replicas(ranks)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, compression", [("sharded_ps", "bf16"), ("ring_allreduce", "powersgd")])
 def test_resume_with_codec_state_equals_never_stopping(tmp_path, strategy, compression):

@@ -57,6 +57,14 @@ def test_trainer_accepts_name_and_instance():
         ({"start_method": "thread"}, "start_method='thread' is not supported"),
         ({"timeout": 0}, "timeout must be a positive number"),
         ({"broadcast_buffers": "yes"}, "broadcast_buffers must be True or False"),
+        ({"intra_node": "pipe"}, "intra_node='pipe' is not supported; allowed values: 'shm', 'ring'"),
+        (
+            {"compression": "zip"},
+            "compression='zip' is not supported; allowed values: 'none', 'fp16', 'bf16', 'powersgd'",
+        ),
+        ({"error_feedback": 1}, "error_feedback must be True or False"),
+        ({"powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
+        ({"powersgd_warmup_steps": 2.5}, "powersgd_warmup_steps must be an integer >= 0"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs, message):
