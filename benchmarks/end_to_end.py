@@ -86,7 +86,7 @@ def build_model(name: str):
 #: torch's own DDP communication hooks, as ``ddp+<name>``
 DDP_HOOKS = ("fp16_hook", "bf16_hook", "powersgd_hook")
 #: the PowerSGD settings every PowerSGD run here uses (ours and torch's): rank 4, compression from the 2nd step
-POWERSGD_RANK, POWERSGD_START = 4, 1
+POWERSGD_RANK, POWERSGD_START = 4, 2
 
 
 def build_strategy(spec: str):
@@ -110,7 +110,7 @@ def build_strategy(spec: str):
                 if codec == "powersgd_hook":
                     state = powerSGD_hook.PowerSGDState(
                         process_group=None, matrix_approximation_rank=POWERSGD_RANK,
-                        start_powerSGD_iter=max(2, POWERSGD_START + 1),
+                        start_powerSGD_iter=POWERSGD_START,
                     )  # fmt: skip
                     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
                 else:

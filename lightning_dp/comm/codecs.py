@@ -72,10 +72,12 @@ class Codec:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (after :meth:`bind`); raises ``ValueError`` when it does not fit the buckets."""
+        """Restore :meth:`state_dict` (after :meth:`bind`); raises ``ValueError``, changing nothing, when it does not
+        fit the buckets."""
 
 
-def _check_float32(buckets: Sequence[GradientBucket], name: str) -> None:
+def check_compressible(buckets: Sequence[GradientBucket], name: str) -> None:
+    """Refuse compression ``name`` for gradients narrower than float32 (with a message naming the option)."""
     narrow = sorted({str(b.buffer.dtype) for b in buckets if b.buffer.dtype not in (torch.float32, torch.float64)})
     if narrow:
         raise ConfigurationError(
@@ -91,9 +93,12 @@ def _drop_nonfinite(state: Tensor) -> None:
     torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _restore(saved: dict[int, Tensor], into: dict[int, Tensor], what: str) -> None:
+def _check_fits(saved: dict[int, Tensor], into: dict[int, Tensor], what: str) -> None:
     if sorted(saved) != sorted(into) or any(saved[b].shape != into[b].shape for b in into):
         raise ValueError(f"the saved {what} do not fit this run's gradient buckets")
+
+
+def _restore(saved: dict[int, Tensor], into: dict[int, Tensor]) -> None:
     for b, tensor in into.items():
         tensor.copy_(saved[b])
 
@@ -134,16 +139,18 @@ class HalfPrecisionCodec(Codec):
         #: per bucket index, on an owner: its full-precision weights, and the replica they were last seen at
         self.master: dict[int, Tensor] = {}
         self._replica: dict[int, Tensor] = {}
+        #: per bucket index, on an owner: the replica weights the last weight exchange left on every rank
+        self._sent: dict[int, Tensor] = {}
         self._owned: dict[int, tuple[int, int]] = {}
         self._device = torch.device("cpu")
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         super().bind(buckets, transport)
-        _check_float32(buckets, self.name)
+        check_compressible(buckets, self.name)
         self.size = transport.size
         if self.error_feedback:
             self.residuals = {b.index: torch.zeros_like(b.buffer) for b in buckets}
-        self.master = {}
+        self.master, self._replica, self._sent = {}, {}, {}
         self._owned = {b.index: transport.owned(b) for b in buckets}
         self._device = buckets[0].buffer.device if buckets else torch.device("cpu")
 
@@ -159,8 +166,16 @@ class HalfPrecisionCodec(Codec):
 
     def reduce(self, bucket: GradientBucket, transport: Transport) -> None:
         values = bucket.buffer  # gradients, then used-flags; residuals of flags are always dropped
-        values.div_(self.size)
         residual = self.residuals.get(bucket.index)
+        # a parameter this rank did not use keeps its residual for a step that uses it: sent now, it could be
+        # dropped with a gradient no rank used
+        held = []
+        if residual is not None and not bool(bucket.flags.all()):
+            for i in (bucket.flags == 0).nonzero().flatten().tolist():
+                lo, hi = bucket.slices[i]
+                held.append((lo, hi, residual[lo:hi].clone()))
+                residual[lo:hi].zero_()
+        values.div_(self.size)
         if residual is not None:
             values.add_(residual)
             residual.copy_(values)
@@ -171,6 +186,8 @@ class HalfPrecisionCodec(Codec):
         transport.reduce(bucket, wire=self.dtype, residual=residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
+            for lo, hi, kept in held:
+                residual[lo:hi].add_(kept)
             _drop_nonfinite(residual)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
@@ -185,8 +202,17 @@ class HalfPrecisionCodec(Codec):
         if end <= start:
             return
         master = self._master_of(bucket, start, end)
-        self._replica[bucket.index] = bucket.read_params(start, end, torch.empty_like(master))
+        replica = bucket.read_params(start, end, torch.empty_like(master))
+        self._follow_edits(bucket.index, master, replica)
+        self._replica[bucket.index] = replica
         bucket.write_params(start, end, master)
+
+    def _follow_edits(self, index: int, master: Tensor, replica: Tensor) -> None:
+        """Weights written outside the optimizer since the last exchange (clamping, projections, a callback) move
+        the full-precision weights too, as they would move the weights under ``ddp``."""
+        sent = self._sent.get(index)
+        if sent is not None:
+            master.add_(replica - sent)
 
     def share_weights(self, bucket: GradientBucket, transport: Transport) -> None:
         start, end = transport.owned(bucket)
@@ -197,6 +223,7 @@ class HalfPrecisionCodec(Codec):
             replica = self._replica.pop(bucket.index, None)
             if replica is None:  # no update since the last pull: the parameters are the replica
                 replica = packed.clone()
+                self._follow_edits(bucket.index, master, replica)
             else:
                 master.copy_(packed)
             step = master - replica
@@ -210,6 +237,7 @@ class HalfPrecisionCodec(Codec):
         bucket.buffer[: bucket.grad_numel].add_(steps)
         if new_replica is not None:
             bucket.buffer[start:end].copy_(new_replica)
+            self._sent[bucket.index] = new_replica
 
     def wire_bytes(self, bucket: GradientBucket) -> int:
         return bucket.buffer.numel() * torch.empty((), dtype=self.dtype).element_size()
@@ -221,13 +249,15 @@ class HalfPrecisionCodec(Codec):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _restore(state.get("residuals", {}), self.residuals, "error-feedback residuals")
-        master = state.get("master", {})
+        residuals, master = state.get("residuals", {}), state.get("master", {})
+        _check_fits(residuals, self.residuals, "error-feedback residuals")
         for b, tensor in master.items():
             start, end = self._owned.get(b, (0, 0))
             if tensor.shape != (end - start,):
                 raise ValueError("the saved full-precision weights do not fit the part of the buckets this rank serves")
+        _restore(residuals, self.residuals)
         self.master = {b: t.to(self._device, copy=True) for b, t in master.items()}
+        self._replica, self._sent = {}, {}
 
 
 class _LowRankPlan:
@@ -236,13 +266,16 @@ class _LowRankPlan:
     def __init__(self, bucket: GradientBucket, rank: int, min_compression_rate: float) -> None:
         #: ``(start, rows, cols, r)`` of every compressed gradient, and ``(start, end)`` of every other one
         self.matrices: list[tuple[int, int, int, int]] = []
+        #: the parameter (index in the bucket) of each compressed gradient
+        self.matrix_params: list[int] = []
         self.plain: list[tuple[int, int]] = []
-        for p, (start, end) in zip(bucket.params, bucket.slices):
+        for i, (p, (start, end)) in enumerate(zip(bucket.params, bucket.slices)):
             rows = p.shape[0] if p.dim() >= 2 else 0
             cols = p.numel() // rows if rows else 0
             r = min(rank, rows, cols)
             if rows and (rows + cols) * r * min_compression_rate <= rows * cols:
                 self.matrices.append((start, rows, cols, r))
+                self.matrix_params.append(i)
             else:
                 self.plain.append((start, end))
         self.plain_numel = sum(e - s for s, e in self.plain) + bucket.flags.numel()
@@ -251,13 +284,16 @@ class _LowRankPlan:
 
 
 def _orthogonalize(matrix: Tensor, eps: float = 1e-8) -> None:
-    """Gram-Schmidt on the columns of ``matrix``, in place (the same steps on every rank: same input, same bits)."""
+    """Orthonormalize the columns of ``matrix`` in place: Gram-Schmidt, each column projected out twice ("twice is
+    enough"), so that a column that is numerically zero (a gradient of lower rank than the factors) still comes out
+    orthogonal to the others instead of as amplified rounding noise. The same steps on every rank: same bits."""
     for i in range(matrix.shape[1]):
         col = matrix[:, i : i + 1]
+        if i:
+            done = matrix[:, :i]
+            for _ in range(2):
+                col.sub_(done @ (done.t() @ col))
         col.div_(torch.linalg.vector_norm(col) + eps)
-        if i + 1 < matrix.shape[1]:
-            rest = matrix[:, i + 1 :]
-            rest.sub_(torch.sum(col * rest, dim=0) * col)
 
 
 class PowerSGDCodec(Codec):
@@ -292,7 +328,7 @@ class PowerSGDCodec(Codec):
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         super().bind(buckets, transport)
-        _check_float32(buckets, self.name)
+        check_compressible(buckets, self.name)
         self.plans = {b.index: _LowRankPlan(b, self.rank, self.min_compression_rate) for b in buckets}
         self.steps = {b.index: 0 for b in buckets}
         self.residuals = {}
@@ -357,15 +393,22 @@ class PowerSGDCodec(Codec):
             out[start:end].copy_(first[offset : offset + end - start])
             offset += end - start
         bucket.flags.copy_(first[offset : plan.plain_numel])
-        for (start, rows, cols, _), p, q, m in zip(plan.matrices, ps, qs, ms):
+        used = (bucket.flags != 0).tolist()  # the same on every rank: the flags were averaged
+        fresh: Tensor | None = None
+        q_offset = 0
+        for (start, rows, cols, r), i, p, q, m in zip(plan.matrices, plan.matrix_params, ps, qs, ms):
             approximation = out[start : start + rows * cols].view(rows, cols)
             torch.matmul(p, q.t(), out=approximation)
-            if residual is not None:
+            # a gradient no rank used is dropped after this exchange: its residual waits for a step that uses it
+            if residual is not None and used[i]:
                 residual[start : start + rows * cols].view(rows, cols).copy_(m).sub_(approximation)
+            # a zero (all-zero gradient) or non-finite (overflow) Q would stay so as the next warm start: start over
+            if not bool(q.any()) or not bool(torch.isfinite(q).all()):
+                fresh = self._initial_factors(bucket) if fresh is None else fresh
+                q_all[q_offset : q_offset + cols * r].copy_(fresh[q_offset : q_offset + cols * r])
+            q_offset += cols * r
         if residual is not None:
             _drop_nonfinite(residual)
-        if not bool(torch.isfinite(q_all).all()):  # the same verdict on every rank: q_all was averaged
-            self.factors[index] = self._initial_factors(bucket)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         if not self._everywhere.get(bucket.index, False):
@@ -387,8 +430,10 @@ class PowerSGDCodec(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if sorted(state.get("steps", {})) != sorted(self.steps):
             raise ValueError("the saved PowerSGD state does not fit this run's gradient buckets")
-        _restore(state.get("residuals", {}), self.residuals, "error-feedback residuals")
-        _restore(state.get("factors", {}), self.factors, "PowerSGD factors")
+        _check_fits(state.get("residuals", {}), self.residuals, "error-feedback residuals")
+        _check_fits(state.get("factors", {}), self.factors, "PowerSGD factors")
+        _restore(state["residuals"], self.residuals)
+        _restore(state["factors"], self.factors)
         self.steps = dict(state["steps"])
 
 
@@ -417,6 +462,7 @@ __all__ = [
     "Codec",
     "HalfPrecisionCodec",
     "PowerSGDCodec",
+    "check_compressible",
     "compression_ratio",
     "make_codec",
 ]

@@ -14,6 +14,7 @@ A subclass provides :meth:`_make_transport`; a scheme whose servers run the opti
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,10 +34,11 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
-from lightning_dp.comm.codecs import CODEC_NAMES, Codec, make_codec
+from lightning_dp.comm.codecs import CODEC_NAMES, Codec, check_compressible, make_codec
 from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
 from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.nonfinite import first_nonfinite
+from lightning_dp.comm.ring import any_rank
 from lightning_dp.comm.shm import SharedMemoryUnavailable
 from lightning_dp.comm.stats import SyncStats
 from lightning_dp.comm.transports import Transport
@@ -208,15 +210,16 @@ class DataParallelStrategy(ProcessGroupStrategy):
             )
             self.transport = self._make_transport(False)
             self.transport.bind(self.reducer.buckets)
-        self.codec = self._make_codec(self.transport)
+        self.codec = self._make_codec(self.transport, self.reducer.buckets)
         self.codec.bind(self.reducer.buckets, self.transport)
         self._synced_params = {id(p) for p in self.reducer.params}
         self.sync_stats.bucket_bytes = sum(b.nbytes for b in self.reducer.buckets)
 
-    def _make_codec(self, transport: Transport) -> Codec:
+    def _make_codec(self, transport: Transport, buckets: list[GradientBucket]) -> Codec:
         """The ``compression`` option's codec, where buckets cross a network (see :attr:`Transport.crosses_network`)."""
         if self.compression == "none":
             return Codec()
+        check_compressible(buckets, self.compression)  # wherever the run happens to be: the same answer
         if not transport.crosses_network:
             rank_zero_info(
                 f"strategy {self.strategy_name!r}: compression={self.compression!r} has nothing to compress: every "
@@ -369,10 +372,11 @@ class DataParallelStrategy(ProcessGroupStrategy):
         the weight pull) when every rank starts it together: the cost of a step's communication with no slower
         peer to wait for. The fastest of ``repeats``. Collective: every rank calls it between steps; it leaves the
         bucket contents undefined (under ``ring_allreduce`` also ``param.grad``, a view into them) and the weights
-        as the servers hold them; a compressing codec's state (residuals, factors) advances as in a step."""
+        as the servers hold them; a compressing codec's state is restored afterwards."""
         assert self.reducer is not None, "call it while fitting"
         best = float("inf")
         cuda = self.root_device.type == "cuda"
+        codec_state = self.codec.state_dict()
         for _ in range(repeats):
             dist.barrier(group=self.gradient_group)
             if cuda:  # NCCL returns before its kernels finish: time the device work, not the launches
@@ -384,6 +388,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             if cuda:
                 torch.cuda.synchronize(self.root_device)
             best = min(best, time.perf_counter() - start)
+        self.codec.load_state_dict(codec_state)
         self.sync_stats.reset()
         return best
 
@@ -436,6 +441,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         saved = checkpoint.get(CODEC_STATE_KEY)
         if type(self.codec) is Codec:
             return
+        assert self.transport is not None and self.reducer is not None
         problem = None
         if saved is None:
             problem = "the checkpoint holds no codec state"
@@ -445,12 +451,16 @@ class DataParallelStrategy(ProcessGroupStrategy):
             try:
                 self.codec.load_state_dict(saved["ranks"][self.global_rank])
             except ValueError as error:
-                problem = str(error)
-        if problem is not None:
-            rank_zero_warn(
-                f"strategy {self.strategy_name!r}: {problem}; compression={self.compression!r} starts afresh (no "
-                "error-feedback residuals carried over), so this run does not continue the saved one exactly"
-            )
+                problem = f"rank {self.global_rank}: {error}"
+        if any_rank(problem is not None, self.transport.ring, self.root_device):  # every rank starts afresh alike
+            if problem is not None:
+                warnings.warn(
+                    f"strategy {self.strategy_name!r}: {problem}; compression={self.compression!r} starts afresh on "
+                    "every rank (no residuals carried over), so this run does not continue the saved one exactly",
+                    stacklevel=2,
+                )
+            self.codec = self._make_codec(self.transport, self.reducer.buckets)
+            self.codec.bind(self.reducer.buckets, self.transport)
 
     def _close_gradient_sync(self) -> None:
         if self.reducer is not None:
