@@ -7,7 +7,7 @@ Throughput (needs root: one Lightning node per emulated host, links shaped with 
 
 Every row is one ``Trainer.fit`` on fake data (``benchmarks.end_to_end``'s worker); ``vs none`` is steps/s over the
 same strategy uncompressed, ``vs torch`` over Lightning's ``ddp`` with torch's hook for the same codec
-(``bf16_compress_hook``, ``powerSGD_hook`` at rank 4, compressing from the 2nd step like ours), in the same run.
+(``bf16_compress_hook``, ``powerSGD_hook`` at rank 4, both compressing from the 3rd step), in the same run.
 Bytes: what every rank sent in the last step, summed, over the uncompressed run's, beside the analytic ratio of
 the codec (:func:`lightning_dp.comm.codecs.compression_ratio`: 1/2 for 16 bits; for PowerSGD the factors
 ``(n + m) r`` per ``n x m`` matrix plus what stays uncompressed). Writes results/compression.{json,md}.
@@ -37,6 +37,9 @@ from benchmarks.report import save
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = 3
+#: runs of one row before giving up: torch's powerSGD_hook on gloo fails now and then with a collective mismatch
+#: (gloo: "Received data size doesn't match expected size"), here in about one run of two; the table counts them
+ATTEMPTS = 4
 #: (spec, codec, uncompressed baseline spec, torch's hook for the same codec)
 THROUGHPUT = [
     ("ddp", "none", None, None),
@@ -71,7 +74,14 @@ def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -
             for rate in rates:
                 measured: dict[str, dict] = {}
                 for spec, codec, baseline, torch_hook in THROUGHPUT:
-                    ranks = run_emulated(model, HOSTS, rate, spec, steps, warmup, Path(tmp))
+                    ranks, attempts = None, 0
+                    while ranks is None:
+                        attempts += 1
+                        try:
+                            ranks = run_emulated(model, HOSTS, rate, spec, steps, warmup, Path(tmp))
+                        except RuntimeError:
+                            if attempts == ATTEMPTS:
+                                raise
                     sent = [r["last_step_bytes"][0] for r in ranks] if ranks[0]["last_step_bytes"] else None
                     row = {
                         "model": model,
@@ -81,6 +91,7 @@ def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "bytes_sent": sum(sent) if sent else None,
                         "analytic_ratio": analytic_ratio(model, codec),
+                        "attempts": attempts,
                     }
                     if baseline is not None:
                         base = measured[baseline]
@@ -104,17 +115,23 @@ def throughput_report(rows: list[dict], steps: int) -> list[str]:
         "| analytic |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    notes = [
+        "",
+        "`analytic`: the codec's bytes over float32 for the model's buckets; the sharded servers also sum one float32 "
+        "used-flag per parameter, uncompressed. `(k runs)`: the row's run that succeeded was the k-th (see ATTEMPTS).",
+    ]
 
     def cell(r: dict, key: str, fmt: str = "{:.2f}") -> str:
         return fmt.format(r[key]) if r.get(key) is not None else ""
 
     for r in rows:
         sent = f"{r['bytes_sent'] / 1e6:.1f}" if r.get("bytes_sent") else ""
+        strategy = r["strategy"] + (f" ({r['attempts']} runs)" if r.get("attempts", 1) > 1 else "")
         lines.append(
-            f"| {r['model']} | {r['rate_mbit']:g} | {r['strategy']} | {r['steps_per_s']:.3f} | {cell(r, 'vs_none')} | "
+            f"| {r['model']} | {r['rate_mbit']:g} | {strategy} | {r['steps_per_s']:.3f} | {cell(r, 'vs_none')} | "
             f"{cell(r, 'vs_torch')} | {sent} | {cell(r, 'bytes_ratio', '{:.3f}')} | {r['analytic_ratio']:.3f} |"
         )
-    return lines
+    return lines + notes
 
 
 def run_digits(strategy: str, codec: str, workdir: Path) -> dict:

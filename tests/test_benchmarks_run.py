@@ -11,14 +11,13 @@ import pytest
 from tests.helpers.launch import PYTHONWARNINGS, REPO
 from tests.helpers.netns import skip_without_netns
 
-pytestmark = pytest.mark.multiprocess
-
 
 def run(args, timeout=240):
     env = {**os.environ, "PYTHONWARNINGS": PYTHONWARNINGS, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiprocess
 def test_collectives_benchmark_runs(tmp_path):
     out = run(["-m", "benchmarks.collectives", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip
@@ -29,6 +28,7 @@ def test_collectives_benchmark_runs(tmp_path):
     assert "| N | S (MB) |" in (tmp_path / "collectives.md").read_text()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.netns
 @skip_without_netns
 def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
@@ -42,6 +42,7 @@ def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
     assert "lddp-" not in namespaces
 
 
+@pytest.mark.multiprocess
 @pytest.mark.netns
 @skip_without_netns
 def test_emulated_hierarchical_benchmark_runs(tmp_path):
@@ -55,3 +56,16 @@ def test_emulated_hierarchical_benchmark_runs(tmp_path):
     for scheme, analytic in row["analytic_s"].items():
         assert row["measured_s"][scheme] >= 0.9 * analytic, scheme
     assert row["analytic_s"]["hierarchical"] < row["analytic_s"]["ring_allreduce"]
+
+
+@pytest.mark.unit
+def test_strategy_specs_of_the_benchmarks():
+    from benchmarks.end_to_end import build_strategy
+
+    strategy, callbacks = build_strategy("sharded_ps@ring+powersgd")
+    assert (strategy.intra_node, strategy.compression, callbacks) == ("ring", "powersgd", [])
+    name, callbacks = build_strategy("ddp+bf16_hook")
+    assert name == "ddp" and len(callbacks) == 1
+    assert build_strategy("ring_allreduce") == ("ring_allreduce", [])
+    with pytest.raises(ValueError, match="ddp\\+zip_hook"):
+        build_strategy("ddp+zip_hook")
