@@ -1,9 +1,11 @@
 """Run every benchmark in one go and collect the tables in results/.
 
     python -m benchmarks.run_all            # full: a few tens of minutes on 2 CPU cores
-    python -m benchmarks.run_all --quick    # under 5 minutes
+    python -m benchmarks.run_all --quick    # under 5 minutes; as root the emulated-host benchmarks add a few
 
-The emulated-cluster benchmark needs root (network namespaces); without it, it is skipped with a note.
+The emulated-cluster and compression benchmarks need root (network namespaces); without it, they are skipped with a
+note. The accuracy part of the compression benchmark (`python -m benchmarks.compression --accuracy`, about 10
+minutes) runs on its own; its table is collected if present.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ def main() -> None:
     quick = ["--quick"] if args.quick else []
     modules = ["benchmarks.collectives", "benchmarks.end_to_end"]
     if os.geteuid() == 0:
-        modules.append("benchmarks.emulated_cluster")
+        modules += ["benchmarks.emulated_cluster", "benchmarks.compression"]
     else:
-        print("not root: skipping benchmarks.emulated_cluster (it creates network namespaces)")
+        print("not root: skipping benchmarks.emulated_cluster and benchmarks.compression (network namespaces)")
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # the repository root, whatever the working directory
     for module in modules:
         print(f"== {module}", flush=True)
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
-    tables = [Path(args.out) / f"{name}.md" for name in ("collectives", "end_to_end", "emulated_cluster")]
+    names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy")
+    tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)
     print(f"\nwrote {Path(args.out) / 'summary.md'}")
