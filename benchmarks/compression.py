@@ -57,15 +57,51 @@ STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps")
 CODECS = ("none", "bf16", "fp16", "powersgd")
 
 
-def analytic_ratio(model: str, codec: str) -> float:
-    """Bytes on the wire with ``codec`` over without, for ``model``'s gradient buckets (default bucket size)."""
+def analytic_ratio(model: str, strategy: str, codec: str) -> float:
+    """Bytes all ranks send in a step with ``codec`` over without it, for ``model``'s gradient buckets (default
+    bucket size) under ``strategy``, counting what each exchange moves (every sum below is times N - 1 over the
+    ranks): G gradient bytes and F flag bytes in float32, S = G + F, W PowerSGD's factors plus what it leaves
+    uncompressed (:func:`~lightning_dp.comm.codecs.compression_ratio`).
+
+    - ring: 2 S; 16-bit S; PowerSGD 2 W (two all-reduces).
+    - central server: S up and S down; 16-bit half of both; PowerSGD 2 W (its all-reduces are a push and a pull)
+      and S of weights down.
+    - sharded servers: G up, 2 F (the flags' ring), G down; 16-bit G / 2 each way; PowerSGD 2 W and G of weights.
+    """
     from benchmarks.end_to_end import POWERSGD_RANK
     from lightning_dp.comm.buckets import BucketReducer
-    from lightning_dp.comm.codecs import compression_ratio, make_codec
+    from lightning_dp.comm.codecs import make_codec
+
+    name = strategy.partition("+")[0].partition("@")[0]
+    if codec == "none" or name == "ddp":
+        return 0.5 if codec == "bf16" else 1.0 if codec == "none" else _ddp_powersgd_ratio(model)
+    reducer = BucketReducer(build_model(model).parameters(), lambda b: None)
+    reducer.close()
+    flags = sum(b.flags.numel() * b.buffer.element_size() for b in reducer.buckets)
+    total = sum(b.nbytes for b in reducer.buckets)
+    grads = total - flags
+    wire = sum(make_codec(codec, powersgd_rank=POWERSGD_RANK).wire_bytes(b) for b in reducer.buckets)
+    low_rank = codec == "powersgd"
+    if name == "sharded_ps":
+        plain = 2 * grads + 2 * flags
+        return (2 * wire + grads if low_rank else grads + 2 * flags) / plain
+    if name == "parameter_server":
+        return (2 * wire + total if low_rank else total) / (2 * total)
+    return (2 * wire if low_rank else total) / (2 * total)
+
+
+def _ddp_powersgd_ratio(model: str) -> float:
+    """PowerSGD's ratio for ``ddp``'s hook: the same factors, no flags."""
+    from benchmarks.end_to_end import POWERSGD_RANK
+    from lightning_dp.comm.buckets import BucketReducer
+    from lightning_dp.comm.codecs import make_codec
 
     reducer = BucketReducer(build_model(model).parameters(), lambda b: None)
     reducer.close()
-    return compression_ratio(make_codec(codec, powersgd_rank=POWERSGD_RANK), reducer.buckets)
+    codec = make_codec("powersgd", powersgd_rank=POWERSGD_RANK)
+    flags = sum(b.flags.numel() * b.buffer.element_size() for b in reducer.buckets)
+    wire = sum(codec.wire_bytes(b) for b in reducer.buckets)
+    return (wire - flags) / (sum(b.nbytes for b in reducer.buckets) - flags)
 
 
 def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -> list[dict]:
@@ -91,7 +127,7 @@ def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -
                         "codec": codec,
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "bytes_sent": sum(sent) if sent else None,
-                        "analytic_ratio": analytic_ratio(model, codec),
+                        "analytic_ratio": analytic_ratio(model, spec, codec),
                         "attempts": attempts,
                     }
                     if baseline is not None:
@@ -118,8 +154,10 @@ def throughput_report(rows: list[dict], steps: int) -> list[str]:
     ]
     notes = [
         "",
-        "`analytic`: the codec's bytes over float32 for the model's buckets; the sharded servers also sum one float32 "
-        "used-flag per parameter, uncompressed. `(k runs)`: the row's run that succeeded was the k-th (see ATTEMPTS).",
+        "`bytes / none`: all ranks' bytes of the last step over the same strategy's uncompressed run; `analytic`: "
+        "the same ratio from the codec and the strategy's exchanges (`analytic_ratio` in the script: the servers' "
+        "weights travel uncompressed under PowerSGD, the sharded servers' flags always in float32; for `ddp` the "
+        "codec's own ratio). `(k runs)`: the k-th run of the row succeeded.",
     ]
 
     def cell(r: dict, key: str, fmt: str = "{:.2f}") -> str:
