@@ -57,7 +57,7 @@ def _sum_in_rank_order(contributions: Iterable[torch.Tensor], out: torch.Tensor)
     """``out`` = the sum of ``contributions`` (in rank order, lazily as above), added in ``out``'s dtype."""
     total: torch.Tensor | None = None
     for contribution in contributions:
-        total = contribution.to(out.dtype, copy=True) if total is None else total.add_(contribution)
+        total = contribution.to(out.dtype, copy=True) if total is None else total.add_(contribution.to(out.dtype))
     assert total is not None
     out.copy_(total)
 
@@ -80,7 +80,7 @@ def _round_to(tensor: torch.Tensor, wire: torch.dtype | None, residual: torch.Te
     if wire is not None and wire != tensor.dtype:
         rounded = tensor.to(wire)
         if residual is not None:
-            residual.add_(tensor - rounded)
+            residual.add_(tensor - rounded.to(tensor.dtype))
         tensor.copy_(rounded)
 
 

@@ -127,7 +127,7 @@ def _pipelined_phase(
         target = scratch[p * largest_piece : p * largest_piece + r1 - r0] if staged else flat[r0:r1]
         outgoing = flat[s0:s1].to(wire) if converts else flat[s0:s1]
         if converts and residual is not None:
-            residual[s0:s1].add_(flat[s0:s1] - outgoing)
+            residual[s0:s1].add_(flat[s0:s1] - outgoing.to(flat.dtype))  # (mixed-dtype ops are slower)
         receive, sent = ring.exchange(outgoing, target, tag_base + p, stats)
         sends.append((sent, outgoing))
         return receive
@@ -140,7 +140,7 @@ def _pipelined_phase(
                 r0, r1 = piece(recv_chunk(step), p)
                 arrived = scratch[p * largest_piece : p * largest_piece + r1 - r0]
                 if reduce:
-                    flat[r0:r1].add_(arrived)
+                    flat[r0:r1].add_(arrived.to(flat.dtype))
                 else:
                     flat[r0:r1].copy_(arrived)
             if step + 1 < n - 1:
@@ -197,7 +197,7 @@ def ring_allgather(
         start, end = chunk_bounds(flat.numel(), n)[(r + 1) % n]
         rounded = flat[start:end].to(wire)
         if residual is not None:
-            residual[start:end].add_(flat[start:end] - rounded)
+            residual[start:end].add_(flat[start:end] - rounded.to(flat.dtype))
         flat[start:end].copy_(rounded)
     _pipelined_phase(flat, ring, lambda s: (r + 1 - s) % n, lambda s: (r - s) % n, False, 64, stats, wire)
 
