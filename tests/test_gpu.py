@@ -73,3 +73,42 @@ def test_drop_in_cases_under_nccl_follow_ddp(dropin_runs, strategy, case):
 def test_16_bit_cases_under_nccl_follow_ddp(dropin_runs, strategy):
     assert_follows_ddp(dropin_runs, strategy, "fp16", dict(rtol=2e-3, atol=2e-3))
     assert_follows_ddp(dropin_runs, strategy, "bf16", dict(rtol=1e-2, atol=1e-2))
+
+
+def _codecs_on_cuda(rank, world_size):
+    from torch import nn
+
+    from lightning_dp.comm.buckets import BucketReducer
+    from lightning_dp.comm.codecs import make_codec
+    from lightning_dp.comm.transports import RingTransport, ShardedServerTransport
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32)).cuda()
+    for transport_kind in (RingTransport, ShardedServerTransport):
+        for name, tolerance in (("bf16", 2e-2), ("fp16", 4e-3), ("powersgd", None)):
+            reducer = BucketReducer(model.parameters(), lambda b: None)
+            transport = transport_kind()
+            transport.bind(reducer.buckets)
+            codec = make_codec(name, powersgd_warmup_steps=0)
+            codec.bind(reducer.buckets, transport)
+            generator = torch.Generator(device="cuda").manual_seed(rank)
+            for bucket in reducer.buckets:
+                for i, p in enumerate(bucket.params):
+                    bucket.fill(i, torch.randn(p.shape, device="cuda", generator=generator))
+                exact = bucket.buffer[: bucket.grad_numel].clone()
+                dist.all_reduce(exact)
+                exact /= world_size
+                codec.reduce(bucket, transport)
+                codec.share(bucket, transport)
+                got = bucket.buffer[: bucket.grad_numel]
+                gathered = [torch.empty_like(got) for _ in range(world_size)]
+                dist.all_gather(gathered, got)
+                assert all(torch.equal(g, gathered[0]) for g in gathered), (transport_kind.__name__, name)
+                if tolerance is not None:
+                    assert (got - exact).abs().max().item() <= tolerance * exact.abs().max().item(), name
+            reducer.close()
+    return True
+
+
+def test_codecs_under_nccl_keep_replicas_identical():
+    assert all(run_distributed(_codecs_on_cuda, 2, backend="nccl", timeout=180))
