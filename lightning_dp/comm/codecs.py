@@ -136,6 +136,10 @@ class HalfPrecisionCodec(Codec):
         self.size = 1
         #: per bucket index: the gradients' rounding residual (divided by the group size, as sent)
         self.residuals: dict[int, Tensor] = {}
+        #: per bucket index: residuals of parameters this rank did not use lately, and which parameters they are
+        self.held: dict[int, Tensor] = {}
+        self.holding: dict[int, set[int]] = {}
+        self._grad_numel: dict[int, int] = {}
         #: per bucket index, on an owner: its full-precision weights, and the replica they were last seen at
         self.master: dict[int, Tensor] = {}
         self._replica: dict[int, Tensor] = {}
@@ -150,6 +154,8 @@ class HalfPrecisionCodec(Codec):
         self.size = transport.size
         if self.error_feedback:
             self.residuals = {b.index: torch.zeros_like(b.buffer) for b in buckets}
+        self.held, self.holding = {}, {}
+        self._grad_numel = {b.index: b.grad_numel for b in buckets}
         self.master, self._replica, self._sent = {}, {}, {}
         self._owned = {b.index: transport.owned(b) for b in buckets}
         self._device = buckets[0].buffer.device if buckets else torch.device("cpu")
@@ -167,14 +173,8 @@ class HalfPrecisionCodec(Codec):
     def reduce(self, bucket: GradientBucket, transport: Transport) -> None:
         values = bucket.buffer  # gradients, then used-flags; residuals of flags are always dropped
         residual = self.residuals.get(bucket.index)
-        # a parameter this rank did not use keeps its residual for a step that uses it: sent now, it could be
-        # dropped with a gradient no rank used
-        held = []
-        if residual is not None and not bool(bucket.flags.all()):
-            for i in (bucket.flags == 0).nonzero().flatten().tolist():
-                lo, hi = bucket.slices[i]
-                held.append((lo, hi, residual[lo:hi].clone()))
-                residual[lo:hi].zero_()
+        if residual is not None:
+            self._hold_unused(bucket, residual)
         values.div_(self.size)
         if residual is not None:
             values.add_(residual)
@@ -186,9 +186,26 @@ class HalfPrecisionCodec(Codec):
         transport.reduce(bucket, wire=self.dtype, residual=residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
-            for lo, hi, kept in held:
-                residual[lo:hi].add_(kept)
             _drop_nonfinite(residual)
+
+    def _hold_unused(self, bucket: GradientBucket, residual: Tensor) -> None:
+        """Move the residual of each parameter this rank did not use into :attr:`held` (sent now, it could be dropped
+        with a gradient no rank used), and give it back on the next step that uses the parameter. Only what this
+        rank's own gradient left is held: the transport's roundings stay in ``residual`` and leave next step."""
+        holding = self.holding.setdefault(bucket.index, set())
+        if not holding and bool(bucket.flags.all()):
+            return
+        held = self.held.setdefault(bucket.index, torch.zeros_like(residual[: bucket.grad_numel]))
+        for i, used in enumerate((bucket.flags != 0).tolist()):
+            lo, hi = bucket.slices[i]
+            if not used:
+                held[lo:hi].add_(residual[lo:hi])
+                residual[lo:hi].zero_()
+                holding.add(i)
+            elif i in holding:
+                residual[lo:hi].add_(held[lo:hi])
+                held[lo:hi].zero_()
+                holding.discard(i)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         residual = self.residuals.get(bucket.index)
@@ -245,6 +262,8 @@ class HalfPrecisionCodec(Codec):
     def state_dict(self) -> dict[str, Any]:
         return {
             "residuals": {b: t.cpu().clone() for b, t in self.residuals.items()},
+            "held": {b: t.cpu().clone() for b, t in self.held.items()},
+            "holding": {b: sorted(h) for b, h in self.holding.items()},
             "master": {b: t.cpu().clone() for b, t in self.master.items()},
         }
 
@@ -255,7 +274,12 @@ class HalfPrecisionCodec(Codec):
             start, end = self._owned.get(b, (0, 0))
             if tensor.shape != (end - start,):
                 raise ValueError("the saved full-precision weights do not fit the part of the buckets this rank serves")
+        held = state.get("held", {})
+        if any(t.shape != (self._grad_numel.get(b, -1),) for b, t in held.items()):
+            raise ValueError("the saved held residuals do not fit this run's gradient buckets")
         _restore(residuals, self.residuals)
+        self.held = {b: t.to(self._device, copy=True) for b, t in held.items()}
+        self.holding = {b: set(h) for b, h in state.get("holding", {}).items()}
         self.master = {b: t.to(self._device, copy=True) for b, t in master.items()}
         self._replica, self._sent = {}, {}
 
@@ -402,10 +426,12 @@ class PowerSGDCodec(Codec):
             # a gradient no rank used is dropped after this exchange: its residual waits for a step that uses it
             if residual is not None and used[i]:
                 residual[start : start + rows * cols].view(rows, cols).copy_(m).sub_(approximation)
-            # a zero (all-zero gradient) or non-finite (overflow) Q would stay so as the next warm start: start over
-            if not bool(q.any()) or not bool(torch.isfinite(q).all()):
+            # a zero column (a gradient of lower rank than r) or a non-finite one (overflow) of Q would stay so as the
+            # next warm start: those columns start over
+            dead = ~q.any(0) | ~torch.isfinite(q).all(0)
+            if bool(dead.any()):
                 fresh = self._initial_factors(bucket) if fresh is None else fresh
-                q_all[q_offset : q_offset + cols * r].copy_(fresh[q_offset : q_offset + cols * r])
+                q[:, dead] = fresh[q_offset : q_offset + cols * r].view(cols, r)[:, dead]
             q_offset += cols * r
         if residual is not None:
             _drop_nonfinite(residual)

@@ -173,7 +173,28 @@ def test_powersgd_error_feedback_tracks_the_sum_of_full_rank_gradients():
 
 
 def _constant_buckets(rank: int, world_size: int, steps: int) -> list:
-    return [_constant_bucket(ef, steps, skip) for ef, skip in ((True, False), (False, False), (True, True))]
+    sums = [_constant_bucket(ef, steps, skip) for ef, skip in ((True, False), (False, False), (True, True))]
+    return [*sums, _server_never_uses(rank, steps)]
+
+
+def _server_never_uses(rank: int, steps: int) -> list:
+    """Central server (rank 0) in full-gradient mode that never uses the layer the others use: the server's
+    roundings of the averages it sends must still leave with its next contributions."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8, bias=False)
+    reducer = BucketReducer(layer.parameters(), lambda b: None)
+    transport = CentralServerTransport(0)
+    codec = make_codec("bf16")
+    codec.bind(reducer.buckets, transport)
+    total = torch.zeros(64)
+    for _ in range(steps):
+        bucket = reducer.buckets[0]
+        bucket.fill(0, None if rank == 0 else torch.full((8, 8), 1 + 2.0**-10))
+        codec.reduce(bucket, transport)
+        codec.share(bucket, transport)
+        total += bucket.buffer[:64]
+    reducer.close()
+    return total.tolist()
 
 
 def _constant_bucket(ef: bool, steps: int, skip_odd_steps: bool) -> list:
@@ -204,12 +225,14 @@ def test_error_feedback_keeps_the_sum_of_updates_on_the_exact_sum():
     steps = 64
     exact = steps * (1 + 2.0**-10)
     sums = run_distributed(_constant_buckets, WORLD, steps)[0]
-    with_feedback, without, used_every_other_step = map(torch.tensor, sums)
+    with_feedback, without, used_every_other_step, server_never_uses = map(torch.tensor, sums)
     # with feedback the sum is off by at most what one step's rounding holds back; without, every step loses 2^-10
     assert (with_feedback - exact).abs().max().item() <= 2 * 2.0**-8
     assert (without - exact).abs().min().item() >= steps * 2.0**-10 * 0.9
     # steps where no rank uses the parameter keep its residual for the next step that does
     assert (used_every_other_step - exact / 2).abs().max().item() <= 2 * 2.0**-8
+    # a server that never uses the parameter still passes on what rounding its averages lost
+    assert (server_never_uses - exact * (WORLD - 1) / WORLD).abs().max().item() <= 2 * 2.0**-8
 
 
 def _powersgd_after_a_zero_gradient(rank: int, world_size: int) -> list:
