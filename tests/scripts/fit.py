@@ -31,21 +31,13 @@ parser.add_argument("--powersgd-warmup", type=int, default=None, help="strategy 
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
-options = {}
-if args.no_broadcast_buffers:
-    options["broadcast_buffers"] = False
-if args.server_rank is not None:
-    options["server_rank"] = args.server_rank
-if args.timeout is not None:
-    options["timeout"] = args.timeout
-if args.intra_node is not None:
-    options["intra_node"] = args.intra_node
-if args.compression is not None:
-    options["compression"] = args.compression
-if args.powersgd_rank is not None:
-    options["powersgd_rank"] = args.powersgd_rank
-if args.powersgd_warmup is not None:
-    options["powersgd_warmup_steps"] = args.powersgd_warmup
+options = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
+# strategy options given on the command line: argument name -> option name
+for arg, option in (("server_rank", "server_rank"), ("timeout", "timeout"), ("intra_node", "intra_node"),
+                    ("compression", "compression"), ("powersgd_rank", "powersgd_rank"),
+                    ("powersgd_warmup", "powersgd_warmup_steps")):  # fmt: skip
+    if getattr(args, arg) is not None:
+        options[option] = getattr(args, arg)
 strategy = args.strategy
 if options:
     from lightning.pytorch.strategies import StrategyRegistry
