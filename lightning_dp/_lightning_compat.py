@@ -34,6 +34,7 @@ __all__ = [
     "_sync_ddp_if_available",
     "after_closure",
     "patch_hydra_subprocess_command",
+    "replace_step_sigterm_broadcast",
     "unwrap_optimizer",
     "wrap_closure_of",
 ]
@@ -79,3 +80,19 @@ def patch_hydra_subprocess_command(command: Callable[[int], tuple[list[str], str
             )
     for module in modules:
         module._hydra_subprocess_cmd = command  # type: ignore[attr-defined]
+
+
+def replace_step_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> Callable[[], None]:
+    """Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``, a collective on the default group), so every step of every rank
+    waits for rank 0. Run ``check`` there instead on ``trainer``'s loop; returns a function restoring Lightning's.
+    A Lightning without that broadcast has nothing to replace."""
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
+        return lambda: None
+    loop._broadcast_sigterm_tensor = check
+
+    def restore() -> None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+    return restore

@@ -20,6 +20,10 @@ def test_private_symbols_exist_with_the_signatures_used():
     assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
     assert list(inspect.signature(Precision._wrap_closure).parameters) == ["self", "model", "optimizer", "closure"]
     assert list(inspect.signature(compat._sync_ddp_if_available).parameters)[:3] == ["result", "group", "reduce_op"]
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    # replaced by the parameter servers with staleness != 0 (a collective before every step)
+    assert list(inspect.signature(_TrainingEpochLoop._broadcast_sigterm_tensor).parameters) == ["self"]
 
 
 def test_the_tested_lightning_release_is_stated():

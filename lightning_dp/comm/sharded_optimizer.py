@@ -73,8 +73,16 @@ class ShardPiece:
     start: int
     end: int
     bucket_start: int
-    #: the optimizer-facing tensor: a view of the parameter's elements (updates land in the parameter)
+    #: the optimizer-facing tensor: a view of the parameter's elements (updates land in the parameter), or of the
+    #: layout's own storage (see :class:`ShardLayout`), shaped like the parameter when the piece is all of it
     tensor: Tensor
+    #: where the piece starts in the layout's own storage (0 without one)
+    storage_start: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """Whether the piece is the whole parameter."""
+        return self.start == 0 and self.end == self.param.numel()
 
     def take_bucket_gradient(self) -> None:
         """The averaged gradient from the bucket (``None`` when no rank used the parameter)."""
@@ -95,7 +103,7 @@ class ShardPiece:
             and value.shape == param.shape
             and (param.dim() > 0 or key not in SCALAR_STATE_KEYS)
         ):
-            return value.reshape(-1)[self.start : self.end].clone()
+            return value.reshape(-1)[self.start : self.end].clone().view(self.tensor.shape)
         return value.clone() if isinstance(value, Tensor) else value
 
 
@@ -104,6 +112,10 @@ class ShardLayout:
 
     ``segments[b][r]`` is the ``(start, end)`` element range of bucket ``b``'s gradient region that rank ``r``
     serves. ``owner`` names the user of the layout in error messages (e.g. ``"strategy 'sharded_ps'"``).
+
+    With ``own_storage`` the pieces are not views of the parameters but of :attr:`storage`, one flat tensor of
+    every served element in bucket order (a server's own copy of the weights, initialised from the parameters);
+    a piece that is a whole parameter is shaped like it.
     """
 
     def __init__(
@@ -112,17 +124,31 @@ class ShardLayout:
         segments: Sequence[Sequence[Segment]],
         rank: int,
         owner: str = "a sharded optimizer",
+        own_storage: bool = False,
     ) -> None:
         self.pieces: list[ShardPiece] = []
-        for bucket in buckets:
-            start, end = segments[bucket.index][rank]
+        served = [(b, *segments[b.index][rank]) for b in buckets]
+        numel = sum(end - start for _, start, end in served)
+        dtype = buckets[0].buffer.dtype if buckets else torch.float32
+        #: the served elements, in bucket order (with ``own_storage``; else empty)
+        self.storage = torch.empty(numel if own_storage else 0, dtype=dtype)
+        offset = 0
+        for bucket, start, end in served:
+            if own_storage and end > start:
+                bucket.read_params(start, end, self.storage[offset : offset + end - start])
             for i, (p, (lo, hi)) in enumerate(zip(bucket.params, bucket.slices)):
                 a, b = max(lo, start), min(hi, end)
                 if a < b:
                     if not p.is_contiguous():
                         raise ConfigurationError(f"{owner} needs contiguous parameters")
-                    view = p.detach().view(-1)[a - lo : b - lo]
-                    self.pieces.append(ShardPiece(p, bucket, i, a - lo, b - lo, a, view))
+                    at = offset + a - start
+                    if own_storage:
+                        view = self.storage[at : at + b - a]
+                        view = view.view_as(p) if b - a == p.numel() else view
+                    else:
+                        view = p.detach().view(-1)[a - lo : b - lo]
+                    self.pieces.append(ShardPiece(p, bucket, i, a - lo, b - lo, a, view, at))
+            offset += end - start
         self._by_param: dict[int, list[ShardPiece]] = {}
         for piece in self.pieces:
             self._by_param.setdefault(id(piece.param), []).append(piece)
@@ -153,7 +179,8 @@ class ShardedOptimizer:
         group: dist.ProcessGroup | None = None,
         owner: str = "the sharded optimizer",
     ) -> None:
-        check_shardable(optimizer)
+        if not all(piece.whole for piece in layout.pieces):  # whole parameters: any optimizer is exact
+            check_shardable(optimizer)
         self.optimizer = optimizer
         self.owner = owner
         self.layout = layout
@@ -226,13 +253,15 @@ class ShardedOptimizer:
             grad.mul_(coefficient.to(grad.dtype))
         return total_norm
 
-    def step(self, **kwargs: Any) -> None:
+    def step(self, lr_scale: float = 1.0, **kwargs: Any) -> None:
         """One update of this rank's pieces with their gradients (then dropped), under ``optimizer``'s current
-        hyperparameters."""
+        hyperparameters, the learning rate times ``lr_scale``."""
         if not self.serves_anything:
             return
         for front_group, shard_group in zip(self.optimizer.param_groups, self.shard.param_groups):
             shard_group.update(hyperparameters(front_group))
+            if lr_scale != 1.0:
+                shard_group["lr"] = shard_group["lr"] * lr_scale
         self.shard.step(**kwargs)
         for piece in self.pieces:
             piece.tensor.grad = None

@@ -11,11 +11,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import unwrap_optimizer
+from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.sharded_optimizer import hyperparameters
 from lightning_dp.comm.transports import CentralServerTransport, SharedMemoryServerTransport, Transport
 from lightning_dp.strategies.options import check_rank
-from lightning_dp.strategies.parameter_server_base import ParameterServerBase
+from lightning_dp.strategies.parameter_server_base import ParameterServerBase, Segment
 
 
 class ParameterServerStrategy(ParameterServerBase):
@@ -28,7 +29,8 @@ class ParameterServerStrategy(ParameterServerBase):
 
     Args:
         server_rank: global rank of the server, in ``[0, world_size)``.
-        **kwargs: see :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
+        **kwargs: ``staleness`` (see :class:`~.parameter_server_base.ParameterServerBase`) and the options of
+            :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
     strategy_name = "parameter_server"
@@ -57,6 +59,12 @@ class ParameterServerStrategy(ParameterServerBase):
         return CentralServerTransport(self.server_rank, self.gradient_group, self.sync_stats)
 
     @override
+    def _served_segments(self, buckets: list[GradientBucket]) -> list[list[Segment]]:
+        return [
+            [(0, b.grad_numel) if r == self.server_rank else (0, 0) for r in range(self.world_size)] for b in buckets
+        ]
+
+    @override
     def _copies_back(self) -> bool:
         return self.full_gradients or self.is_server
 
@@ -73,12 +81,16 @@ class ParameterServerStrategy(ParameterServerBase):
 
     @override
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        if self._stale is not None:
+            return [s.shard for s in self._stale.optimizers if s.serves_anything]
         return [unwrap_optimizer(o) for o in self.optimizers] if self.is_server else []
 
     # ------------------------------------------------------------------ checkpoints: the server's state, torch layout
     @override
     def optimizer_state(self, optimizer: Any) -> dict:
         """The server's full optimizer state on rank 0 (collective: every rank calls it when checkpointing)."""
+        if self._stale is not None:
+            return self._stale_optimizer_state(optimizer)
         optimizer = unwrap_optimizer(optimizer)
         state = optimizer.state_dict() if self.is_server else {}
         if self.server_rank == 0:
@@ -90,6 +102,9 @@ class ParameterServerStrategy(ParameterServerBase):
     @override
     def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """The server loads the full state; workers take only the hyperparameters and stay without state."""
+        if self._stale is not None:
+            self._load_stale_optimizer_states(checkpoint)
+            return
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = unwrap_optimizer(optimizer)
             if self.is_server:

@@ -3,26 +3,62 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
-from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp._lightning_compat import after_closure, replace_step_sigterm_broadcast, unwrap_optimizer
+from lightning_dp.comm.broadcast import broadcast_tensors
+from lightning_dp.comm.buckets import GradientBucket, assign_buckets
+from lightning_dp.comm.consistency import (
+    REASON_ERROR,
+    REASON_NONFINITE,
+    REASON_TERMINATED,
+    PushLayout,
+    StalenessClient,
+    StalenessRecord,
+    StalenessServer,
+    check_staleness,
+)
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.ring import Ring, any_rank
+from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.inspection import gradient_readers
 
+Segment = tuple[int, int]
+#: how long a server's receiving threads wait for a worker's next message: without a deadline in practice (a
+#: worker may validate or checkpoint for long; a dead worker's closed sockets end the wait at once)
+SERVER_IDLE_TIMEOUT = timedelta(days=7)
+
 #: optimizers that re-evaluate the closure within one step; a server cannot re-run the workers' forward passes
 CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+@dataclass
+class _StaleSync:
+    """The pieces of a run with ``staleness != 0`` (see :mod:`lightning_dp.comm.consistency`)."""
+
+    buckets: list[GradientBucket]
+    #: one per user optimizer, over this rank's server copy of its share of the weights
+    optimizers: list[ShardedOptimizer]
+    client: StalenessClient
+    server: StalenessServer | None
+
+    def lock(self) -> AbstractContextManager[Any]:
+        return self.server.lock if self.server is not None else nullcontext()
 
 
 class ParameterServerBase(DataParallelStrategy):
@@ -40,17 +76,64 @@ class ParameterServerBase(DataParallelStrategy):
     would see under DDP, and the servers step with the edited gradients: the central server sends ``(N - 1) S``
     more bytes per step, a sharded server ``(N - 1) / N S``.
 
+    With ``staleness != 0`` the servers apply each worker's gradient when it arrives and a worker waits only as
+    its consistency model demands (:mod:`lightning_dp.comm.consistency`): the servers serve from threads of their
+    own, every hook and gradient clipping see this rank's own gradient (that is what travels), and every rank
+    gets the same weights, holding every update, before validation, at checkpoints and at the end of training.
+
     A subclass provides the transport, :meth:`_server_gradients` and :meth:`_server_update`, and may take the
     averaged gradients into the server's optimizer in :meth:`_gradients_before_hooks` /
-    :meth:`_gradients_after_hooks`.
+    :meth:`_gradients_after_hooks`; for ``staleness != 0`` :meth:`_served_segments`.
+
+    Args:
+        staleness: the consistency model. ``0`` (default): synchronous, every step waits for every rank's
+            gradients. ``k >= 1``: bounded staleness (SSP): a worker at step ``c`` uses weights holding every
+            worker's updates of steps before ``c - k`` at least, and waits only when a slower worker would break
+            that. ``None``: asynchronous, no bound. Each arriving gradient is applied alone with the learning rate
+            divided by the number of ranks. CPU training (gloo) only.
+        **kwargs: see :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
     _every_rank_steps = False
+
+    def __init__(self, *args: Any, staleness: int | None = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            self.staleness = check_staleness(staleness)
+        except ValueError as error:
+            raise ConfigurationError(str(error)) from None
+        if self.staleness != 0 and self.compression != "none":
+            raise ConfigurationError(
+                f"compression={self.compression!r} needs staleness=0: with staleness={self.staleness!r} each "
+                "worker's gradient travels alone and is not compressed; use compression='none'"
+            )
+        #: the staleness this rank saw at each of its steps (always 0 when synchronous)
+        self.staleness_seen = StalenessRecord()
+        self._stale: _StaleSync | None = None
+        self._restore_sigterm_broadcast: Callable[[], None] | None = None
+        self._stale_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+
+    @override
+    def _check_world_size(self, world_size: int) -> None:
+        super()._check_world_size(world_size)
+        devices = self.parallel_devices or []
+        if self.staleness != 0 and any(d.type != "cpu" for d in devices):
+            raise ConfigurationError(
+                f"strategy {self.strategy_name!r} with staleness={self.staleness!r} runs on CPU devices only "
+                f"(accelerator='cpu'); got {devices[0]}. Use staleness=0 on GPUs."
+            )
 
     @override
     def _gradients_everywhere(self, trainer: pl.Trainer) -> bool:
         assert self.lightning_module is not None and self.gradient_group is not None
         readers = gradient_readers(trainer, self.lightning_module)
+        if self.staleness != 0:
+            if readers:
+                rank_zero_info(
+                    f"{self.strategy_name}: with staleness={self.staleness!r} each rank's gradient travels alone, so "
+                    f"{', '.join(readers)} see and edit this rank's own gradient (not the average of all ranks)"
+                )
+            return False
         # every rank must send the same messages: one rank's reader (a callback added on rank 0 only) decides for all
         anyone = any_rank(bool(readers), Ring(self.gradient_group), self.root_device)
         if readers:
@@ -74,9 +157,18 @@ class ParameterServerBase(DataParallelStrategy):
                 f"strategy {self.strategy_name!r} does not support precision='16-mixed' (its gradient scaler "
                 "would need to run on the servers); use precision='bf16-mixed' or '32-true'."
             )
+        if self.staleness != 0:
+            for optimizer in map(unwrap_optimizer, self.optimizers):
+                if any("lr" not in group for group in optimizer.param_groups):
+                    raise ConfigurationError(
+                        f"strategy {self.strategy_name!r} with staleness={self.staleness!r} scales each arriving "
+                        f"gradient's learning rate, but {type(optimizer).__name__} has no 'lr' in its parameter groups"
+                    )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._stale is not None:
+            return self._stale_step(optimizer, closure, model)
         model = model or self.lightning_module
         optimizer = unwrap_optimizer(optimizer)
         self._check_trainable_unchanged(optimizer)
@@ -92,6 +184,7 @@ class ParameterServerBase(DataParallelStrategy):
         start = time.perf_counter()
         self._pull(optimizer)
         self._end_step(blocking_seconds=time.perf_counter() - start)
+        self.staleness_seen.add(0)
         return result
 
     def _gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
@@ -135,3 +228,157 @@ class ParameterServerBase(DataParallelStrategy):
         assert self.reducer is not None
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [b for b in self.reducer.buckets if any(id(p) in ids for p in b.params)]
+
+    # ------------------------------------------------------------------ staleness != 0: servers on threads of their own
+    def _served_segments(self, buckets: list[GradientBucket]) -> list[list[Segment]]:
+        """``[b][r]``: the range of bucket ``b``'s gradient region that rank ``r`` serves (subclasses)."""
+        raise NotImplementedError
+
+    @override
+    def _setup_gradient_sync(self) -> None:
+        if self.staleness == 0:
+            super()._setup_gradient_sync()
+            return
+        self._close_gradient_sync()
+        assert self.model is not None and self._timeout is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if len({p.dtype for p in params}) > 1:
+            raise ConfigurationError(
+                f"strategy {self.strategy_name!r} with staleness={self.staleness!r} needs every trainable parameter "
+                f"in one dtype, got {sorted(str(d) for d in {p.dtype for p in params})}"
+            )
+        cap = int(self.bucket_cap_mb * 1024 * 1024)
+        buckets = [GradientBucket(i, [params[j] for j in group]) for i, group in enumerate(assign_buckets(params, cap))]
+        segments = self._served_segments(buckets)
+        if self._stale_groups is None:  # collective: every rank creates them in the same order
+            push_group = dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT)
+            reply_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._stale_groups = (push_group, reply_group)  # type: ignore[assignment]
+        assert self._stale_groups is not None
+        push_group, reply_group = self._stale_groups
+        owner = f"strategy {self.strategy_name!r}"
+        layout = ShardLayout(buckets, segments, self.global_rank, owner, own_storage=True)
+        optimizers = [
+            ShardedOptimizer(unwrap_optimizer(o), layout, self.gradient_group, owner) for o in self.optimizers
+        ]
+        push_layout = PushLayout(buckets, segments, self.world_size)
+        server = None
+        if self.global_rank in push_layout.servers:
+            server = StalenessServer(layout, optimizers, push_layout, self.global_rank, self.world_size, self.staleness,
+                                     push_group, reply_group, self.sync_stats)  # fmt: skip
+        client = StalenessClient(push_layout, self.global_rank, push_group, reply_group, server,
+                                 self._timeout.total_seconds(), self.sync_stats)  # fmt: skip
+        self._stale = _StaleSync(buckets, optimizers, client, server)
+        self._synced_params = {id(p) for p in params}
+        self.sync_stats.bucket_bytes = sum(b.nbytes for b in buckets)
+        if server is not None:
+            server.start()
+
+    def _stale_step(self, optimizer: Any, closure: Callable[[], Any], model: Any) -> Any:
+        """One step of a worker: its own gradient (hooks and clipping applied) to the servers, new weights back."""
+        assert self._stale is not None
+        model = model or self.lightning_module
+        optimizer = unwrap_optimizer(optimizer)
+        self._check_trainable_unchanged(optimizer)
+        result = closure()
+        after_closure(self.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        with self._stale.lock():
+            for sharded in self._stale.optimizers:
+                sharded.follow_param_groups()
+        grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad = first_nonfinite(grads)
+        if bad is not None:
+            self._stale.client.close(REASON_NONFINITE)
+            self._raise_nonfinite(bad)
+        start = time.perf_counter()
+        for bucket in self._stale.buckets:
+            for i, p in enumerate(bucket.params):
+                bucket.fill(i, p.grad)
+        index = [unwrap_optimizer(o) for o in self.optimizers].index(optimizer)
+        self.staleness_seen.add(self._stale.client.push(index))
+        self._end_step(blocking_seconds=time.perf_counter() - start)
+        return result
+
+    def _flush(self) -> None:
+        """Every rank gets the servers' weights, holding every update so far, and rank 0's buffers (collective)."""
+        if self._stale is None or self._stale.client.closed:
+            return
+        self._stale.client.flush()
+        assert self.model is not None
+        buffers = list(self.model.buffers())
+        if self.broadcast_buffers and buffers:
+            broadcast_tensors(buffers, src=0, group=self.gradient_group)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._stale is not None:  # no worker pushes before every server holds its (restored) state
+            dist.barrier(group=self.gradient_group)
+            # Lightning's per-step SIGTERM broadcast would make every step wait for rank 0: each rank checks its own
+            # flag instead, and a terminated rank stops the others through the servers (on_exception)
+            assert self.lightning_module is not None
+            trainer = self.lightning_module.trainer
+            self._restore_sigterm_broadcast = replace_step_sigterm_broadcast(
+                trainer, lambda: _raise_if_sigterm(trainer)
+            )
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._flush()  # validation runs on the freshest weights: every update of every rank so far
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._flush()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._flush()  # a checkpoint holds the servers' weights, every update included (every rank calls it)
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._stale is not None:  # the other ranks stop at their next request instead of waiting
+            terminated = isinstance(exception, SIGTERMException)
+            self._stale.client.close(REASON_TERMINATED if terminated else REASON_ERROR)
+        super().on_exception(exception)
+
+    def _close_stale_sync(self) -> None:
+        if self._restore_sigterm_broadcast is not None:
+            self._restore_sigterm_broadcast()
+            self._restore_sigterm_broadcast = None
+        if self._stale is not None:
+            assert self._timeout is not None
+            self._stale.client.close(timeout=self._timeout.total_seconds())
+            self._stale = None
+
+    @override
+    def teardown(self) -> None:
+        self._close_stale_sync()
+        super().teardown()
+
+    def _stale_sharded(self, optimizer: Any) -> ShardedOptimizer:
+        assert self._stale is not None
+        optimizer = unwrap_optimizer(optimizer)
+        return next(s for s in self._stale.optimizers if s.optimizer is optimizer)
+
+    def _stale_optimizer_state(self, optimizer: Any) -> dict:
+        """The servers' full optimizer state for ``optimizer``, consolidated on rank 0 (collective)."""
+        assert self._stale is not None
+        sharded = self._stale_sharded(optimizer)
+        with self._stale.lock():
+            sharded.consolidate_state_dict(to=0)
+        return sharded.state_dict() if self.is_global_zero else {}
+
+    def _load_stale_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each server takes its share of a full (standard layout) optimizer state."""
+        assert self._stale is not None
+        with self._stale.lock():
+            for sharded, saved in zip(self._stale.optimizers, checkpoint["optimizer_states"]):
+                sharded.load_state_dict(saved)
+
+
+def _raise_if_sigterm(trainer: pl.Trainer) -> None:
+    if getattr(trainer, "received_sigterm", False):
+        raise SIGTERMException()

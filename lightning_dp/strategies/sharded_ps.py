@@ -10,10 +10,16 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import unwrap_optimizer
+from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, check_shardable
-from lightning_dp.comm.transports import ShardedServerTransport, SharedMemoryShardedTransport, Transport
-from lightning_dp.strategies.parameter_server_base import ParameterServerBase
+from lightning_dp.comm.transports import (
+    ShardedServerTransport,
+    SharedMemoryShardedTransport,
+    Transport,
+    byte_balanced_shards,
+)
+from lightning_dp.strategies.parameter_server_base import ParameterServerBase, Segment
 
 
 class ShardedParameterServerStrategy(ParameterServerBase):
@@ -30,7 +36,8 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     (:data:`~lightning_dp.comm.sharded_optimizer.ELEMENTWISE_OPTIMIZERS`) can run on slices of tensors; others
     are refused at set-up. Checkpoints hold the optimizer state in torch's standard, unsharded layout.
 
-    Args: see :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
+    Args: ``staleness`` (see :class:`~.parameter_server_base.ParameterServerBase`) and the options of
+        :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
     strategy_name = "sharded_ps"
@@ -54,8 +61,14 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         return ShardedServerTransport(self.gradient_group, self.sync_stats)
 
     @override
+    def _served_segments(self, buckets: list[GradientBucket]) -> list[list[Segment]]:
+        return byte_balanced_shards(buckets, self.world_size)
+
+    @override
     def _setup_gradient_sync(self) -> None:
         super()._setup_gradient_sync()
+        if self._stale is not None:  # servers on threads of their own, with their own copies of the shards
+            return
         assert self.reducer is not None and isinstance(
             self.transport, (ShardedServerTransport, SharedMemoryShardedTransport)
         )
@@ -113,12 +126,15 @@ class ShardedParameterServerStrategy(ParameterServerBase):
 
     @override
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [s.shard for s in self.sharded_optimizers if s.serves_anything]
+        optimizers = self._stale.optimizers if self._stale is not None else self.sharded_optimizers
+        return [s.shard for s in optimizers if s.serves_anything]
 
     # ------------------------------------------------------------------ checkpoints in the standard torch layout
     @override
     def optimizer_state(self, optimizer: Any) -> dict:
         """The full optimizer state, consolidated from every shard, on rank 0 (every rank must call it)."""
+        if self._stale is not None:
+            return self._stale_optimizer_state(optimizer)
         sharded = self._sharded(optimizer)
         sharded.consolidate_state_dict(to=0)
         return sharded.state_dict() if self.is_global_zero else {}
@@ -126,6 +142,9 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     @override
     def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Each rank takes its shard's slice of a full (standard layout) optimizer state."""
+        if self._stale is not None:
+            self._load_stale_optimizer_states(checkpoint)
+            return
         for sharded, saved in zip(self.sharded_optimizers, checkpoint["optimizer_states"]):
             sharded.load_state_dict(saved)
 

@@ -2,6 +2,8 @@
 
 import argparse
 import os
+import sys
+import time
 
 import lightning as L
 import torch
@@ -28,8 +30,13 @@ parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help=
 parser.add_argument("--compression", default=None, help="strategy option")
 parser.add_argument("--powersgd-rank", type=int, default=None, help="strategy option")
 parser.add_argument("--powersgd-warmup", type=int, default=None, help="strategy option powersgd_warmup_steps")
+parser.add_argument("--staleness", default=None, help="strategy option: an integer, or 'none' (asynchronous)")
+parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-seconds before each step")
+parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+if args.staleness is not None:
+    args.staleness = None if args.staleness == "none" else int(args.staleness)
 
 options = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
 # strategy options given on the command line: argument name -> option name
@@ -38,6 +45,8 @@ for arg, option in (("server_rank", "server_rank"), ("timeout", "timeout"), ("in
                     ("powersgd_warmup", "powersgd_warmup_steps")):  # fmt: skip
     if getattr(args, arg) is not None:
         options[option] = getattr(args, arg)
+if "--staleness" in sys.argv:
+    options["staleness"] = args.staleness
 strategy = args.strategy
 if options:
     from lightning.pytorch.strategies import StrategyRegistry
@@ -50,6 +59,10 @@ class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.sockets = tcp_sockets()
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == args.slow_rank:
+            time.sleep(args.slow_seconds)
+
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
         stats = getattr(s, "sync_stats", None)
@@ -60,6 +73,7 @@ class Record(L.Callback):
             "sockets": self.sockets,
             "transport": type(s.transport).__name__ if hasattr(s, "transport") else None,
             "codec": s.codec.name if hasattr(s, "codec") else None,
+            "staleness_seen": dict(s.staleness_seen.histogram) if hasattr(s, "staleness_seen") else None,
             "hierarchical": getattr(getattr(getattr(s, "transport", None), "_exchange", None), "cross_group", None)
             is not None,
         }
