@@ -72,6 +72,11 @@ def train(cfg: DictConfig) -> dict:
 
     trainer.fit(model, datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    # the parameter servers' record of how stale each step's weights were (rank 0's, taken before testing)
+    seen = getattr(trainer.strategy, "staleness_seen", None)
+    staleness = (
+        {"max": seen.max, "mean": seen.mean(), "histogram": dict(sorted(seen.histogram.items()))} if seen else None
+    )
     has_test = datamodule is not None or L.pytorch.utilities.model_helpers.is_overridden("test_step", model)
     if cfg.test and has_test:
         for result in trainer.test(model, datamodule=datamodule, ckpt_path=None, verbose=False):
@@ -80,6 +85,8 @@ def train(cfg: DictConfig) -> dict:
         output = Path(HydraConfig.get().runtime.output_dir)
         summary = {"strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size,
                    "global_step": trainer.global_step, "metrics": metrics}  # fmt: skip
+        if staleness is not None:
+            summary["staleness_seen"] = staleness
         (output / "metrics.json").write_text(json.dumps(summary, indent=2))
         print("final metrics:", json.dumps(metrics, sort_keys=True))
     return metrics

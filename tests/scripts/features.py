@@ -33,6 +33,7 @@ parser.add_argument("--phase", choices=["main", "crash", "resume"], default="mai
 parser.add_argument("--timeout", type=float, default=30.0)
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--kill-rank", type=int, default=1, help="the rank the crash phase kills")
+parser.add_argument("--staleness", default=None, help="strategy option: an integer, or 'none' (asynchronous)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -132,7 +133,10 @@ def strategy(unused_parameters: bool = True):
     from lightning.pytorch.strategies import StrategyRegistry
 
     entry = StrategyRegistry[args.strategy]
-    return entry["strategy"](**entry["init_params"], timeout=args.timeout)
+    options = {}
+    if args.staleness is not None:
+        options["staleness"] = None if args.staleness == "none" else int(args.staleness)
+    return entry["strategy"](**entry["init_params"], timeout=args.timeout, **options)
 
 
 def trainer(callbacks, **kwargs) -> L.Trainer:

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -10,7 +11,7 @@ import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from lightning_dp.comm.sockets import tcp_sockets
-from tests.scripts.models import RegressionModel
+from tests.scripts.models import RegressionModel, flat_weights
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
@@ -33,6 +34,8 @@ parser.add_argument("--powersgd-warmup", type=int, default=None, help="strategy 
 parser.add_argument("--staleness", default=None, help="strategy option: an integer, or 'none' (asynchronous)")
 parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-seconds before each step")
 parser.add_argument("--slow-seconds", type=float, default=0.0)
+parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself before step --kill-step")
+parser.add_argument("--kill-step", type=int, default=0)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 if args.staleness is not None:
@@ -62,6 +65,8 @@ class Record(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == args.slow_rank:
             time.sleep(args.slow_seconds)
+        if trainer.global_rank == args.kill_rank and trainer.global_step == args.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
@@ -103,6 +108,7 @@ os.makedirs(args.out, exist_ok=True)
 torch.save(
     {
         "weights": model.history,
+        "final": flat_weights(model),
         "buffers": model.buffer_history,
         "world_size": trainer.world_size,
         **record.result,

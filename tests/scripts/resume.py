@@ -7,7 +7,7 @@ import lightning as L
 import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
-from tests.scripts.models import RegressionModel
+from tests.scripts.models import RegressionModel, flat_weights
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
@@ -20,6 +20,8 @@ parser.add_argument("--save-to", default=None)
 parser.add_argument("--compression", default=None, help="strategy option (with intra_node='ring')")
 parser.add_argument("--powersgd-rank", type=int, default=1)
 parser.add_argument("--powersgd-warmup", type=int, default=2)
+parser.add_argument("--staleness", default=None, help="strategy option: an integer, or 'none' (asynchronous)")
+parser.add_argument("--checkpoint-every", type=int, default=None, help="ModelCheckpoint every n steps into <out>/ckpt")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -31,6 +33,30 @@ if args.compression is not None:
     options = {"intra_node": "ring", "compression": args.compression, "powersgd_rank": args.powersgd_rank}
     strategy = entry["strategy"](**{**entry["init_params"], **options, "powersgd_warmup_steps": args.powersgd_warmup})
 
+if args.staleness is not None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[strategy]
+    staleness = None if args.staleness == "none" else int(args.staleness)
+    strategy = entry["strategy"](**{**entry["init_params"], "staleness": staleness})
+
+
+class StartState(L.Callback):
+    """The weights and the (consolidated) optimizer state every rank starts training from."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.weights = flat_weights(pl_module)
+        self.optimizer_state = trainer.strategy.optimizer_state(trainer.optimizers[0])  # collective
+
+
+start_state = StartState()
+callbacks = [start_state]
+if args.checkpoint_every:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks.append(ModelCheckpoint(os.path.join(args.out, "ckpt"), every_n_train_steps=args.checkpoint_every,
+                                     save_top_k=-1, filename="{step}"))  # fmt: skip
+
 single = args.strategy == "single_device"
 model = RegressionModel(args.batch_size, args.optimizer, explicit_sampler=single)
 trainer = L.Trainer(
@@ -39,7 +65,8 @@ trainer = L.Trainer(
     devices=1 if single else args.devices,
     max_epochs=args.max_epochs,
     logger=False,
-    enable_checkpointing=False,
+    enable_checkpointing=bool(args.checkpoint_every),
+    callbacks=callbacks,
     enable_progress_bar=False,
     enable_model_summary=False,
 )
@@ -48,6 +75,15 @@ if args.save_to:
     trainer.save_checkpoint(args.save_to)
 os.makedirs(args.out, exist_ok=True)
 torch.save(
-    {"weights": model.history, "global_step": trainer.global_step},
+    {
+        "weights": model.history,
+        "global_step": trainer.global_step,
+        "final": flat_weights(model),
+        "start_weights": start_state.weights,
+        "start_optimizer_state": start_state.optimizer_state,
+        "staleness_seen": dict(getattr(trainer.strategy, "staleness_seen", None).histogram)
+        if hasattr(trainer.strategy, "staleness_seen")
+        else None,
+    },  # fmt: skip
     os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
 )
