@@ -11,10 +11,13 @@ worker's gradient as soon as it arrives, and a worker waits only for what its co
 The staleness a worker sees at step ``c`` is ``c - m``, where ``m`` is the smallest clock among the workers whose
 updates its weights hold (``m`` steps of every worker are in them); SSP keeps it at most ``k``.
 
-Each arriving gradient is applied alone as one step of the user's optimizer with its learning rate divided by
-the number of workers ``N``, so that ``N`` arrivals move the weights as far as one synchronous step of the average
-(exactly so for SGD; for Adam and the other adaptive optimizers a step's size is set by the learning rate, and
-``lr / N`` per arrival again adds up to ``lr`` per round). No delay compensation is applied to stale gradients.
+Each arriving gradient is applied alone, as one step of the user's optimizer on a batch ``N`` times smaller than
+the synchronous step's, with the learning rate scaled as the batch-size scaling rules say keeps the training the
+same (:func:`arrival_lr_scale`): ``lr / N`` for SGD and the other optimizers linear in the gradient (the linear
+scaling rule: ``N`` arrivals move the weights as far as one synchronous step of their average), ``lr / sqrt(N)``
+for the adaptive ones (Adam, RMSprop, ...), whose step is normalized by the gradient's running RMS, which one
+worker's smaller batch makes ``sqrt(N)`` times noisier (the square-root scaling rule for adaptive optimizers).
+No delay compensation is applied to stale gradients.
 
 Roles (every rank is a worker; a rank that serves a share of the weights also runs a :class:`StalenessServer`):
 
@@ -38,6 +41,7 @@ naming it, so no worker waits for it.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -68,6 +72,21 @@ _REASONS = {REASON_LOST: "is unreachable (it died or its link is down)",
             REASON_TERMINATED: "was asked to terminate (SIGTERM)"}  # fmt: skip
 #: ``[kind, clock, optimizer index, reason]`` and ``[status, staleness, culprit rank, reason]``
 HEADER_LEN = 4
+
+#: optimizers whose step is normalized by a running average of the squared gradient (see :func:`arrival_lr_scale`)
+ADAPTIVE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Adafactor")
+    if hasattr(torch.optim, name)
+)
+
+
+def arrival_lr_scale(optimizer: torch.optim.Optimizer, num_workers: int) -> float:
+    """The factor on ``optimizer``'s learning rate for one worker's gradient applied alone among ``num_workers``:
+    ``1 / sqrt(N)`` for :data:`ADAPTIVE_OPTIMIZERS`, ``1 / N`` otherwise (see the module docstring)."""
+    if isinstance(optimizer, ADAPTIVE_OPTIMIZERS):
+        return 1.0 / math.sqrt(num_workers)
+    return 1.0 / num_workers
 
 
 def check_staleness(value: object) -> int | None:
@@ -159,7 +178,8 @@ class StalenessServer:
     docstring); apply, bound and flush logic on one serving thread.
 
     ``optimizers`` run on ``layout``'s own storage (the share of the weights this rank serves); each arriving
-    gradient is one step of optimizer ``optimizer_index`` with the learning rate times ``1 / size``. ``lock`` guards
+    gradient is one step of optimizer ``optimizer_index`` with the learning rate times :func:`arrival_lr_scale`
+    of the user's optimizer. ``lock`` guards
     the storage and the optimizers' state: hold it to read them from another thread (checkpoints).
     """
 
@@ -264,7 +284,7 @@ class StalenessServer:
             self.failure = self.failure or (request.worker, request.reason)
 
     def _apply(self, optimizer_index: int, payload: Tensor) -> None:
-        """One arriving gradient: one step of its optimizer over this server's share, at ``lr / size``."""
+        """One arriving gradient: one step of its optimizer over this server's share, the learning rate scaled."""
         sharded = self.optimizers[optimizer_index]
         pieces = {id(pc) for pc in sharded.pieces}
         for piece, flag_at in zip(self.layout.pieces, self._flag_at):
@@ -273,7 +293,7 @@ class StalenessServer:
                 n = piece.tensor.numel()
                 grad = payload[piece.storage_start : piece.storage_start + n].view_as(piece.tensor)
                 piece.tensor.grad = grad if used else None
-        sharded.step(lr_scale=1.0 / self.size)
+        sharded.step(lr_scale=arrival_lr_scale(sharded.optimizer, self.size))
 
     def _answer(self) -> None:
         """Reply to every request the bound now allows (or every request, with the failure, once the run failed)."""

@@ -41,6 +41,7 @@ class ParameterServerStrategy(ParameterServerBase):
 
     @override
     def _check_world_size(self, world_size: int) -> None:
+        super()._check_world_size(world_size)
         if world_size and self.server_rank >= world_size:
             raise ConfigurationError(
                 f"server_rank={self.server_rank} is outside [0, {world_size}) for a run of {world_size} processes"

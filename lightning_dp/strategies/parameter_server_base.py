@@ -89,8 +89,9 @@ class ParameterServerBase(DataParallelStrategy):
         staleness: the consistency model. ``0`` (default): synchronous, every step waits for every rank's
             gradients. ``k >= 1``: bounded staleness (SSP): a worker at step ``c`` uses weights holding every
             worker's updates of steps before ``c - k`` at least, and waits only when a slower worker would break
-            that. ``None``: asynchronous, no bound. Each arriving gradient is applied alone with the learning rate
-            divided by the number of ranks. CPU training (gloo) only.
+            that. ``None``: asynchronous, no bound. Each arriving gradient is applied alone, the learning rate
+            scaled by :func:`~lightning_dp.comm.consistency.arrival_lr_scale` (``1 / N`` for SGD, ``1 / sqrt(N)``
+            for adaptive optimizers such as Adam). CPU training (gloo) only.
         **kwargs: see :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
