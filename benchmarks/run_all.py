@@ -1,11 +1,12 @@
 """Run every benchmark in one go and collect the tables in results/.
 
     python -m benchmarks.run_all            # full: a few tens of minutes on 2 CPU cores
-    python -m benchmarks.run_all --quick    # under 5 minutes; as root the emulated-host benchmarks add a few
+    python -m benchmarks.run_all --quick    # under 10 minutes; as root the emulated-host benchmarks add a few
 
 The emulated-cluster and compression benchmarks need root (network namespaces); without it, they are skipped with a
-note. The accuracy part of the compression benchmark (`python -m benchmarks.compression --accuracy`, about 10
-minutes) runs on its own; its table is collected if present.
+note. The accuracy parts of the compression and straggler benchmarks (`python -m benchmarks.compression --accuracy`,
+`python -m benchmarks.straggler --accuracy`, about 10 and 6 minutes) run on their own; their tables are collected if
+present.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     quick = ["--quick"] if args.quick else []
-    modules = ["benchmarks.collectives", "benchmarks.end_to_end"]
+    modules = ["benchmarks.collectives", "benchmarks.end_to_end", "benchmarks.straggler"]
     if os.geteuid() == 0:
         modules += ["benchmarks.emulated_cluster", "benchmarks.compression"]
     else:
@@ -34,7 +35,8 @@ def main() -> None:
     for module in modules:
         print(f"== {module}", flush=True)
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
-    names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy")
+    names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
+             "straggler_accuracy")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

@@ -69,3 +69,16 @@ def test_strategy_specs_of_the_benchmarks():
     assert build_strategy("ring_allreduce") == ("ring_allreduce", [])
     with pytest.raises(ValueError, match="ddp\\+zip_hook"):
         build_strategy("ddp+zip_hook")
+
+
+@pytest.mark.multiprocess
+def test_straggler_benchmark_runs_one_setting(tmp_path):
+    from benchmarks.straggler import expected_step, throughput_report
+    from benchmarks.straggler import run as run_one
+
+    row = run_one("mlp", 2, "none", "transient", 0.01, 1, tmp_path)
+    assert row["steps_per_rank"] == 10 and row["samples_per_s"] > 0 and row["staleness_max"] >= 0
+    row.update(setting="async", t=0.01, expected_step_s=expected_step("async", "transient", 0.01, 0.04, 2))
+    assert row["expected_step_s"] == pytest.approx(0.01 + 0.2 * 0.04)
+    assert expected_step("sync", "transient", 0.01, 0.04, 2) == pytest.approx(0.01 + (1 - 0.8**2) * 0.04)
+    assert "| mlp | 2 | transient | async |" in "\n".join(throughput_report([row]))

@@ -133,16 +133,30 @@ def test_default_run_reaches_the_readme_accuracy(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "strategy, compression", [("ring_allreduce", "powersgd"), ("parameter_server", "bf16"), ("sharded_ps", "fp16")]
-)
+@pytest.mark.parametrize("strategy, compression", [("ring_allreduce", "powersgd")])
 def test_default_run_with_compression_reaches_the_readme_accuracy(tmp_path, strategy, compression):
     """README: the default run with each codec (over sockets, where there is something to compress) reaches 95 %;
-    one strategy per codec here, every pair in benchmarks/compression.py's accuracy table (~40 s each)."""
+    here the codec that approximates most (~40 s), every strategy x codec in benchmarks/compression.py's accuracy
+    table; the 16-bit codecs' math is checked step by step against one process in tests/strategies."""
     overrides = [f"strategy={strategy}", f"strategy.compression={compression}", "strategy.intra_node=ring"]
     run_app([*overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     summary = check_run_dir(tmp_path / "run")
     assert summary["global_step"] == 100
+    assert summary["metrics"]["test_acc"] >= 0.95, summary
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", ["4", "null"])
+def test_stale_and_asynchronous_servers_reach_the_readme_accuracy(tmp_path, staleness):
+    """README: the default run with 4 processes under sharded_ps with staleness 4 (SSP) or none (asynchronous)
+    reaches 95 % test accuracy after the same 10 epochs (~60 s each)."""
+    overrides = ["strategy=sharded_ps", f"strategy.staleness={staleness}", "trainer.devices=4"]
+    run_app([*overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    summary = check_run_dir(tmp_path / "run")
+    assert summary["world_size"] == 4 and summary["global_step"] == 100
+    bound = {"4": 4, "null": None}[staleness]
+    assert bound is None or summary["staleness_seen"]["max"] <= bound, summary
     assert summary["metrics"]["test_acc"] >= 0.95, summary
 
 

@@ -168,7 +168,7 @@ class ParameterServerBase(DataParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._stale is not None:
+        if self.staleness != 0:
             return self._stale_step(optimizer, closure, model)
         model = model or self.lightning_module
         optimizer = unwrap_optimizer(optimizer)
@@ -275,6 +275,15 @@ class ParameterServerBase(DataParallelStrategy):
         if server is not None:
             server.start()
 
+    @override
+    def measure_exchange_seconds(self, repeats: int = 3) -> float:
+        if self.staleness != 0:
+            raise RuntimeError(
+                f"measure_exchange_seconds times a synchronous exchange; strategy {self.strategy_name!r} runs with "
+                f"staleness={self.staleness!r}, whose workers exchange alone (see sync_stats for their seconds)"
+            )
+        return super().measure_exchange_seconds(repeats)
+
     def _stale_step(self, optimizer: Any, closure: Callable[[], Any], model: Any) -> Any:
         """One step of a worker: its own gradient (hooks and clipping applied) to the servers, new weights back."""
         assert self._stale is not None
@@ -301,7 +310,8 @@ class ParameterServerBase(DataParallelStrategy):
         return result
 
     def _flush(self) -> None:
-        """Every rank gets the servers' weights, holding every update so far, and rank 0's buffers (collective)."""
+        """Every rank gets the servers' weights, holding every update so far, and rank 0's buffers (collective; a no-op
+        once the servers have stopped)."""
         if self._stale is None or self._stale.client.closed:
             return
         self._stale.client.flush()
@@ -313,7 +323,7 @@ class ParameterServerBase(DataParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._stale is not None:  # no worker pushes before every server holds its (restored) state
+        if self._stale is not None and not self._stale.client.closed:  # no push before every server has restored
             dist.barrier(group=self.gradient_group)
             # Lightning's per-step SIGTERM broadcast would make every step wait for rank 0: each rank checks its own
             # flag instead, and a terminated rank stops the others through the servers (on_exception)
@@ -340,19 +350,19 @@ class ParameterServerBase(DataParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if self._stale is not None:  # the other ranks stop at their next request instead of waiting
+        if self._stale is not None and not self._stale.client.closed:  # the others stop at their next request
             terminated = isinstance(exception, SIGTERMException)
             self._stale.client.close(REASON_TERMINATED if terminated else REASON_ERROR)
         super().on_exception(exception)
 
     def _close_stale_sync(self) -> None:
+        """Stop serving; the servers' optimizers stay, so a checkpoint saved after ``fit`` still holds their state."""
         if self._restore_sigterm_broadcast is not None:
             self._restore_sigterm_broadcast()
             self._restore_sigterm_broadcast = None
         if self._stale is not None:
             assert self._timeout is not None
             self._stale.client.close(timeout=self._timeout.total_seconds())
-            self._stale = None
 
     @override
     def teardown(self) -> None:

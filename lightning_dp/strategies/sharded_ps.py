@@ -67,7 +67,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     @override
     def _setup_gradient_sync(self) -> None:
         super()._setup_gradient_sync()
-        if self._stale is not None:  # servers on threads of their own, with their own copies of the shards
+        if self.staleness != 0:  # servers on threads of their own, with their own copies of the shards
             return
         assert self.reducer is not None and isinstance(
             self.transport, (ShardedServerTransport, SharedMemoryShardedTransport)
