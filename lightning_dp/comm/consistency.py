@@ -17,7 +17,8 @@ same (:func:`arrival_lr_scale`): ``lr / N`` for SGD and the other optimizers lin
 scaling rule: ``N`` arrivals move the weights as far as one synchronous step of their average), ``lr / sqrt(N)``
 for the adaptive ones (Adam, RMSprop, ...), whose step is normalized by the gradient's running RMS, which one
 worker's smaller batch makes ``sqrt(N)`` times noisier (the square-root scaling rule for adaptive optimizers).
-No delay compensation is applied to stale gradients.
+Decoupled weight decay (AdamW's) is scaled so that a round of ``N`` arrivals decays the weights as one synchronous
+step does. No delay compensation is applied to stale gradients.
 
 Roles (every rank is a worker; a rank that serves a share of the weights also runs a :class:`StalenessServer`):
 
@@ -48,6 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -87,6 +89,18 @@ def arrival_lr_scale(optimizer: torch.optim.Optimizer, num_workers: int) -> floa
     if isinstance(optimizer, ADAPTIVE_OPTIMIZERS):
         return 1.0 / math.sqrt(num_workers)
     return 1.0 / num_workers
+
+
+def arrival_scale(optimizer: torch.optim.Optimizer, num_workers: int) -> dict[str, float]:
+    """Factors on ``optimizer``'s hyperparameters for one arriving gradient: the learning rate's
+    (:func:`arrival_lr_scale`), and for decoupled weight decay (``lr * weight_decay`` per step: AdamW's) the one that
+    makes ``N`` arrivals decay the weights by ``lr * weight_decay``, as one synchronous step."""
+    lr = arrival_lr_scale(optimizer, num_workers)
+    scale = {"lr": lr}
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
+    if decoupled:
+        scale["weight_decay"] = 1.0 / (num_workers * lr)
+    return scale
 
 
 def check_staleness(value: object) -> int | None:
@@ -178,8 +192,8 @@ class StalenessServer:
     docstring); apply, bound and flush logic on one serving thread.
 
     ``optimizers`` run on ``layout``'s own storage (the share of the weights this rank serves); each arriving
-    gradient is one step of optimizer ``optimizer_index`` with the learning rate times :func:`arrival_lr_scale`
-    of the user's optimizer. ``lock`` guards
+    gradient is one step of optimizer ``optimizer_index``, its hyperparameters scaled by :func:`arrival_scale`.
+    ``lock`` guards
     the storage and the optimizers' state: hold it to read them from another thread (checkpoints).
     """
 
@@ -214,6 +228,7 @@ class StalenessServer:
         #: the exception that stopped this server itself (re-raised by its own worker)
         self.error: BaseException | None = None
         self._flag_at = [push_layout.flag_index(pc.bucket, pc.index_in_bucket, rank) for pc in layout.pieces]
+        self._scales = [arrival_scale(o.optimizer, size) for o in self.optimizers]
         self._threads = [threading.Thread(target=self._receive, args=(w,), daemon=True, name=f"lddp-recv-{w}")
                          for w in range(size) if w != rank]  # fmt: skip
         self._serving = threading.Thread(target=self._serve, daemon=True, name="lddp-server")
@@ -222,6 +237,11 @@ class StalenessServer:
         for thread in self._threads:
             thread.start()
         self._serving.start()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the serving thread still runs."""
+        return self._serving.is_alive()
 
     def join(self, timeout: float) -> bool:
         """Wait until every worker has said goodbye (or is gone); whether the threads ended in ``timeout``."""
@@ -269,12 +289,12 @@ class StalenessServer:
 
     def _handle(self, request: _Request) -> None:
         if request.kind == PUSH:
+            self.clock[request.worker] = request.clock
+            self._pending.append(request)  # first: if the update fails, this request is answered with the failure
             if self.failure is None:
                 assert request.payload is not None
                 with self.lock:
                     self._apply(request.optimizer_index, request.payload)
-            self.clock[request.worker] = request.clock
-            self._pending.append(request)
         elif request.kind == FLUSH:
             self._flushing.append(request)
         elif request.kind == BYE:
@@ -293,7 +313,7 @@ class StalenessServer:
                 n = piece.tensor.numel()
                 grad = payload[piece.storage_start : piece.storage_start + n].view_as(piece.tensor)
                 piece.tensor.grad = grad if used else None
-        sharded.step(lr_scale=arrival_lr_scale(sharded.optimizer, self.size))
+        sharded.step(scale=self._scales[optimizer_index])
 
     def _answer(self) -> None:
         """Reply to every request the bound now allows (or every request, with the failure, once the run failed)."""
@@ -342,9 +362,12 @@ class StalenessServer:
 class StalenessClient:
     """A worker's side of the protocol (see the module docstring): push gradients, pull weights within the bound.
 
-    ``buckets`` hold the gradients to push (the caller fills them) and lay out the parameters; ``server`` is this
-    rank's own :class:`StalenessServer` when it serves a share. ``timeout`` (seconds) bounds the wait for this
-    rank's own server, as the reply group's timeout bounds the wait for the others.
+    ``layout``'s buckets hold the gradients to push (the caller fills them) and lay out the parameters; ``server`` is
+    this rank's own :class:`StalenessServer` when it serves a share. ``timeout`` (seconds) bounds every wait of a
+    push: for a message to leave and for the servers' answer, which the bound may hold back while a slower worker
+    catches up (as a synchronous step waits for the slowest). A flush waits without a deadline, since the slowest
+    rank may still have the rest of its epoch to run; a dead peer ends any wait at once (its sockets close), and
+    the reply group's own timeout should be long.
     """
 
     def __init__(
@@ -397,12 +420,13 @@ class StalenessClient:
         replies: dict[int, tuple[Tensor, Tensor]] = {}
         if self.server is not None:
             self.server.submit(_Request(self.rank, kind, self.clock, optimizer_index, 0, local))
-            replies[self.rank] = self._local_reply()
+            replies[self.rank] = self._local_reply(self.timeout if kind == PUSH else None)
+        deadline = timedelta(seconds=self.timeout) if kind == PUSH else None
         for server, work in sends:
-            self._wait(work, server, "send its gradients to")
+            self._wait(work, server, "send its gradients to", timedelta(seconds=self.timeout))
         for server, (reply, weights, works) in receives.items():
             for work in works:
-                self._wait(work, server, "receive the weights from")
+                self._wait(work, server, "receive the weights from", deadline)
             if self.stats is not None:
                 self.stats.add(received=weights.numel() * weights.element_size())
             replies[server] = (reply, weights)
@@ -416,10 +440,17 @@ class StalenessClient:
             self.layout.write_weights(server, weights)
         return staleness
 
-    def _local_reply(self) -> tuple[Tensor, Tensor]:
+    def _local_reply(self, timeout: float | None) -> tuple[Tensor, Tensor]:
         assert self.server is not None
         try:
-            return self.server.local_replies.get(timeout=self.timeout)
+            if timeout is None:  # no deadline, but a server that stopped serving ends the wait
+                while True:
+                    try:
+                        return self.server.local_replies.get(timeout=1.0)
+                    except queue.Empty:
+                        if not self.server.serving:
+                            raise
+            return self.server.local_replies.get(timeout=timeout)
         except queue.Empty:
             slowest = min(self.server.clock)
             raise PeerUnreachableError(
@@ -428,10 +459,10 @@ class StalenessClient:
                 "worker is far behind or hung. Raise the strategy's timeout if a worker is legitimately that slow."
             ) from None
 
-    def _wait(self, work: dist.Work | None, server: int, action: str) -> None:
+    def _wait(self, work: dist.Work | None, server: int, action: str, timeout: timedelta | None = None) -> None:
         try:
             if work is not None:
-                work.wait()
+                work.wait() if timeout is None else work.wait(timeout)
         except Exception as error:
             raise PeerUnreachableError(
                 f"rank {self.rank} could not {action} its server rank {server} at step {self.clock}: the peer is "
@@ -466,7 +497,7 @@ class StalenessClient:
         for work in works:
             try:
                 if work is not None:
-                    work.wait()
+                    work.wait(timedelta(seconds=timeout))
             except Exception:  # noqa: BLE001, S112
                 continue
         if self.server is not None:

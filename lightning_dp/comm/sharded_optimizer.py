@@ -132,10 +132,10 @@ class ShardLayout:
         dtype = buckets[0].buffer.dtype if buckets else torch.float32
         #: the served elements, in bucket order (with ``own_storage``; else empty)
         self.storage = torch.empty(numel if own_storage else 0, dtype=dtype)
+        self._served = served if own_storage else []
+        self.read_storage()
         offset = 0
         for bucket, start, end in served:
-            if own_storage and end > start:
-                bucket.read_params(start, end, self.storage[offset : offset + end - start])
             for i, (p, (lo, hi)) in enumerate(zip(bucket.params, bucket.slices)):
                 a, b = max(lo, start), min(hi, end)
                 if a < b:
@@ -152,6 +152,14 @@ class ShardLayout:
         self._by_param: dict[int, list[ShardPiece]] = {}
         for piece in self.pieces:
             self._by_param.setdefault(id(piece.param), []).append(piece)
+
+    def read_storage(self) -> None:
+        """Copy the parameters' current values into :attr:`storage` (with ``own_storage``; else nothing to do)."""
+        offset = 0
+        for bucket, start, end in self._served:
+            if end > start:
+                bucket.read_params(start, end, self.storage[offset : offset + end - start])
+                offset += end - start
 
     def pieces_of(self, params: Iterable[Tensor]) -> list[ShardPiece]:
         """This rank's pieces of ``params``, in their order."""
@@ -253,15 +261,16 @@ class ShardedOptimizer:
             grad.mul_(coefficient.to(grad.dtype))
         return total_norm
 
-    def step(self, lr_scale: float = 1.0, **kwargs: Any) -> None:
+    def step(self, scale: Mapping[str, float] | None = None, **kwargs: Any) -> None:
         """One update of this rank's pieces with their gradients (then dropped), under ``optimizer``'s current
-        hyperparameters, the learning rate times ``lr_scale``."""
+        hyperparameters, those named in ``scale`` multiplied by their factor (e.g. ``{"lr": 0.5}``)."""
         if not self.serves_anything:
             return
         for front_group, shard_group in zip(self.optimizer.param_groups, self.shard.param_groups):
             shard_group.update(hyperparameters(front_group))
-            if lr_scale != 1.0:
-                shard_group["lr"] = shard_group["lr"] * lr_scale
+            for key, factor in (scale or {}).items():
+                if key in shard_group and factor != 1.0:
+                    shard_group[key] = shard_group[key] * factor
         self.shard.step(**kwargs)
         for piece in self.pieces:
             piece.tensor.grad = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -13,12 +14,18 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp._lightning_compat import after_closure, replace_step_sigterm_broadcast, unwrap_optimizer
+from lightning_dp._lightning_compat import (
+    after_closure,
+    replace_sigterm_handler,
+    replace_step_sigterm_broadcast,
+    unwrap_optimizer,
+)
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import GradientBucket, assign_buckets
 from lightning_dp.comm.consistency import (
@@ -39,8 +46,9 @@ from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.inspection import gradient_readers
 
 Segment = tuple[int, int]
-#: how long a server's receiving threads wait for a worker's next message: without a deadline in practice (a
-#: worker may validate or checkpoint for long; a dead worker's closed sockets end the wait at once)
+#: the timeout of the staleness process groups: without a deadline in practice, as a server waits for a worker's
+#: next message and a flush for the slowest rank's remaining steps however long they take (a dead peer's closed
+#: sockets end any wait at once); a push's own waits use the strategy's timeout
 SERVER_IDLE_TIMEOUT = timedelta(days=7)
 
 #: optimizers that re-evaluate the closure within one step; a server cannot re-run the workers' forward passes
@@ -52,6 +60,8 @@ class _StaleSync:
     """The pieces of a run with ``staleness != 0`` (see :mod:`lightning_dp.comm.consistency`)."""
 
     buckets: list[GradientBucket]
+    #: this rank's share of the weights, its own copy (empty on a rank that serves nothing)
+    layout: ShardLayout
     #: one per user optimizer, over this rank's server copy of its share of the weights
     optimizers: list[ShardedOptimizer]
     client: StalenessClient
@@ -111,7 +121,7 @@ class ParameterServerBase(DataParallelStrategy):
         #: the staleness this rank saw at each of its steps (always 0 when synchronous)
         self.staleness_seen = StalenessRecord()
         self._stale: _StaleSync | None = None
-        self._restore_sigterm_broadcast: Callable[[], None] | None = None
+        self._restore_sigterm: list[Callable[[], None]] = []
         self._stale_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
     @override
@@ -253,7 +263,7 @@ class ParameterServerBase(DataParallelStrategy):
         segments = self._served_segments(buckets)
         if self._stale_groups is None:  # collective: every rank creates them in the same order
             push_group = dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT)
-            reply_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            reply_group = dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT)
             self._stale_groups = (push_group, reply_group)  # type: ignore[assignment]
         assert self._stale_groups is not None
         push_group, reply_group = self._stale_groups
@@ -269,7 +279,7 @@ class ParameterServerBase(DataParallelStrategy):
                                      push_group, reply_group, self.sync_stats)  # fmt: skip
         client = StalenessClient(push_layout, self.global_rank, push_group, reply_group, server,
                                  self._timeout.total_seconds(), self.sync_stats)  # fmt: skip
-        self._stale = _StaleSync(buckets, optimizers, client, server)
+        self._stale = _StaleSync(buckets, layout, optimizers, client, server)
         self._synced_params = {id(p) for p in params}
         self.sync_stats.bucket_bytes = sum(b.nbytes for b in buckets)
         if server is not None:
@@ -314,6 +324,9 @@ class ParameterServerBase(DataParallelStrategy):
         once the servers have stopped)."""
         if self._stale is None or self._stale.client.closed:
             return
+        assert self.lightning_module is not None
+        if self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+            return  # a checkpoint on exception: the other ranks are not at this flush, and the run is stopping
         self._stale.client.flush()
         assert self.model is not None
         buffers = list(self.model.buffers())
@@ -323,15 +336,22 @@ class ParameterServerBase(DataParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self._stale is not None and not self._stale.client.closed:  # no push before every server has restored
+        if self._stale is not None and not self._stale.client.closed:
+            # every rank starts from rank 0's weights as they are now (after on_fit_start / on_train_start hooks and
+            # any restore), and no rank pushes before every server holds them and its restored state
+            assert self.model is not None and self.lightning_module is not None
+            broadcast_tensors([p.data for p in self.model.parameters()], src=0, group=self.gradient_group)
+            with self._stale.lock():
+                self._stale.layout.read_storage()
             dist.barrier(group=self.gradient_group)
-            # Lightning's per-step SIGTERM broadcast would make every step wait for rank 0: each rank checks its own
-            # flag instead, and a terminated rank stops the others through the servers (on_exception)
-            assert self.lightning_module is not None
+            # Lightning's SIGTERM broadcasts (before every step, and in its signal handler) would make every step
+            # wait for rank 0: each rank checks its own flag instead, and a terminated rank stops the others through
+            # the servers (on_exception)
             trainer = self.lightning_module.trainer
-            self._restore_sigterm_broadcast = replace_step_sigterm_broadcast(
-                trainer, lambda: _raise_if_sigterm(trainer)
-            )
+            restores = [replace_step_sigterm_broadcast(trainer, lambda: _raise_if_sigterm(trainer))]
+            if threading.current_thread() is threading.main_thread():
+                restores.append(replace_sigterm_handler(trainer))
+            self._restore_sigterm = restores
 
     @override
     def on_validation_start(self) -> None:
@@ -357,9 +377,9 @@ class ParameterServerBase(DataParallelStrategy):
 
     def _close_stale_sync(self) -> None:
         """Stop serving; the servers' optimizers stay, so a checkpoint saved after ``fit`` still holds their state."""
-        if self._restore_sigterm_broadcast is not None:
-            self._restore_sigterm_broadcast()
-            self._restore_sigterm_broadcast = None
+        for restore in self._restore_sigterm:
+            restore()
+        self._restore_sigterm = []
         if self._stale is not None:
             assert self._timeout is not None
             self._stale.client.close(timeout=self._timeout.total_seconds())

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency import (
+    REASON_ERROR,
     REASON_NONFINITE,
     PushLayout,
     StalenessClient,
@@ -40,10 +41,13 @@ def test_staleness_record():
     assert record.max == 2 and record.steps == 4 and record.mean() == 1.25 and record.histogram[2] == 2
 
 
-def _setup(rank, size, staleness, sharded, lr=0.1):
+def _setup(rank, size, staleness, sharded, lr=0.1, zero=False, optimizer_class=torch.optim.SGD):
     """Two parameters in two buckets, served centrally by rank 0 or sharded over every rank."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    if zero:
+        for p in params:
+            p.data.zero_()
     buckets = [GradientBucket(0, [params[1]]), GradientBucket(1, [params[0]])]
     if sharded:
         segments = shard_segments([b.grad_numel for b in buckets], [4, 4], size)
@@ -51,7 +55,7 @@ def _setup(rank, size, staleness, sharded, lr=0.1):
         segments = [[(0, b.grad_numel) if r == 0 else (0, 0) for r in range(size)] for b in buckets]
     push_group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
     reply_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
-    optimizer = torch.optim.SGD(params, lr=lr)
+    optimizer = optimizer_class(params, lr=lr)
     layout = ShardLayout(buckets, segments, rank, own_storage=True)
     sharded_optimizer = ShardedOptimizer(optimizer, layout, dist.group.WORLD)
     push_layout = PushLayout(buckets, segments, size)
@@ -85,6 +89,25 @@ def _bounded_run(rank, size, staleness, sharded, steps, slow_rank, delay):
     # every update applied once at lr / size: w = w0 - lr / size * steps * sum(rank + 1)
     total = steps * sum(r + 1 for r in range(size)) * 0.1 / size
     return seen, [(p.detach() - (s - total)).abs().max().item() for p, s in zip(params, start)]
+
+
+def _decoded_run(rank, size, staleness, slow_rank, delay, steps=8):
+    """SGD at lr = N (each arrival steps with lr 1) from zero weights, rank r always pushing 1000^r: the weights
+    after each push hold, exactly, -sum_r 1000^r n_r, so they reveal how many updates n_r of each rank are in."""
+    params, buckets, client = _setup(rank, size, staleness, True, lr=float(size), zero=True)
+    counts = []
+    for _ in range(steps):
+        if rank == slow_rank:
+            time.sleep(delay)
+        _fill(buckets, {id(p): torch.full_like(p, 1000.0**rank) for p in params})
+        client.push()
+        held = []  # one entry per distinct value: the servers of different shards may hold different counts
+        for value in torch.cat([p.detach().flatten() for p in params]).unique().tolist():
+            left = int(round(-value))
+            held.append([left // 1000**r % 1000 for r in range(size)])
+        counts.append((client.clock, held))
+    client.close()
+    return counts
 
 
 def _synchronous_sgd(rank, size, sharded):
@@ -131,15 +154,36 @@ def _nonfinite(rank, size):
     return "no error"
 
 
+class ExplodingSGD(torch.optim.SGD):
+    """Fails at its first step on the server: the server's own error must reach every rank."""
+
+    def step(self, closure=None):
+        raise RuntimeError("the optimizer exploded")
+
+
+def _server_error(rank, size):
+    params, buckets, client = _setup(rank, size, 1, False, optimizer_class=ExplodingSGD)
+    _fill(buckets, {id(p): torch.ones_like(p) for p in params})
+    started = time.monotonic()
+    try:
+        client.push()
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        client.close(REASON_ERROR)
+        return type(error).__name__, str(error), time.monotonic() - started
+    return "no error"
+
+
 def _scenarios(rank, size):
     """Every scenario in one launch (each on process groups of its own), the failing one last."""
     return {
         "ssp-central": _bounded_run(rank, size, 2, False, 8, 1, 0.15),
         "ssp-sharded": _bounded_run(rank, size, 2, True, 8, 1, 0.15),
+        "decoded": _decoded_run(rank, size, 2, 1, 0.15),
         "async": _bounded_run(rank, size, None, True, 6, 2, 0.3),
         "sync-central": _synchronous_sgd(rank, size, False),
         "sync-sharded": _synchronous_sgd(rank, size, True),
         "unused": _unused_parameter(rank, size),
+        "server-error": _server_error(rank, size),
         "nonfinite": _nonfinite(rank, size),
     }
 
@@ -159,6 +203,23 @@ def test_bound_holds_fast_workers_run_ahead_and_flush_holds_every_update(scenari
         assert max(errors) < 1e-5, errors  # after the flush: every rank's every update, on every rank
     assert max(results[0][0]) == k and max(results[2][0]) == k  # the fast ranks ran as far ahead as allowed
     assert sum(results[1][0][2:]) == 0, results[1][0]  # the slow rank found everyone else ahead
+
+
+@pytest.mark.multiprocess
+def test_the_weights_themselves_hold_every_update_the_bound_requires():
+    """Independent of the servers' own book-keeping: decode from the weights how many updates of each rank they
+    hold after each push (rank 1 slow, k = 2)."""
+    k = 2
+    for rank, counts in enumerate(ranks["decoded"] for ranks in scenarios()):
+        assert [clock for clock, _ in counts] == list(range(1, 9))
+        ahead = 0
+        for clock, shares in counts:
+            for held in shares:
+                assert held[rank] == clock, (rank, clock, held)  # a worker's own updates are all in
+                assert min(held) >= clock - k, (rank, clock, held)  # SSP: every rank's steps before clock - k are in
+                ahead = max(ahead, clock - min(held))
+        if rank != 1:
+            assert ahead == k, counts  # and the fast ranks did use the slack
 
 
 @pytest.mark.multiprocess
@@ -188,3 +249,12 @@ def test_a_non_finite_gradient_stops_every_rank_naming_it():
     assert results[2] == "stopped"
     for message, seconds in results[:2]:
         assert "rank 2 pushed a non-finite" in message and seconds < 10, message
+
+
+@pytest.mark.multiprocess
+def test_an_error_in_the_server_update_reaches_every_rank():
+    results = [ranks["server-error"] for ranks in scenarios()]
+    kind, message, seconds = results[0]  # the server's own worker raises the server's error itself
+    assert kind == "RuntimeError" and "the optimizer exploded" in message and seconds < 10
+    for kind, message, seconds in results[1:]:
+        assert kind == "PeerUnreachableError" and "rank 0 stopped with an error" in message and seconds < 10, message

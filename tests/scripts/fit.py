@@ -36,6 +36,7 @@ parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleep
 parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself before step --kill-step")
 parser.add_argument("--kill-step", type=int, default=0)
+parser.add_argument("--sigterm-rank", type=int, default=None, help="this rank gets SIGTERM before step --kill-step")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 if args.staleness is not None:
@@ -67,6 +68,8 @@ class Record(L.Callback):
             time.sleep(args.slow_seconds)
         if trainer.global_rank == args.kill_rank and trainer.global_step == args.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_rank == args.sigterm_rank and trainer.global_step == args.kill_step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
