@@ -65,7 +65,7 @@ def test_strategy_configs_list_every_constructor_option_with_its_default(name):
                 {
                     k: p.default
                     for k, p in inspect.signature(klass.__init__).parameters.items()
-                    if k not in ("self", "kwargs") and k not in STRATEGY_ARGS_NOT_IN_CONFIG
+                    if k not in ("self", "args", "kwargs") and k not in STRATEGY_ARGS_NOT_IN_CONFIG
                 }
             )
     keys = set(cfg) - {"_target_"}
