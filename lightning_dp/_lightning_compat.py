@@ -34,7 +34,7 @@ __all__ = [
     "_sync_ddp_if_available",
     "after_closure",
     "patch_hydra_subprocess_command",
-    "replace_sigterm_handler",
+    "replace_sigterm_notifier",
     "replace_step_sigterm_broadcast",
     "unwrap_optimizer",
     "wrap_closure_of",
@@ -99,31 +99,24 @@ def replace_step_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> C
     return restore
 
 
-def replace_sigterm_handler(trainer: Any) -> Callable[[], None]:
+def replace_sigterm_notifier(trainer: Any) -> Callable[[], None]:
     """Lightning 2.6's SIGTERM handler (``_SignalConnector._sigterm_notifier_fn``) also broadcasts from rank 0 on the
-    default group, to be matched by the per-step broadcast that :func:`replace_step_sigterm_broadcast` removes.
-    Install a handler that does what it does without the collective: stop the launcher's children once, set the
-    trainer's ``received_sigterm``, and call the handler that was installed before Lightning's. Call from the main
-    thread; returns a function restoring the handler that was there."""
-    import signal
-
+    default group, to be matched by the per-step broadcast that :func:`replace_step_sigterm_broadcast` removes. Give
+    ``trainer``'s connector one that does what it does without the collective (stop the launcher's children once, set
+    ``received_sigterm``); Lightning composes it with the other handlers when it registers them, after the strategy's
+    set-up. Returns a function restoring Lightning's."""
     connector = trainer._signal_connector
-    previous = signal.getsignal(signal.SIGTERM)
-    original = connector._original_handlers.get(signal.SIGTERM)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def notifier(signum: Any, frame: Any) -> None:
         if not connector.received_sigterm:
             launcher = trainer.strategy.launcher
             if launcher is not None:
                 launcher.kill(signum)
         connector.received_sigterm = True
-        if callable(original):
-            original(signum, frame)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    connector._sigterm_notifier_fn = notifier
 
     def restore() -> None:
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, previous)
+        connector.__dict__.pop("_sigterm_notifier_fn", None)
 
     return restore

@@ -22,8 +22,15 @@ def test_private_symbols_exist_with_the_signatures_used():
     assert list(inspect.signature(compat._sync_ddp_if_available).parameters)[:3] == ["result", "group", "reduce_op"]
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-    # replaced by the parameter servers with staleness != 0 (a collective before every step)
+    # replaced by the parameter servers with staleness != 0 (a collective before every step, and in the handler)
     assert list(inspect.signature(_TrainingEpochLoop._broadcast_sigterm_tensor).parameters) == ["self"]
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    assert list(inspect.signature(_SignalConnector._sigterm_notifier_fn).parameters) == ["self", "signum", "_"]
+    source = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "self._sigterm_notifier_fn" in source  # read when handlers are registered, after the strategy's set-up
+    trainer = lightning.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert trainer._signal_connector.received_sigterm is False and trainer.received_sigterm is False
 
 
 def test_the_tested_lightning_release_is_stated():

@@ -33,11 +33,12 @@ Roles (every rank is a worker; a rank that serves a share of the weights also ru
   worker at the same clock, e.g. before validation or a checkpoint) gives every worker the same weights, holding
   every update.
 
-Messages travel on two process groups of their own (gloo): ``push_group`` from workers to servers (the servers'
-receiving threads wait on it without a deadline, since a worker may validate for long; a dead worker closes its
-sockets, which fails the wait at once), ``reply_group`` from servers to workers (with the run's timeout). A worker
-that dies, aborts or pushes a non-finite gradient makes every server answer every later request with a failure
-naming it, so no worker waits for it.
+Messages travel on two process groups of their own (gloo), ``push_group`` from workers to servers and
+``reply_group`` back, both meant to be created with a long timeout: a server waits for a worker's next message
+however long the worker validates, and a flush waits for the slowest worker's remaining steps; a push's own waits
+are bounded by the client's ``timeout``. A dead peer's closed sockets end any wait at once. A worker that dies,
+aborts or pushes a non-finite gradient makes every server answer every later request with a failure naming it, so
+no worker waits for it; a worker that finished (said goodbye) holds nobody back any more.
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ def arrival_lr_scale(optimizer: torch.optim.Optimizer, num_workers: int) -> floa
 
 def arrival_scale(optimizer: torch.optim.Optimizer, num_workers: int) -> dict[str, float]:
     """Factors on ``optimizer``'s hyperparameters for one arriving gradient: the learning rate's
-    (:func:`arrival_lr_scale`), and for decoupled weight decay (``lr * weight_decay`` per step: AdamW's) the one that
+    (:func:`arrival_lr_scale`), and for decoupled weight decay (``lr * weight_decay`` per step: AdamW's, Adafactor's,
+    Adam's with ``decoupled_weight_decay=True``) the one that
     makes ``N`` arrivals decay the weights by ``lr * weight_decay``, as one synchronous step."""
     lr = arrival_lr_scale(optimizer, num_workers)
     scale = {"lr": lr}
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
+    decoupled_classes = tuple(getattr(torch.optim, n) for n in ("AdamW", "Adafactor") if hasattr(torch.optim, n))
+    groups = [optimizer.defaults, *optimizer.param_groups]
+    decoupled = isinstance(optimizer, decoupled_classes) or any(g.get("decoupled_weight_decay", False) for g in groups)
     if decoupled:
         scale["weight_decay"] = 1.0 / (num_workers * lr)
     return scale
@@ -224,6 +228,8 @@ class StalenessServer:
         self._pending: list[_Request] = []
         self._flushing: list[_Request] = []
         self._gone: set[int] = set()
+        #: workers that said goodbye: all their updates are in, they hold nobody back
+        self._finished: set[int] = set()
         self.failure: tuple[int, int] | None = None
         #: the exception that stopped this server itself (re-raised by its own worker)
         self.error: BaseException | None = None
@@ -299,6 +305,7 @@ class StalenessServer:
             self._flushing.append(request)
         elif request.kind == BYE:
             self._gone.add(request.worker)
+            self._finished.add(request.worker)
         else:  # ABORT, LOST
             self._gone.add(request.worker)
             self.failure = self.failure or (request.worker, request.reason)
@@ -322,7 +329,8 @@ class StalenessServer:
                 self._reply(request, None, 0)
             self._pending, self._flushing = [], []
             return
-        slowest = min(self.clock)
+        active = [c for w, c in enumerate(self.clock) if w not in self._finished]
+        slowest = min(active) if active else max(self.clock)
         ready = [r for r in self._pending if self.staleness is None or slowest >= r.clock - self.staleness]
         if ready:
             self._pending = [r for r in self._pending if r not in ready]
@@ -330,7 +338,7 @@ class StalenessServer:
                 weights = self.layout.storage.clone()
             for request in ready:
                 self._reply(request, weights, request.clock - slowest)
-        if len(self._flushing) == self.size:  # every worker at the same point: the same weights for all
+        if self._flushing and len(self._flushing) == self.size - len(self._finished):  # all at the same point
             flushing, self._flushing = self._flushing, []
             with self.lock:
                 weights = self.layout.storage.clone()
@@ -453,6 +461,10 @@ class StalenessClient:
             return self.server.local_replies.get(timeout=timeout)
         except queue.Empty:
             slowest = min(self.server.clock)
+            if timeout is None:
+                raise PeerUnreachableError(
+                    f"rank {self.rank}: its server stopped serving during a flush at step {self.clock}"
+                ) from None
             raise PeerUnreachableError(
                 f"rank {self.rank} waited {self.timeout:.0f} s for its step {self.clock} to be allowed by its server "
                 f"(rank {self.rank}); the slowest worker there is at step {slowest} (clocks {self.server.clock}): a "

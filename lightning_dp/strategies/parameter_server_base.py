@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -16,13 +15,13 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import (
     after_closure,
-    replace_sigterm_handler,
+    replace_sigterm_notifier,
     replace_step_sigterm_broadcast,
     unwrap_optimizer,
 )
@@ -321,17 +320,40 @@ class ParameterServerBase(DataParallelStrategy):
 
     def _flush(self) -> None:
         """Every rank gets the servers' weights, holding every update so far, and rank 0's buffers (collective; a no-op
-        once the servers have stopped)."""
+        once the servers have stopped). Before the first push (the sanity check) the servers take rank 0's weights
+        instead, so that edits made after set-up (``on_fit_start``) are kept."""
         if self._stale is None or self._stale.client.closed:
             return
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.model is not None
         if self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             return  # a checkpoint on exception: the other ranks are not at this flush, and the run is stopping
-        self._stale.client.flush()
-        assert self.model is not None
+        if self._stale.client.clock == 0:
+            self._resync_servers()
+        else:
+            self._stale.client.flush()
         buffers = list(self.model.buffers())
         if self.broadcast_buffers and buffers:
             broadcast_tensors(buffers, src=0, group=self.gradient_group)
+
+    def _resync_servers(self) -> None:
+        """Every rank and every server takes rank 0's weights as they are now; returns when all have (collective)."""
+        assert self._stale is not None and self.model is not None
+        broadcast_tensors([p.data for p in self.model.parameters()], src=0, group=self.gradient_group)
+        with self._stale.lock():
+            self._stale.layout.read_storage()
+        dist.barrier(group=self.gradient_group)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self._stale is not None and not self._stale.client.closed:
+            # Lightning's SIGTERM broadcasts (before every step, and in its signal handler, installed after set-up)
+            # would make every step wait for rank 0: each rank checks its own flag instead, and a terminated rank
+            # stops the others through the servers (on_exception)
+            self._restore_sigterm = [
+                replace_step_sigterm_broadcast(trainer, lambda: _raise_if_sigterm(trainer)),
+                replace_sigterm_notifier(trainer),
+            ]
 
     @override
     def on_train_start(self) -> None:
@@ -339,19 +361,7 @@ class ParameterServerBase(DataParallelStrategy):
         if self._stale is not None and not self._stale.client.closed:
             # every rank starts from rank 0's weights as they are now (after on_fit_start / on_train_start hooks and
             # any restore), and no rank pushes before every server holds them and its restored state
-            assert self.model is not None and self.lightning_module is not None
-            broadcast_tensors([p.data for p in self.model.parameters()], src=0, group=self.gradient_group)
-            with self._stale.lock():
-                self._stale.layout.read_storage()
-            dist.barrier(group=self.gradient_group)
-            # Lightning's SIGTERM broadcasts (before every step, and in its signal handler) would make every step
-            # wait for rank 0: each rank checks its own flag instead, and a terminated rank stops the others through
-            # the servers (on_exception)
-            trainer = self.lightning_module.trainer
-            restores = [replace_step_sigterm_broadcast(trainer, lambda: _raise_if_sigterm(trainer))]
-            if threading.current_thread() is threading.main_thread():
-                restores.append(replace_sigterm_handler(trainer))
-            self._restore_sigterm = restores
+            self._resync_servers()
 
     @override
     def on_validation_start(self) -> None:
@@ -396,8 +406,16 @@ class ParameterServerBase(DataParallelStrategy):
 
     def _stale_optimizer_state(self, optimizer: Any) -> dict:
         """The servers' full optimizer state for ``optimizer``, consolidated on rank 0 (collective)."""
-        assert self._stale is not None
+        assert self._stale is not None and self.lightning_module is not None
         sharded = self._stale_sharded(optimizer)
+        if self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+            # a checkpoint on exception: the other ranks are not here to gather with; stop them first
+            self._stale.client.close(REASON_ERROR)
+            rank_zero_warn(
+                f"strategy {self.strategy_name!r}: a checkpoint written while the run fails holds no optimizer state "
+                "(the servers' state is spread over the ranks and cannot be gathered now); its weights are rank 0's"
+            )
+            return {"state": {}, "param_groups": sharded.optimizer.state_dict()["param_groups"]}
         with self._stale.lock():
             sharded.consolidate_state_dict(to=0)
         return sharded.state_dict() if self.is_global_zero else {}

@@ -139,6 +139,7 @@ def _nonfinite(rank, size):
     params, buckets, client = _setup(rank, size, 1, True)
     _fill(buckets, {id(p): torch.ones_like(p) for p in params})
     client.push()
+    dist.barrier()  # every rank's first step is answered before rank 2 stops
     if rank == 2:  # found a NaN in its gradient: tells the servers instead of pushing it
         client.close(REASON_NONFINITE)
         return "stopped"

@@ -148,14 +148,30 @@ def trainer(callbacks, **kwargs) -> L.Trainer:
     return L.Trainer(callbacks=callbacks, **options)
 
 
+class EditOnFitStart(L.Callback):
+    """Sets a weight in ``on_fit_start`` (after the strategy's set-up) and records it at ``on_train_start``, after
+    the sanity check: the edit must survive (with staleness, the servers must take it)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        with torch.no_grad():
+            pl_module.branch.bias.fill_(0.123)
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = pl_module.branch.bias.detach().clone()
+
+
 def fit_features(checkpoint_dir: str, extra_callbacks=(), ckpt_path=None):
     model, record = FeatureModel(), Record()
     early_stopping = EarlyStopping(monitor="rank_metric", mode="min", patience=0)
     checkpoint = ModelCheckpoint(dirpath=checkpoint_dir, save_last=True)
+    sanity = {}
+    if args.staleness is not None and args.phase == "main":  # the sanity check's flush must keep on_fit_start's edit
+        extra_callbacks = (*extra_callbacks, EditOnFitStart())
+        sanity = {"num_sanity_val_steps": 2}
     t = trainer(
         [record, early_stopping, checkpoint, *extra_callbacks],
         max_epochs=MAX_EPOCHS, accumulate_grad_batches=2, gradient_clip_val=0.1, gradient_clip_algorithm="norm",
-        enable_checkpointing=True,
+        enable_checkpointing=True, **sanity,
     )  # fmt: skip
     t.fit(model, ckpt_path=ckpt_path)
     return t, model, record
@@ -178,6 +194,9 @@ def main():
             sockets=record.sockets, epochs=t.current_epoch, stopped=t.should_stop, global_step=t.global_step,
             val_loss=float(t.callback_metrics["val_loss"]),
         )  # fmt: skip
+        edits = [c for c in t.callbacks if isinstance(c, EditOnFitStart)]
+        if edits:
+            out["edited_at_train_start"] = edits[0].seen
         out["validate"] = t.validate(model, verbose=False)
         out["test"] = t.test(model, verbose=False)
         out["predict"] = t.predict(model)

@@ -37,6 +37,18 @@ def test_staleness_option_is_checked_at_construction(cls):
 
 
 @pytest.mark.unit
+def test_an_arriving_gradient_steps_with_the_scaling_rules():
+    from lightning_dp.comm.consistency import arrival_scale
+
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    assert arrival_scale(torch.optim.SGD(w, lr=0.1, momentum=0.9), 4) == {"lr": 0.25}
+    assert arrival_scale(torch.optim.Adam(w, lr=1e-3), 4) == {"lr": 0.5}  # square-root rule
+    # decoupled decay: N arrivals at lr / sqrt(N) decay by lr * weight_decay in all, as one synchronous step
+    assert arrival_scale(torch.optim.AdamW(w, lr=1e-3, weight_decay=0.1), 4) == {"lr": 0.5, "weight_decay": 0.5}
+    assert arrival_scale(torch.optim.Adam(w, lr=1e-3, decoupled_weight_decay=True), 9)["weight_decay"] == 1 / 3
+
+
+@pytest.mark.unit
 def test_registry_entries_take_the_option():
     entry = StrategyRegistry["sharded_ps"]
     assert entry["strategy"](**entry["init_params"], staleness=None).staleness is None
@@ -126,6 +138,8 @@ def test_lightning_features_keep_working(tmp_path, staleness):
     run_script("features", "--strategy", "sharded_ps", "--staleness", staleness, "--out", str(tmp_path), timeout=400)
     ranks = load_ranks(tmp_path, 2)
     assert ranks[0]["epochs"] == ranks[1]["epochs"] == 3 and ranks[0]["stopped"]  # EarlyStopping, as under ddp
+    for r in ranks:  # a weight set in on_fit_start survived the sanity check's flush on every rank
+        assert torch.equal(r["edited_at_train_start"], torch.full((4,), 0.123))
     assert torch.equal(ranks[0]["final"], ranks[1]["final"])
     for stage, key in (("validate", "val_loss"), ("test", "test_loss")):
         assert ranks[0][stage][0][key] == ranks[1][stage][0][key]
