@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.report import save
+from benchmarks.report import pyplot, save
 from lightning_dp.comm import Ring, ring_allreduce
 from lightning_dp.comm.hierarchical import HierarchicalAllReduce
 from lightning_dp.comm.parameter_server import (
@@ -212,13 +212,8 @@ def write_report(rows: list[dict], out: Path) -> None:
 def plot(rows: list[dict], out: Path) -> None:
     """results/collectives.png: bus bandwidth against buffer size, one panel per N, one line per method."""
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     sizes = sorted({n for n, _ in map(key, rows)})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)

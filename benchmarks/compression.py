@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.end_to_end import MODELS, build_model, median, run_emulated
-from benchmarks.report import save
+from benchmarks.report import pyplot, save
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = 3
@@ -230,13 +230,8 @@ def accuracy_report(rows: list[dict]) -> list[str]:
 
 def plot_accuracy(rows: list[dict], out: Path) -> None:
     """results/compression_accuracy.png: validation accuracy per epoch, one panel per strategy, one line per codec."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     fig, axes = plt.subplots(1, len(strategies), figsize=(5 * len(strategies), 4), squeeze=False, sharey=True)

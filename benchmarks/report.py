@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def command_line() -> str:
@@ -20,3 +21,16 @@ def save(out: Path | str, name: str, rows: list[dict], lines: list[str]) -> None
     text = "\n".join([f"Command: `{command_line()}`  ", *lines]) + "\n"
     (out / f"{name}.md").write_text(text)
     print(text, end="")
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files (the Agg backend), or ``None`` with a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install '.[bench]')")
+        return None
+    return plt

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import save
+from benchmarks.report import pyplot, save
 
 REPO = Path(__file__).resolve().parents[1]
 #: (label, staleness option) of every setting, synchronous first (the baseline of every ratio)
@@ -262,13 +262,8 @@ def accuracy_report(rows: list[dict]) -> list[str]:
 
 
 def plot_accuracy(rows: list[dict], out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in rows:

@@ -58,10 +58,8 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import NonFiniteGradientError, PeerUnreachableError
-from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
 from lightning_dp.comm.stats import CommStats
-
-Segment = tuple[int, int]
 
 # request kinds (worker -> server); LOST is a receiving thread's note that its worker is gone
 PUSH, FLUSH, BYE, ABORT, LOST = 1, 2, 3, 4, 5

@@ -40,11 +40,10 @@ from lightning_dp.comm.consistency import (
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.ring import Ring, any_rank
-from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.inspection import gradient_readers
 
-Segment = tuple[int, int]
 #: the timeout of the staleness process groups: without a deadline in practice, as a server waits for a worker's
 #: next message and a flush for the slowest rank's remaining steps however long they take (a dead peer's closed
 #: sockets end any wait at once); a push's own waits use the strategy's timeout
