@@ -228,12 +228,18 @@ def shard_segments(sizes: Sequence[int], element_sizes: Sequence[int], num_shard
     A single huge buffer is therefore split across all shards instead of landing on one.
     """
     total = sum(n * e for n, e in zip(sizes, element_sizes))
-    cuts = [total * i // num_shards for i in range(num_shards + 1)]
+    return segments_at(sizes, element_sizes, [total * i // num_shards for i in range(num_shards + 1)])
+
+
+def segments_at(sizes: Sequence[int], element_sizes: Sequence[int], cuts: Sequence[int]) -> list[list[Segment]]:
+    """The shards between consecutive byte offsets ``cuts`` (non-decreasing, from 0 to the total) of buffers of
+    ``sizes`` elements laid end to end: for every buffer, the ``(start, end)`` element range of each shard in it
+    (a cut inside an element moves up to the element's end)."""
     result = []
     base = 0
     for numel, esize in zip(sizes, element_sizes):
         segments = []
-        for i in range(num_shards):
+        for i in range(len(cuts) - 1):
             lo = min(max(-(-(cuts[i] - base) // esize), 0), numel)
             hi = min(max(-(-(cuts[i + 1] - base) // esize), 0), numel)
             segments.append((lo, hi))

@@ -115,7 +115,8 @@ class ShardLayout:
 
     With ``own_storage`` the pieces are not views of the parameters but of :attr:`storage`, one flat tensor of
     every served element in bucket order (a server's own copy of the weights, initialised from the parameters);
-    a piece that is a whole parameter is shaped like it.
+    a piece that is a whole parameter is shaped like it. ``read_params=False`` leaves the storage uninitialised
+    (a server whose parameters are shapes only, on the ``meta`` device, and whose weights arrive by message).
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class ShardLayout:
         rank: int,
         owner: str = "a sharded optimizer",
         own_storage: bool = False,
+        read_params: bool = True,
     ) -> None:
         self.pieces: list[ShardPiece] = []
         served = [(b, *segments[b.index][rank]) for b in buckets]
@@ -133,7 +135,8 @@ class ShardLayout:
         #: the served elements, in bucket order (with ``own_storage``; else empty)
         self.storage = torch.empty(numel if own_storage else 0, dtype=dtype)
         self._served = served if own_storage else []
-        self.read_storage()
+        if read_params:
+            self.read_storage()
         offset = 0
         for bucket, start, end in served:
             for i, (p, (lo, hi)) in enumerate(zip(bucket.params, bucket.slices)):
@@ -287,17 +290,26 @@ class ShardedOptimizer:
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's state into the full, unsharded ``state_dict`` on group rank ``to`` (collective: every
         rank of ``group`` calls it); :meth:`state_dict` returns it there."""
-        self.follow_param_groups()
-        index_of = {id(p): k for k, p in enumerate(self._params())}
-        shard_tensors = [t for g in self.shard.param_groups for t in g["params"]]
-        local = [(index_of[id(pc.param)], pc.start, pc.end, _to_cpu(self.shard.state[t]))
-                 for pc, t in zip(self.pieces, shard_tensors) if t in self.shard.state]  # fmt: skip
+        local = self.local_state()
         rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
         gathered: list | None = [None] * size if rank == to else None
         dist.gather_object(local, gathered, group=self.group, group_dst=to)
         if gathered is None:
             self._consolidated = None
             return
+        self.merge_states(gathered)
+
+    def local_state(self) -> list[tuple[int, int, int, dict[str, Any]]]:
+        """This rank's pieces of the state: ``(parameter index in the optimizer, start, end, state)`` each, on CPU."""
+        self.follow_param_groups()
+        index_of = {id(p): k for k, p in enumerate(self._params())}
+        shard_tensors = [t for g in self.shard.param_groups for t in g["params"]]
+        return [(index_of[id(pc.param)], pc.start, pc.end, _to_cpu(self.shard.state[t]))
+                for pc, t in zip(self.pieces, shard_tensors) if t in self.shard.state]  # fmt: skip
+
+    def merge_states(self, gathered: Iterable[list[tuple[int, int, int, dict[str, Any]]]]) -> None:
+        """Assemble the full ``state_dict`` (returned by :meth:`state_dict`) from every rank's :meth:`local_state`."""
+        self.follow_param_groups()
         params = self._params()
         state: dict[int, dict[str, Any]] = {}
         for rank_pieces in gathered:

@@ -20,7 +20,9 @@ from lightning_dp.strategies.parameter_server_base import ParameterServerBase, S
 
 
 class ParameterServerStrategy(ParameterServerBase):
-    """Central parameter server, co-located with a worker: the server rank also trains on its own data shard.
+    """Central parameter server, co-located with a worker: the server rank also trains on its own data shard; or,
+    with ``num_servers=k``, ``k`` server processes of their own, each serving a set of whole parameters (balanced
+    by bytes) with the optimizer the LightningModule configured.
 
     Every step each worker pushes its gradient buckets to the server during backward (fan-in); the server
     averages them, applies the user's optimizer (the only optimizer state in the job lives there) and sends
@@ -28,16 +30,23 @@ class ParameterServerStrategy(ParameterServerBase):
     a worker ``S``: the single-server bottleneck the sharded variant removes.
 
     Args:
-        server_rank: global rank of the server, in ``[0, world_size)``.
-        **kwargs: ``staleness`` (see :class:`~.parameter_server_base.ParameterServerBase`) and the options of
+        server_rank: global rank of the server, in ``[0, world_size)`` (with ``num_servers=0``).
+        **kwargs: ``staleness``, ``num_servers``, ``start_servers`` (see
+            :class:`~.parameter_server_base.ParameterServerBase`) and the options of
             :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
     strategy_name = "parameter_server"
+    _trainers_serve = False
 
     def __init__(self, server_rank: int = 0, **kwargs: Any) -> None:
         self.server_rank = check_rank("server_rank", server_rank)
         super().__init__(**kwargs)
+        if self.num_servers and self.server_rank != 0:
+            raise ConfigurationError(
+                f"server_rank={self.server_rank} names a training rank as the server, but num_servers="
+                f"{self.num_servers} puts the servers in processes of their own: leave server_rank at 0"
+            )
 
     @override
     def _check_world_size(self, world_size: int) -> None:
@@ -49,7 +58,8 @@ class ParameterServerStrategy(ParameterServerBase):
 
     @property
     def is_server(self) -> bool:
-        return self.global_rank == self.server_rank
+        """Whether this training rank is the (co-located) server."""
+        return self.num_servers == 0 and self.global_rank == self.server_rank
 
     @override
     def _make_transport(self, shared_memory: bool) -> Transport:
@@ -84,6 +94,8 @@ class ParameterServerStrategy(ParameterServerBase):
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
         if self._stale is not None:
             return [s.shard for s in self._stale.optimizers if s.serves_anything]
+        if self._dedicated is not None:
+            return [s.shard for s in self._dedicated.optimizers if s.serves_anything]
         return [unwrap_optimizer(o) for o in self.optimizers] if self.is_server else []
 
     # ------------------------------------------------------------------ checkpoints: the server's state, torch layout
@@ -92,6 +104,8 @@ class ParameterServerStrategy(ParameterServerBase):
         """The server's full optimizer state on rank 0 (collective: every rank calls it when checkpointing)."""
         if self._stale is not None:
             return self._stale_optimizer_state(optimizer)
+        if self._dedicated is not None:
+            return self._dedicated.optimizer_state(unwrap_optimizer(optimizer))
         optimizer = unwrap_optimizer(optimizer)
         state = optimizer.state_dict() if self.is_server else {}
         if self.server_rank == 0:
@@ -105,6 +119,9 @@ class ParameterServerStrategy(ParameterServerBase):
         """The server loads the full state; workers take only the hyperparameters and stay without state."""
         if self._stale is not None:
             self._load_stale_optimizer_states(checkpoint)
+            return
+        if self._dedicated is not None:
+            self._dedicated.load_optimizer_states(checkpoint)
             return
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = unwrap_optimizer(optimizer)

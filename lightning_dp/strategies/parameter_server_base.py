@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -26,7 +26,7 @@ from lightning_dp._lightning_compat import (
     unwrap_optimizer,
 )
 from lightning_dp.comm.broadcast import broadcast_tensors
-from lightning_dp.comm.buckets import GradientBucket, assign_buckets
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket, assign_buckets
 from lightning_dp.comm.consistency import (
     REASON_ERROR,
     REASON_NONFINITE,
@@ -42,7 +42,9 @@ from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.ring import Ring, any_rank
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
 from lightning_dp.strategies.base import DataParallelStrategy
+from lightning_dp.strategies.dedicated_servers import DedicatedServers, next_run_key
 from lightning_dp.strategies.inspection import gradient_readers
+from lightning_dp.strategies.options import check_count, check_flag
 
 #: the timeout of the staleness process groups: without a deadline in practice, as a server waits for a worker's
 #: next message and a flush for the slowest rank's remaining steps however long they take (a dead peer's closed
@@ -100,17 +102,47 @@ class ParameterServerBase(DataParallelStrategy):
             that. ``None``: asynchronous, no bound. Each arriving gradient is applied alone, the learning rate
             scaled by :func:`~lightning_dp.comm.consistency.arrival_lr_scale` (``1 / N`` for SGD, ``1 / sqrt(N)``
             for adaptive optimizers such as Adam). CPU training (gloo) only.
+        num_servers: dedicated server processes (``0``, default: the servers are training ranks). With ``k > 0``
+            the servers are processes of their own, not Lightning ranks (``trainer.world_size`` counts trainers);
+            how the weights are split over them is the subclass's (see :mod:`lightning_dp.comm.dedicated`).
+            Synchronous only (``staleness=0``), uncompressed.
+        start_servers: with ``num_servers > 0``, whether trainer 0 starts the servers on its own machine (default)
+            or they are started elsewhere with ``python -m lightning_dp.server`` (on spare CPU machines).
         **kwargs: see :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
     _every_rank_steps = False
 
-    def __init__(self, *args: Any, staleness: int | None = 0, **kwargs: Any) -> None:
+    #: with dedicated servers: whether the trainers serve a share too (the optimal split), or only the servers do,
+    #: each a set of whole parameters
+    _trainers_serve: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *args: Any,
+        staleness: int | None = 0,
+        num_servers: int = 0,
+        start_servers: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         try:
             self.staleness = check_staleness(staleness)
         except ValueError as error:
             raise ConfigurationError(str(error)) from None
+        self.num_servers = check_count("num_servers", num_servers, 0)
+        self.start_servers = check_flag("start_servers", start_servers)
+        if self.num_servers and self.staleness != 0:
+            raise ConfigurationError(
+                f"num_servers={self.num_servers} needs staleness=0 (dedicated servers run the synchronous step); got "
+                f"staleness={self.staleness!r}. Use num_servers=0 for bounded staleness or asynchrony."
+            )
+        if self.num_servers and self.compression != "none":
+            raise ConfigurationError(
+                f"num_servers={self.num_servers} needs compression='none' (dedicated servers exchange full-precision "
+                f"buckets); got compression={self.compression!r}"
+            )
+        self._dedicated: DedicatedServers | None = None
         if self.staleness != 0 and self.compression != "none":
             raise ConfigurationError(
                 f"compression={self.compression!r} needs staleness=0: with staleness={self.staleness!r} each "
@@ -178,6 +210,9 @@ class ParameterServerBase(DataParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.staleness != 0:
             return self._stale_step(optimizer, closure, model)
+        if self._dedicated is not None:
+            self._check_trainable_unchanged(unwrap_optimizer(optimizer))
+            return self._dedicated.step(unwrap_optimizer(optimizer), closure, model or self.lightning_module, **kwargs)
         model = model or self.lightning_module
         optimizer = unwrap_optimizer(optimizer)
         self._check_trainable_unchanged(optimizer)
@@ -229,6 +264,10 @@ class ParameterServerBase(DataParallelStrategy):
 
     @override
     def _exchange_weights(self) -> None:
+        if self._dedicated is not None:
+            assert self.reducer is not None
+            self._dedicated.exchange_weights(self.reducer.buckets)
+            return
         for optimizer in self.optimizers:
             self._pull(unwrap_optimizer(optimizer))
 
@@ -243,8 +282,38 @@ class ParameterServerBase(DataParallelStrategy):
         """``[b][r]``: the range of bucket ``b``'s gradient region that rank ``r`` serves (subclasses)."""
         raise NotImplementedError
 
+    def _setup_dedicated_servers(self) -> None:
+        """Buckets as usual, travelling to the dedicated servers (see :mod:`.dedicated_servers`)."""
+        self._close_gradient_sync()
+        assert self.model is not None
+        self._dedicated = DedicatedServers(self, next_run_key())
+        self._dedicated.check_optimizers([unwrap_optimizer(o) for o in self.optimizers])
+        self.reducer = BucketReducer(
+            self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,
+            overlap=self._may_overlap_backward(),
+        )  # fmt: skip
+        if self.intra_node == "shm" and self.num_processes > 1:
+            rank_zero_info(f"{self.strategy_name}: with num_servers={self.num_servers} buckets travel through sockets "
+                           "(intra_node='shm' applies to num_servers=0)")  # fmt: skip
+        self.transport = self._dedicated.setup(self.reducer)
+        self._synced_params = {id(p) for p in self.reducer.params}
+        self.sync_stats.bucket_bytes = sum(b.nbytes for b in self.reducer.buckets)
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = self._dedicated.clip_request("norm")  # type: ignore[method-assign,assignment]
+        plugin.clip_grad_by_value = self._dedicated.clip_request("value")  # type: ignore[method-assign,assignment]
+
+    @override
+    def _close_gradient_sync(self) -> None:
+        if self._dedicated is not None:
+            self._dedicated.close()
+            self.transport = None  # closed with the servers
+        super()._close_gradient_sync()
+
     @override
     def _setup_gradient_sync(self) -> None:
+        if self.num_servers:
+            self._setup_dedicated_servers()
+            return
         if self.staleness == 0:
             super()._setup_gradient_sync()
             return
@@ -357,6 +426,9 @@ class ParameterServerBase(DataParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._dedicated is not None and not self._dedicated.closed:
+            assert self.reducer is not None  # every server takes the weights as they are now (after on_fit_start, ...)
+            self._dedicated.send_weights(self.reducer.buckets)
         if self._stale is not None and not self._stale.client.closed:
             # every rank starts from rank 0's weights as they are now (after on_fit_start / on_train_start hooks and
             # any restore), and no rank pushes before every server holds them and its restored state
@@ -371,6 +443,8 @@ class ParameterServerBase(DataParallelStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         self._flush()
+        if self._dedicated is not None and not self._dedicated.closed:
+            self._dedicated.keep_final_states()  # for a checkpoint saved after fit, when the servers are gone
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -379,6 +453,8 @@ class ParameterServerBase(DataParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._dedicated is not None:
+            self._dedicated.abort(f"{type(exception).__name__}: {exception}")
         if self._stale is not None and not self._stale.client.closed:  # the others stop at their next request
             terminated = isinstance(exception, SIGTERMException)
             self._stale.client.close(REASON_TERMINATED if terminated else REASON_ERROR)

@@ -36,7 +36,12 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     (:data:`~lightning_dp.comm.sharded_optimizer.ELEMENTWISE_OPTIMIZERS`) can run on slices of tensors; others
     are refused at set-up. Checkpoints hold the optimizer state in torch's standard, unsharded layout.
 
-    Args: ``staleness`` (see :class:`~.parameter_server_base.ParameterServerBase`) and the options of
+    With ``num_servers=k`` dedicated server processes take part of the shards: the trainers keep the share that
+    balances every machine's traffic, ``(n - k) / (n² + k n - 2 k)`` each, and the servers the rest, which makes a
+    step's exchange ``2 n (n - 1) / (n² + k n - 2 k) · S / B`` (see :mod:`lightning_dp.comm.dedicated`).
+
+    Args: ``staleness``, ``num_servers``, ``start_servers`` (see
+        :class:`~.parameter_server_base.ParameterServerBase`) and the options of
         :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
@@ -67,7 +72,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     @override
     def _setup_gradient_sync(self) -> None:
         super()._setup_gradient_sync()
-        if self.staleness != 0:  # servers on threads of their own, with their own copies of the shards
+        if self.staleness != 0 or self.num_servers:  # servers on threads or in processes of their own
             return
         assert self.reducer is not None and isinstance(
             self.transport, (ShardedServerTransport, SharedMemoryShardedTransport)
@@ -126,6 +131,8 @@ class ShardedParameterServerStrategy(ParameterServerBase):
 
     @override
     def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        if self._dedicated is not None:
+            return [s.shard for s in self._dedicated.optimizers if s.serves_anything]
         optimizers = self._stale.optimizers if self._stale is not None else self.sharded_optimizers
         return [s.shard for s in optimizers if s.serves_anything]
 
@@ -135,6 +142,8 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         """The full optimizer state, consolidated from every shard, on rank 0 (every rank must call it)."""
         if self._stale is not None:
             return self._stale_optimizer_state(optimizer)
+        if self._dedicated is not None:
+            return self._dedicated.optimizer_state(unwrap_optimizer(optimizer))
         sharded = self._sharded(optimizer)
         sharded.consolidate_state_dict(to=0)
         return sharded.state_dict() if self.is_global_zero else {}
@@ -144,6 +153,9 @@ class ShardedParameterServerStrategy(ParameterServerBase):
         """Each rank takes its shard's slice of a full (standard layout) optimizer state."""
         if self._stale is not None:
             self._load_stale_optimizer_states(checkpoint)
+            return
+        if self._dedicated is not None:
+            self._dedicated.load_optimizer_states(checkpoint)
             return
         for sharded, saved in zip(self.sharded_optimizers, checkpoint["optimizer_states"]):
             sharded.load_state_dict(saved)

@@ -34,6 +34,7 @@ parser.add_argument("--timeout", type=float, default=30.0)
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--kill-rank", type=int, default=1, help="the rank the crash phase kills")
 parser.add_argument("--staleness", default=None, help="strategy option: an integer, or 'none' (asynchronous)")
+parser.add_argument("--num-servers", type=int, default=None, help="strategy option: dedicated server processes")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -136,6 +137,8 @@ def strategy(unused_parameters: bool = True):
     options = {}
     if args.staleness is not None:
         options["staleness"] = None if args.staleness == "none" else int(args.staleness)
+    if args.num_servers is not None:
+        options["num_servers"] = args.num_servers
     return entry["strategy"](**entry["init_params"], timeout=args.timeout, **options)
 
 

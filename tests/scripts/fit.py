@@ -26,6 +26,7 @@ parser.add_argument("--num-nodes", type=int, default=1)
 parser.add_argument("--clip", choices=["norm", "value"], default=None)
 parser.add_argument("--clip-val", type=float, default=0.05)
 parser.add_argument("--server-rank", type=int, default=None)
+parser.add_argument("--num-servers", type=int, default=None, help="strategy option: dedicated server processes")
 parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help="strategy option")
 parser.add_argument("--compression", default=None, help="strategy option")
@@ -36,6 +37,7 @@ parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleep
 parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself before step --kill-step")
 parser.add_argument("--kill-step", type=int, default=0)
+parser.add_argument("--kill-server-step", type=int, default=None, help="rank 0 SIGKILLs server 0 before this step")
 parser.add_argument("--sigterm-rank", type=int, default=None, help="this rank gets SIGTERM before step --kill-step")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -44,7 +46,8 @@ if args.staleness is not None:
 
 options = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
 # strategy options given on the command line: argument name -> option name
-for arg, option in (("server_rank", "server_rank"), ("timeout", "timeout"), ("intra_node", "intra_node"),
+for arg, option in (("server_rank", "server_rank"), ("num_servers", "num_servers"), ("timeout", "timeout"),
+                    ("intra_node", "intra_node"),
                     ("compression", "compression"), ("powersgd_rank", "powersgd_rank"),
                     ("powersgd_warmup", "powersgd_warmup_steps")):  # fmt: skip
     if getattr(args, arg) is not None:
@@ -68,6 +71,8 @@ class Record(L.Callback):
             time.sleep(args.slow_seconds)
         if trainer.global_rank == args.kill_rank and trainer.global_step == args.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_rank == 0 and trainer.global_step == args.kill_server_step:
+            os.kill(trainer.strategy._dedicated.processes[0].pid, signal.SIGKILL)
         if trainer.global_rank == args.sigterm_rank and trainer.global_step == args.kill_step:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -21,6 +21,7 @@ parser.add_argument("--compression", default=None, help="strategy option (with i
 parser.add_argument("--powersgd-rank", type=int, default=1)
 parser.add_argument("--powersgd-warmup", type=int, default=2)
 parser.add_argument("--staleness", default=None, help="strategy option: an integer, or 'none' (asynchronous)")
+parser.add_argument("--num-servers", type=int, default=None, help="strategy option: dedicated server processes")
 parser.add_argument("--checkpoint-every", type=int, default=None, help="ModelCheckpoint every n steps into <out>/ckpt")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -39,6 +40,12 @@ if args.staleness is not None:
     entry = StrategyRegistry[strategy]
     staleness = None if args.staleness == "none" else int(args.staleness)
     strategy = entry["strategy"](**{**entry["init_params"], "staleness": staleness})
+
+if args.num_servers is not None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[strategy]
+    strategy = entry["strategy"](**{**entry["init_params"], "num_servers": args.num_servers})
 
 
 class StartState(L.Callback):

@@ -1,0 +1,651 @@
+"""Dedicated parameter servers: processes of their own (on spare CPU machines) that aggregate and update.
+
+A run has ``n`` trainers and ``k`` server processes, the *members* of one gloo group of their own
+(:class:`MemberGroup`): trainers are members ``0 .. n - 1`` (their trainer ranks), servers ``n .. n + k - 1``.
+The gradient buckets laid end to end are cut into ``n + k`` shares (:func:`member_segments`); a member serves its
+share: it averages that part of every trainer's gradients, runs the user's optimizer on it (a
+:class:`~lightning_dp.comm.sharded_optimizer.ShardedOptimizer`) and sends the new weights to every trainer.
+
+With per-machine bandwidth ``B``, gradient bytes ``S``, trainers that serve a share ``x`` each and servers a share
+``y`` each (``n x + k y = 1``), a trainer machine sends ``(1 - x) S`` gradients plus ``(n - 1) x S`` weights of its
+share, a server machine receives ``n y S`` (and sends as much back). Equal loads give the optimal split
+(:func:`trainer_share`)::
+
+    x = (n - k) / (n² + k n - 2 k),   y = 2 (n - 1) / (n² + k n - 2 k),
+    t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B                      (:func:`communication_time`)
+
+``k = 0`` is the sharded server on the trainers (the ring's ``2 (n - 1) / n · S / B``); from ``k = n`` on the
+trainers serve nothing and a step takes ``S / B``: each trainer sends its gradients once and receives the weights
+once. ``parameter_server`` with ``k`` servers uses ``x = 0`` and whole parameters, so any per-parameter optimizer
+runs there.
+
+Trainers' side: :class:`DedicatedServerTransport` (a :class:`~lightning_dp.comm.transports.Transport` for the
+gradient buckets, plus the control messages trainer 0 sends each step). Servers' side: :class:`DedicatedServer`,
+run by ``python -m lightning_dp.server``. Per synchronization every trainer pushes each bucket's shares to their
+owners during backward; per optimizer step trainer 0 sends a control message (which optimizer, its current
+hyperparameters, the clipping Lightning asked for), every member takes part in one tiny all-reduce (the
+gradients' squared norm for clipping by norm and a NaN/inf vote), the owners step, and every trainer receives the
+new weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
+from lightning_dp.comm.nonfinite import first_nonfinite
+from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
+from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, ShardPiece, hyperparameters
+from lightning_dp.comm.stats import CommStats
+from lightning_dp.comm.transports import Transport
+
+# message tags on the member group (a pair of members matches messages per tag, in order)
+TAG_GRADIENTS, TAG_AVERAGED, TAG_CONTROL, TAG_EDITED, TAG_WEIGHTS, TAG_OBJECT = 11, 12, 13, 14, 15, 16
+# control kinds (trainer 0 -> every server)
+STEP, PULL, SET_WEIGHTS, STATE, LOAD, STOP, ABORT = 1, 2, 3, 4, 5, 6, 7
+#: the prefix of the run's keys in the rendezvous store
+STORE_PREFIX = "lightning_dp/servers"
+
+
+# ---------------------------------------------------------------------------------------------------- the load split
+def trainer_share(num_trainers: int, num_servers: int) -> float:
+    """The fraction of the gradient bytes each trainer serves when ``num_servers`` dedicated servers take the rest,
+    the split that equalises every machine's traffic (see the module docstring); ``1 / n`` without servers."""
+    n, k = num_trainers, num_servers
+    if n == 1:
+        return 1.0  # its own share costs no traffic at all
+    if k == 0:
+        return 1.0 / n
+    return max(0.0, (n - k) / (n * n + k * n - 2 * k))
+
+
+def member_shares(num_trainers: int, num_servers: int, trainers_serve: bool) -> list[float]:
+    """The fraction of the gradient bytes each member serves, trainers first: the optimal split
+    (:func:`trainer_share`) when ``trainers_serve``, else ``1 / k`` per server and nothing on the trainers."""
+    n, k = num_trainers, num_servers
+    if not trainers_serve:
+        if k == 0:
+            raise ValueError("without dedicated servers the trainers must serve")
+        return [0.0] * n + [1.0 / k] * k
+    x = trainer_share(n, k)
+    return [x] * n + ([(1.0 - n * x) / k] * k if k else [])
+
+
+def communication_time(num_trainers: int, num_servers: int, nbytes: float, bandwidth: float) -> float:
+    """Seconds a step's exchange takes on links of ``bandwidth`` bytes/s per machine with ``nbytes`` of gradients,
+    trainers serving the optimal share: ``t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B``, ``S / B`` for
+    ``k >= n`` (bandwidth term only: no latency, no compute)."""
+    n, k = num_trainers, num_servers
+    if n <= 1:
+        return 0.0
+    if k >= n:
+        return nbytes / bandwidth
+    return 2 * n * (n - 1) / (n * n + k * n - 2 * k) * nbytes / bandwidth
+
+
+def member_segments(
+    buckets: Sequence[GradientBucket], shares: Sequence[float], whole_parameters: bool
+) -> list[list[Segment]]:
+    """``[b][m]``: the range of bucket ``b``'s gradient region member ``m`` serves, the buckets laid end to end in
+    bytes and cut by ``shares`` (fractions summing to 1); with ``whole_parameters`` each cut moves to the nearest
+    parameter boundary, so that every parameter is served whole by one member."""
+    sizes = [b.grad_numel for b in buckets]
+    element_sizes = [b.buffer.element_size() for b in buckets]
+    total = sum(n * e for n, e in zip(sizes, element_sizes))
+    cuts, acc = [0], 0.0
+    for share in shares[:-1]:
+        acc += share
+        cuts.append(min(total, round(total * acc)))
+    cuts.append(total)
+    if whole_parameters:
+        boundaries, base = [0], 0
+        for bucket, esize in zip(buckets, element_sizes):
+            boundaries += [base + hi * esize for _, hi in bucket.slices]
+            base += bucket.grad_numel * esize
+        cuts = [cuts[0]] + [_nearest(boundaries, c) for c in cuts[1:-1]] + [cuts[-1]]
+    return segments_at(sizes, element_sizes, cuts)
+
+
+def _nearest(boundaries: Sequence[int], cut: int) -> int:
+    return min(boundaries, key=lambda b: (abs(b - cut), b))
+
+
+# ---------------------------------------------------------------------------------------------------- the group
+class MemberGroup:
+    """The gloo group of a run's trainers and dedicated servers (see the module docstring), on a store of its own
+    under :data:`STORE_PREFIX`. Not registered with ``torch.distributed``: a server process has no default group,
+    and Lightning's collectives never see the servers."""
+
+    def __init__(self, store: dist.Store, rank: int, num_trainers: int, num_servers: int, timeout: timedelta) -> None:
+        self.rank, self.num_trainers, self.num_servers = rank, num_trainers, num_servers
+        self.size = num_trainers + num_servers
+        self.backend: Any = dist.ProcessGroupGloo(store, rank, self.size, timeout)
+
+    @property
+    def trainers(self) -> range:
+        return range(self.num_trainers)
+
+    @property
+    def servers(self) -> range:
+        return range(self.num_trainers, self.size)
+
+    def name(self, member: int) -> str:
+        """``"trainer 1"`` or ``"server 0 (member 3)"``."""
+        if member < self.num_trainers:
+            return f"trainer {member}"
+        return f"server {member - self.num_trainers} (member {member})"
+
+    def isend(self, tensor: Tensor, member: int, tag: int) -> dist.Work | None:
+        return self.backend.send([tensor], member, tag) if tensor.numel() else None
+
+    def irecv(self, tensor: Tensor, member: int, tag: int) -> dist.Work | None:
+        return self.backend.recv([tensor], member, tag) if tensor.numel() else None
+
+    def wait(self, work: dist.Work | None, member: int, action: str, timeout: timedelta | None = None) -> None:
+        """Wait for ``work`` (with ``member``); a failure names both ends."""
+        if work is None:
+            return
+        try:
+            work.wait(timeout) if timeout is not None else work.wait()
+        except Exception as error:
+            raise PeerUnreachableError(
+                f"{self.name(self.rank)} could not {action} {self.name(member)}: the peer is unreachable (it may have "
+                "died, its link may be down, or it did not answer within the timeout). Transport error: "
+                f"{error}"
+            ) from error
+
+    def all_reduce_sum(self, tensor: Tensor, timeout: timedelta | None = None) -> None:
+        """Sum ``tensor`` over every member, in place, the same bits everywhere."""
+        work = self.backend.allreduce([tensor])
+        try:
+            work.wait(timeout) if timeout is not None else work.wait()
+        except Exception as error:
+            raise PeerUnreachableError(
+                f"{self.name(self.rank)} lost a member of the trainers-and-servers group during the step's vote (one "
+                f"of them died or its link is down). Transport error: {error}"
+            ) from error
+
+    def send_object(self, obj: Any, member: int, timeout: timedelta | None = None) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        for tensor in (size, data):
+            self.wait(self.isend(tensor, member, TAG_OBJECT), member, "send a message to", timeout)
+
+    def recv_object(self, member: int, timeout: timedelta | None = None) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.wait(self.irecv(size, member, TAG_OBJECT), member, "receive a message from", timeout)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.wait(self.irecv(data, member, TAG_OBJECT), member, "receive a message from", timeout)
+        return pickle.loads(data.numpy().tobytes())  # noqa: S301 - members of one run, on the run's private network
+
+    def close(self) -> None:
+        try:
+            self.backend.shutdown()
+        except Exception:  # noqa: BLE001, S110 - peers may be gone already
+            pass
+
+
+def run_store(host: str, port: int, run_key: str, timeout: timedelta) -> dist.Store:
+    """A client of the rendezvous store at ``host:port``, narrowed to this run's keys."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"{STORE_PREFIX}/{run_key}", store)
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+@dataclass
+class OptimizerSpec:
+    """How to rebuild one user optimizer on a server: its class (imported there by name), defaults and groups."""
+
+    cls: type[torch.optim.Optimizer]
+    defaults: dict[str, Any]
+    #: per parameter group: the indices of its parameters in :attr:`ServerPlan.shapes`, and its hyperparameters
+    groups: list[tuple[list[int], dict[str, Any]]]
+
+
+@dataclass
+class ServerPlan:
+    """What trainer 0 tells every server at set-up (through the store)."""
+
+    shapes: list[tuple[int, ...]]
+    dtype: torch.dtype
+    #: indices into :attr:`shapes` of each bucket's parameters, in bucket order
+    buckets: list[list[int]]
+    #: ``[b][m]`` as :func:`member_segments`
+    segments: list[list[Segment]]
+    optimizers: list[OptimizerSpec]
+    #: whether the trainers' hooks read gradients: servers then send the averaged gradients back during backward
+    #: and step with the edited gradients trainer 0 sends
+    full_gradients: bool
+    owner: str = "dedicated server"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_importable(cls: type, owner: str) -> None:
+    """Servers import the optimizer class by name: refuse one they cannot find (defined in ``__main__``, local)."""
+    module, name = cls.__module__, cls.__qualname__
+    found: Any = None
+    if module != "__main__" and "<locals>" not in name:
+        try:
+            found = importlib.import_module(module)
+            for part in name.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+    if found is not cls:
+        raise ConfigurationError(
+            f"{owner}: the optimizer class {name} (module {module}) cannot be imported by the server processes, which "
+            "rebuild it by name: define it in an importable module (not in the script run as __main__)"
+        )
+
+
+def optimizer_spec(optimizer: torch.optim.Optimizer, index_of: dict[int, int]) -> OptimizerSpec:
+    groups = [([index_of[id(p)] for p in g["params"]], hyperparameters(g)) for g in optimizer.param_groups]
+    return OptimizerSpec(type(optimizer), dict(optimizer.defaults), groups)
+
+
+def buckets_of(plan_groups: Sequence[tuple[list[int], dict[str, Any]]], buckets: Sequence[Sequence[int]]) -> list[int]:
+    """The buckets holding any parameter of an optimizer whose groups are ``plan_groups``."""
+    ids = {i for indices, _ in plan_groups for i in indices}
+    return [b for b, params in enumerate(buckets) if any(i in ids for i in params)]
+
+
+def _header(kind: int, optimizer_index: int = 0, syncs: int = 0) -> Tensor:
+    return torch.tensor([kind, optimizer_index, syncs], dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------- trainers' side
+class DedicatedServerTransport(Transport):
+    """The trainers' side of dedicated servers (see the module docstring). ``group`` is the trainers' own gradient
+    group (its ring carries the trainers' votes); the exchanges run on ``members``. :meth:`reduce` pushes each
+    owner its share of the bucket (and the used-flags) and averages this trainer's own share; :meth:`share` brings
+    back the averaged gradients (when the hooks read them); :meth:`share_weights` the new weights. GPU buckets are
+    staged through pinned CPU memory (blocking copies on the communication thread's stream)."""
+
+    def __init__(
+        self,
+        members: MemberGroup,
+        shares: Sequence[float],
+        whole_parameters: bool,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        timeout: timedelta | None = None,
+    ) -> None:
+        super().__init__(group, stats)
+        self.members = members
+        self.me = members.rank
+        self.shares = list(shares)
+        self.whole_parameters = whole_parameters
+        self.timeout = timeout
+        self.segments: list[list[Segment]] = []
+        #: synchronizations started so far (trainer 0 tells the servers how many a step follows)
+        self.syncs = 0
+        self._num_buckets = 0
+        self._staging: dict[int, Tensor] = {}
+
+    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        self.segments = member_segments(buckets, self.shares, self.whole_parameters)
+        self._num_buckets = len(buckets)
+        for b in buckets:
+            if b.buffer.is_cuda:
+                self._staging[b.index] = torch.empty(b.buffer.shape, dtype=b.buffer.dtype, pin_memory=True)
+
+    @property
+    def crosses_network(self) -> bool:
+        return True
+
+    def owned(self, bucket: GradientBucket) -> Segment:
+        start, end = self.segments[bucket.index][self.me]
+        return (start, end)
+
+    def _host(self, bucket: GradientBucket) -> Tensor:
+        """The bucket's CPU copy (itself on CPU)."""
+        return self._staging.get(bucket.index, bucket.buffer)
+
+    def _to_host(self, bucket: GradientBucket) -> Tensor:
+        host = self._host(bucket)
+        if host is not bucket.buffer:
+            host.copy_(bucket.buffer)  # blocking: ordered after the producing stream's work
+        return host
+
+    def _from_host(self, bucket: GradientBucket, ranges: Sequence[Segment]) -> None:
+        host = self._host(bucket)
+        if host is not bucket.buffer:
+            for start, end in ranges:
+                bucket.buffer[start:end].copy_(host[start:end])
+
+    def _owners(self, bucket: GradientBucket) -> list[tuple[int, Segment]]:
+        return [(m, (s, e)) for m, (s, e) in enumerate(self.segments[bucket.index]) if e > s]
+
+    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        if wire is not None:
+            raise ValueError("dedicated servers carry full-precision buckets: use no codec")
+        if bucket.index == 0:
+            self.syncs += 1
+        host = self._to_host(bucket)
+        flags = host[bucket.grad_numel :]
+        works = []
+        for owner, (s, e) in self._owners(bucket):
+            if owner != self.me:
+                for tensor in (host[s:e], flags):
+                    works.append((self.members.isend(tensor, owner, TAG_GRADIENTS), owner, "push gradients to"))
+                self.stats.add(sent=(e - s + flags.numel()) * host.element_size())
+        start, end = self.owned(bucket)
+        received: dict[int, tuple[Tensor, Tensor]] = {}
+        if end > start:
+            for t in self.members.trainers:
+                if t != self.me:
+                    grads, their_flags = torch.empty(end - start, dtype=host.dtype), torch.empty_like(flags)
+                    for tensor in (grads, their_flags):
+                        works.append((self.members.irecv(tensor, t, TAG_GRADIENTS), t, "receive gradients from"))
+                    received[t] = (grads, their_flags)
+        for work, member, action in works:
+            self.members.wait(work, member, action, self.timeout)
+        if received:
+            mine = host[start:end]
+            parts = [mine if t == self.me else received[t][0] for t in self.members.trainers]
+            _average_in_rank_order(parts, len(parts), mine)
+            for _, their_flags in received.values():
+                flags.add_(their_flags)
+            self.stats.add(received=sum((g.numel() + f.numel()) * g.element_size() for g, f in received.values()))
+            self._from_host(bucket, [(start, end), (bucket.grad_numel, bucket.buffer.numel())])
+
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        """The owners' averaged gradients (and the combined used-flags, from the bucket's first owner)."""
+        self._share(bucket, TAG_AVERAGED, with_flags=True)
+
+    def share_weights(self, bucket: GradientBucket) -> None:
+        """The owners' new weights of ``bucket`` into its gradient region (this trainer packed its own share)."""
+        self._share(bucket, TAG_WEIGHTS, with_flags=False)
+
+    def _share(self, bucket: GradientBucket, tag: int, with_flags: bool) -> None:
+        owners = self._owners(bucket)
+        if not owners:
+            return
+        host = self._host(bucket)
+        start, end = self.owned(bucket)
+        if end > start and host is not bucket.buffer:
+            host[start:end].copy_(bucket.buffer[start:end])
+        works, ranges = [], []
+        for owner, (s, e) in owners:
+            if owner == self.me:
+                for t in self.members.trainers:
+                    if t != self.me:
+                        tensors = [host[s:e]] + ([host[bucket.grad_numel :]] if with_flags and owner == owners[0][0]
+                                                 else [])  # fmt: skip
+                        for tensor in tensors:
+                            works.append((self.members.isend(tensor, t, tag), t, "send its share to"))
+                            self.stats.add(sent=tensor.numel() * tensor.element_size())
+            else:
+                tensors = [host[s:e]] + ([host[bucket.grad_numel :]] if with_flags and owner == owners[0][0] else [])
+                for tensor in tensors:
+                    works.append((self.members.irecv(tensor, owner, tag), owner, "receive its share from"))
+                    self.stats.add(received=tensor.numel() * tensor.element_size())
+                ranges.append((s, e))
+        if with_flags and owners[0][0] != self.me:
+            ranges.append((bucket.grad_numel, bucket.buffer.numel()))
+        for work, member, action in works:
+            self.members.wait(work, member, action, self.timeout)
+        self._from_host(bucket, ranges)
+
+    def all_reduce(self, tensor: Tensor, bucket: GradientBucket) -> None:
+        raise ConfigurationError("dedicated servers run without compression: codecs have no all-reduce there")
+
+    # ------------------------------------------------------------------ trainer 0's control messages
+    def control(self, kind: int, optimizer_index: int = 0, payload: Any = None) -> None:
+        """Trainer 0: send every server a control message (with a pickled ``payload`` if given)."""
+        header = _header(kind, optimizer_index, self.syncs)
+        for server in self.members.servers:
+            self.members.wait(self.members.isend(header, server, TAG_CONTROL), server, "send a control message to",
+                              self.timeout)  # fmt: skip
+            if kind in (STEP, LOAD, ABORT):
+                self.members.send_object(payload, server, self.timeout)
+
+    def send_edited(self, buckets: Sequence[GradientBucket]) -> None:
+        """Trainer 0: each server's share of the gradients of ``buckets``' parameters as ``param.grad`` holds them now
+        (edited by the hooks; the buckets' contents are overwritten)."""
+        works = []
+        for bucket in buckets:
+            for i, p in enumerate(bucket.params):
+                bucket.fill(i, p.grad)
+            host = self._to_host(bucket)
+            for owner, (s, e) in self._owners(bucket):
+                if owner >= self.members.num_trainers:
+                    for tensor in (host[s:e], host[bucket.grad_numel :]):
+                        works.append((self.members.isend(tensor, owner, TAG_EDITED), owner, "send gradients to"))
+                        self.stats.add(sent=tensor.numel() * tensor.element_size())
+        for work, member, action in works:
+            self.members.wait(work, member, action, self.timeout)
+
+    def send_weights(self, buckets: Sequence[GradientBucket]) -> None:
+        """Trainer 0: every server's share of the current parameters (at the start of training, after a restore)."""
+        works = []
+        for bucket in buckets:
+            host = self._host(bucket)
+            for owner, (s, e) in self._owners(bucket):
+                if owner >= self.members.num_trainers:
+                    values = bucket.read_params(s, e, torch.empty(e - s, dtype=host.dtype))
+                    works.append((self.members.isend(values, owner, TAG_WEIGHTS), owner, "send weights to"))
+        for work, member, action in works:
+            self.members.wait(work, member, action, self.timeout)
+
+    def vote(self, squares: float, bad: bool) -> tuple[float, bool]:
+        """Every member: the sum of the squared gradient norms of every share, and whether any share is not finite."""
+        tensor = torch.tensor([squares, 1.0 if bad else 0.0], dtype=torch.float64)
+        self.members.all_reduce_sum(tensor, self.timeout)
+        return float(tensor[0]), bool(tensor[1] > 0)
+
+    def server_states(self, optimizer_index: int) -> list:
+        """Trainer 0: every server's pieces of optimizer ``optimizer_index``'s state."""
+        self.control(STATE, optimizer_index)
+        return [self.members.recv_object(server, self.timeout) for server in self.members.servers]
+
+    def close(self) -> None:
+        self.members.close()
+
+
+def clip_coefficient(max_norm: float, squares: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s factor for a total 2-norm of ``sqrt(squares)``."""
+    return min(1.0, max_norm / (squares**0.5 + 1e-6))
+
+
+def clip_pieces(sharded: ShardedOptimizer, clip: tuple[str, float] | None, squares_total: float) -> None:
+    """Apply Lightning's clipping request (``("norm", max)`` with the global squared norm, or ``("value", v)``)."""
+    if clip is None:
+        return
+    kind, value = clip
+    if kind == "value":
+        sharded.clip_grad_value_(value)
+    else:
+        coefficient = torch.clamp(value / (torch.tensor(squares_total, dtype=torch.float64).sqrt() + 1e-6), max=1.0)
+        for _, grad in sharded.gradients():
+            grad.mul_(coefficient.to(grad.dtype))
+
+
+def squared_norm(sharded: ShardedOptimizer) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    for _, grad in sharded.gradients():
+        total += grad.detach().double().pow(2).sum()
+    return float(total)
+
+
+def first_bad(sharded: ShardedOptimizer) -> bool:
+    return first_nonfinite(sharded.gradients()) is not None
+
+
+# ---------------------------------------------------------------------------------------------------- servers' side
+class DedicatedServer:
+    """One server process's share: its own copy of its weights and the optimizer state over them, fed by the
+    trainers (see the module docstring). :meth:`run` serves until trainer 0 says stop; a lost trainer ends it with
+    :class:`~lightning_dp.comm.errors.PeerUnreachableError` naming the trainer."""
+
+    def __init__(self, members: MemberGroup, plan: ServerPlan) -> None:
+        self.members, self.plan = members, plan
+        me = members.rank
+        params = [torch.nn.Parameter(torch.empty(shape, dtype=plan.dtype, device="meta")) for shape in plan.shapes]
+        self.buckets = [GradientBucket(b, [params[i] for i in indices]) for b, indices in enumerate(plan.buckets)]
+        owner = f"{members.name(me)} ({plan.owner})"
+        self.layout = ShardLayout(self.buckets, plan.segments, me, owner, own_storage=True, read_params=False)
+        self.optimizers = [ShardedOptimizer(self._template(spec, params), self.layout, None, owner)
+                           for spec in plan.optimizers]  # fmt: skip
+        self.served = [b.index for b in self.buckets if plan.segments[b.index][me][1] > plan.segments[b.index][me][0]]
+        self.offset: dict[int, int] = {}
+        offset = 0
+        for b in self.buckets:
+            self.offset[b.index] = offset
+            start, end = plan.segments[b.index][me]
+            offset += end - start
+        self.gradients = torch.zeros_like(self.layout.storage)
+        self.flags = {b: torch.zeros(len(plan.buckets[b]), dtype=plan.dtype) for b in self.served}
+        self._scratch = {b: [torch.empty(self._numel(b), dtype=plan.dtype) for _ in members.trainers]
+                         for b in self.served}  # fmt: skip
+        self._flag_scratch = {b: [torch.empty_like(self.flags[b]) for _ in members.trainers] for b in self.served}
+        self._synced = 0
+        self._consumed = 0
+        self._sync_error: BaseException | None = None
+        self._cond = threading.Condition()
+        self.steps = 0
+
+    @staticmethod
+    def _template(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        import inspect
+
+        accepted = inspect.signature(spec.cls.__init__).parameters
+        defaults = {k: v for k, v in spec.defaults.items() if k in accepted}
+        return spec.cls([{**hyper, "params": [params[i] for i in indices]} for indices, hyper in spec.groups],
+                        **defaults)  # fmt: skip
+
+    def _numel(self, b: int) -> int:
+        start, end = self.plan.segments[b][self.members.rank]
+        return end - start
+
+    def _share_of(self, b: int) -> slice:
+        return slice(self.offset[b], self.offset[b] + self._numel(b))
+
+    # ------------------------------------------------------------------ gradients, on a thread of their own
+    def _receive_syncs(self) -> None:
+        members = self.members
+        try:
+            while True:
+                for b in self.served:
+                    works = []
+                    for t in members.trainers:
+                        for tensor in (self._scratch[b][t], self._flag_scratch[b][t]):
+                            works.append((members.irecv(tensor, t, TAG_GRADIENTS), t))
+                    for work, t in works:
+                        members.wait(work, t, "receive gradients from")
+                    _average_in_rank_order(self._scratch[b], members.num_trainers, self.gradients[self._share_of(b)])
+                    self.flags[b].zero_()
+                    for their_flags in self._flag_scratch[b]:
+                        self.flags[b].add_(their_flags)
+                    if self.plan.full_gradients:
+                        self._send_to_trainers(b, TAG_AVERAGED, self.gradients, with_flags=self._first_owner(b))
+                with self._cond:
+                    self._synced += 1
+                    self._cond.notify_all()
+        except BaseException as error:  # noqa: BLE001 - reported by the serving loop when it needs the gradients
+            with self._cond:
+                self._sync_error = error
+                self._cond.notify_all()
+
+    def _first_owner(self, b: int) -> bool:
+        return next(m for m, (s, e) in enumerate(self.plan.segments[b]) if e > s) == self.members.rank
+
+    def _send_to_trainers(self, b: int, tag: int, source: Tensor, with_flags: bool = False) -> None:
+        tensors = [source[self._share_of(b)]] + ([self.flags[b]] if with_flags else [])
+        works = [(self.members.isend(t, trainer, tag), trainer) for trainer in self.members.trainers for t in tensors]
+        for work, trainer in works:
+            self.members.wait(work, trainer, "send to")
+
+    def _wait_syncs(self, syncs: int) -> None:
+        if not self.served:
+            return
+        with self._cond:
+            while self._synced < syncs and self._sync_error is None:
+                self._cond.wait()
+            if self._synced < syncs and self._sync_error is not None:
+                raise self._sync_error
+
+    # ------------------------------------------------------------------ the serving loop
+    def run(self) -> None:
+        """Serve until trainer 0 sends STOP (returns) or ABORT (raises), or a trainer is lost (raises)."""
+        if self.served:
+            threading.Thread(target=self._receive_syncs, daemon=True, name="lddp-server-gradients").start()
+        header = torch.zeros(3, dtype=torch.int64)
+        while True:
+            self.members.wait(self.members.irecv(header, 0, TAG_CONTROL), 0, "receive the next control message from")
+            kind, index, syncs = (int(v) for v in header.tolist())
+            if kind == STOP:
+                return
+            if kind == ABORT:
+                reason = self.members.recv_object(0)
+                raise RuntimeError(f"trainer 0 stopped the run: {reason}")
+            if kind == STEP:
+                self._step(index, syncs, self.members.recv_object(0))
+            elif kind == PULL:
+                for b in self.served:
+                    self._send_to_trainers(b, TAG_WEIGHTS, self.layout.storage)
+            elif kind == SET_WEIGHTS:
+                works = [(self.members.irecv(self.layout.storage[self._share_of(b)], 0, TAG_WEIGHTS), b)
+                         for b in self.served]  # fmt: skip
+                for work, _ in works:
+                    self.members.wait(work, 0, "receive the weights from")
+            elif kind == STATE:
+                self.members.send_object(self.optimizers[index].local_state(), 0)
+            elif kind == LOAD:
+                self.optimizers[index].load_state_dict(self.members.recv_object(0))
+
+    def _step(self, index: int, syncs: int, control: dict[str, Any]) -> None:
+        sharded = self.optimizers[index]
+        spec = self.plan.optimizers[index]
+        mine = [b for b in buckets_of(spec.groups, self.plan.buckets) if b in self.served]
+        for group, hyper in zip(sharded.optimizer.param_groups, control["hyperparameters"]):
+            group.update(hyper)
+        if syncs > self._consumed:  # a synchronization since the last step: every optimizer's pieces take it
+            self._wait_syncs(syncs)
+            self._consumed = syncs
+            if not self.plan.full_gradients:
+                self._take_gradients(self.layout.pieces)
+        if self.plan.full_gradients:  # the gradients as the trainers' hooks left them, from trainer 0
+            works = []
+            for b in mine:
+                for tensor in (self.gradients[self._share_of(b)], self.flags[b]):
+                    works.append(self.members.irecv(tensor, 0, TAG_EDITED))
+            for work in works:
+                self.members.wait(work, 0, "receive gradients from")
+            self._take_gradients(sharded.pieces)
+        clip = None if self.plan.full_gradients else control["clip"]
+        squares = squared_norm(sharded) if clip is not None and clip[0] == "norm" else 0.0
+        total, bad = self.members_vote(squares, first_bad(sharded))
+        if bad:
+            for piece in sharded.pieces:
+                piece.tensor.grad = None
+            return
+        clip_pieces(sharded, clip, total)
+        sharded.step(**control["kwargs"])
+        self.steps += 1
+        for b in mine:
+            self._send_to_trainers(b, TAG_WEIGHTS, self.layout.storage)
+
+    def _take_gradients(self, pieces: Sequence[ShardPiece]) -> None:
+        for piece in pieces:
+            if piece.bucket.index in self.flags:
+                used = bool(self.flags[piece.bucket.index][piece.index_in_bucket] != 0)
+                n = piece.tensor.numel()
+                grad = self.gradients[piece.storage_start : piece.storage_start + n].view_as(piece.tensor)
+                piece.tensor.grad = grad.clone() if used else None
+
+    def members_vote(self, squares: float, bad: bool) -> tuple[float, bool]:
+        tensor = torch.tensor([squares, 1.0 if bad else 0.0], dtype=torch.float64)
+        self.members.all_reduce_sum(tensor)
+        return float(tensor[0]), bool(tensor[1] > 0)

@@ -1,0 +1,129 @@
+"""A dedicated parameter server process: ``python -m lightning_dp.server``.
+
+Joins a run of ``ParameterServerStrategy(num_servers=K)`` or ``ShardedParameterServerStrategy(num_servers=K)``
+through the trainers' rendezvous (their ``MASTER_ADDR`` and ``MASTER_PORT``), serves its share of the weights
+(:class:`~lightning_dp.comm.dedicated.DedicatedServer`) and exits when the run ends: 0 when trainer 0 stops it,
+1 when the run failed or a trainer was lost (the message names it). On one machine the strategy starts its servers
+itself; across machines start one per server on the CPU machines::
+
+    python -m lightning_dp.server --master-addr HOST --master-port PORT --server-index I --num-servers K
+
+Needs no Lightning: the optimizer classes the trainers use must be importable here (``torch.optim`` ones are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+
+from lightning_dp.comm.dedicated import DedicatedServer, MemberGroup, run_store
+from lightning_dp.comm.rendezvous import interface_with_address, local_address_towards
+
+#: how long a server waits for the trainers' next message: without a deadline in practice (validation, checkpoint
+#: writing and a slow epoch end all pause the trainers); a lost trainer's closed sockets end any wait at once
+IDLE_TIMEOUT = timedelta(days=7)
+_PR_SET_PDEATHSIG = 1
+
+
+def _log(message: str) -> None:
+    print(f"[lightning_dp.server] {message}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_dp.server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--master-addr", required=True, help="the trainers' MASTER_ADDR (trainer 0's host)")
+    parser.add_argument("--master-port", required=True, type=int, help="the trainers' MASTER_PORT")
+    parser.add_argument("--server-index", required=True, type=int, help="this server's index, in [0, num-servers)")
+    parser.add_argument("--num-servers", required=True, type=int, help="the strategy's num_servers")
+    parser.add_argument("--run-key", default="0", help="which fit of the trainers' process to join (0: the first)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the trainers to be there")
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # local servers die with it
+    return parser
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: get SIGKILL when the process that started this one dies (so a killed trainer leaves no server)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the lost trainer's closed sockets still end the server
+        return
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    if args.num_servers < 1:
+        _log(f"--num-servers must be >= 1, got {args.num_servers}")
+        return 2
+    if not 0 <= args.server_index < args.num_servers:
+        _log(f"--server-index must be in [0, {args.num_servers}) for --num-servers {args.num_servers}, "
+             f"got {args.server_index}")  # fmt: skip
+        return 2
+    name = f"server {args.server_index}"
+    try:
+        interface = interface_with_address(local_address_towards(args.master_addr))
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        store = run_store(args.master_addr, args.master_port, args.run_key, timedelta(seconds=args.timeout))
+        num_trainers = int(store.get("num_trainers"))
+        expected = int(store.get("num_servers"))
+    except Exception as error:  # noqa: BLE001 - any failure to reach the job is one clear message
+        _log(f"{name}: found no lightning-dp job at {args.master_addr}:{args.master_port} within "
+             f"{args.timeout:.0f} s (is the job running, with num_servers > 0, and are these its MASTER_ADDR and "
+             f"MASTER_PORT?): {error}")  # fmt: skip
+        return 2
+    if expected != args.num_servers:
+        _log(f"{name}: the job runs with num_servers={expected}, this server was started with --num-servers "
+             f"{args.num_servers}")  # fmt: skip
+        return 2
+    try:
+        members = MemberGroup(store, num_trainers + args.server_index, num_trainers, expected, IDLE_TIMEOUT)
+        plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
+        server = DedicatedServer(members, plan)
+        _log(f"{name} (pid {os.getpid()}) serves {server.layout.storage.numel()} elements for {num_trainers} trainers")
+        server.run()
+    except Exception as error:  # noqa: BLE001 - the run failed: exit non-zero with the reason
+        _log(f"{name} stops: {error}")
+        return 1
+    _log(f"{name} done after {server.steps} steps")
+    members.close()
+    return 0
+
+
+def start_local_servers(
+    master_addr: str, master_port: int, num_servers: int, run_key: str, timeout: float
+) -> list[subprocess.Popen]:
+    """Start ``num_servers`` server processes on this machine, children of this process (they die with it)."""
+    processes = []
+    for index in range(num_servers):
+        command = [sys.executable, "-m", "lightning_dp.server", "--master-addr", master_addr, "--master-port",
+                   str(master_port), "--server-index", str(index), "--num-servers", str(num_servers), "--run-key",
+                   run_key, "--timeout", str(timeout), "--parent-pid", str(os.getpid())]  # fmt: skip
+        processes.append(subprocess.Popen(command))  # noqa: S603 - our own module, our own interpreter
+    return processes
+
+
+def stop_local_servers(processes: Sequence[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for the servers to exit, kill those still running; their exit codes."""
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(process.wait())
+    return codes
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""The trainers' side of ``num_servers > 0``: dedicated server processes hold (part of) the weights and optimizer.
+
+:class:`DedicatedServers` is what a :class:`~.parameter_server_base.ParameterServerBase` strategy delegates to: it
+starts the servers on this machine (trainer 0, unless they are started with ``python -m lightning_dp.server``
+elsewhere), joins them in a :class:`~lightning_dp.comm.dedicated.MemberGroup`, runs the optimizer step (hooks,
+clipping and the NaN/inf vote exactly as the co-located servers do) and gathers the servers' optimizer state for
+checkpoints. Every collective of Lightning's stays among the trainers.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.dedicated import (
+    ABORT,
+    LOAD,
+    PULL,
+    SET_WEIGHTS,
+    STEP,
+    STOP,
+    DedicatedServerTransport,
+    MemberGroup,
+    ServerPlan,
+    check_importable,
+    clip_pieces,
+    first_bad,
+    member_shares,
+    optimizer_spec,
+    run_store,
+    squared_norm,
+)
+from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
+from lightning_dp.comm.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer, ShardLayout, hyperparameters
+from lightning_dp.server import start_local_servers, stop_local_servers
+
+if TYPE_CHECKING:
+    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
+
+#: seconds trainer 0 waits for its local servers to exit after telling them to stop, before killing them
+STOP_GRACE_SECONDS = 30.0
+
+
+class DedicatedServers:
+    """One fit's dedicated servers, seen from a trainer (see the module docstring)."""
+
+    def __init__(self, strategy: ParameterServerBase, run_key: str) -> None:
+        self.strategy = strategy
+        self.run_key = run_key
+        self.processes: list[subprocess.Popen] = []
+        self.transport: DedicatedServerTransport | None = None
+        self.layout: ShardLayout | None = None
+        self.optimizers: list[ShardedOptimizer] = []
+        self.closed = False
+        #: the full optimizer states gathered at the end of training, for checkpoints saved after the servers stopped
+        self.final_states: list[dict] | None = None
+        self._clip: tuple[str, float] | None = None
+        self._groups: list[int] = []
+
+    @property
+    def is_trainer_zero(self) -> bool:
+        return self.strategy.global_rank == 0
+
+    # ------------------------------------------------------------------ set-up
+    def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        s = self.strategy
+        owner = f"strategy {s.strategy_name!r} with num_servers={s.num_servers}"
+        for optimizer in optimizers:
+            check_importable(type(optimizer), owner)
+            if not s._trainers_serve and s.num_servers > 1 and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+                if type(optimizer).__module__.split(".")[0] != "torch":
+                    raise ConfigurationError(
+                        f"{owner}: each server runs {type(optimizer).__name__} on its own parameters, which is exact "
+                        "only for optimizers that update every parameter on its own (the torch.optim ones); use "
+                        "num_servers=1 for this optimizer"
+                    )
+
+    def setup(self, reducer: BucketReducer) -> DedicatedServerTransport:
+        """Start (trainer 0, ``start_servers``) and join the servers, hand them the plan and the weights."""
+        s = self.strategy
+        env = s.cluster_environment
+        assert env is not None and s._timeout is not None and s.lightning_module is not None
+        n, k = s.world_size, s.num_servers
+        if self.is_trainer_zero and s.start_servers:
+            self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
+                                                 s._timeout.total_seconds())  # fmt: skip
+        store = run_store(env.main_address, env.main_port, self.run_key, s._timeout)
+        if self.is_trainer_zero:
+            store.set("num_trainers", str(n))
+            store.set("num_servers", str(k))
+        started = time.perf_counter()
+        members = MemberGroup(store, s.global_rank, n, k, s._timeout)
+        shares = member_shares(n, k, trainers_serve=s._trainers_serve)
+        transport = DedicatedServerTransport(members, shares, not s._trainers_serve, s.gradient_group, s.sync_stats,
+                                             s._timeout)  # fmt: skip
+        transport.bind(reducer.buckets)
+        self.transport = transport
+        optimizers = [unwrap_optimizer(o) for o in s.optimizers]
+        if self.is_trainer_zero:
+            store.set("plan", pickle.dumps(self._plan(reducer, optimizers)))  # type: ignore[arg-type]  # bytes are fine
+        owner = f"strategy {s.strategy_name!r}"
+        self.layout = ShardLayout(reducer.buckets, transport.segments, s.global_rank, owner)
+        self.optimizers = [ShardedOptimizer(o, self.layout, s.gradient_group, owner) for o in optimizers]
+        self._groups = [len(o.param_groups) for o in optimizers]
+        self.send_weights(reducer.buckets)
+        rank_zero_info(
+            f"{s.strategy_name}: {n} trainers and {k} dedicated servers (joined in {time.perf_counter() - started:.1f} "
+            f"s); each trainer serves {shares[0]:.1%} of the gradients, each server {shares[-1]:.1%}"
+        )
+        return transport
+
+    def _plan(self, reducer: BucketReducer, optimizers: list[torch.optim.Optimizer]) -> ServerPlan:
+        params = list(reducer.params)
+        index_of = {id(p): i for i, p in enumerate(params)}
+        for optimizer in optimizers:  # parameters an optimizer holds but nothing synchronizes (frozen ones)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) not in index_of:
+                        index_of[id(p)] = len(params)
+                        params.append(p)
+        assert self.transport is not None
+        return ServerPlan(
+            shapes=[tuple(p.shape) for p in params],
+            dtype=reducer.buckets[0].buffer.dtype if reducer.buckets else torch.float32,
+            buckets=[[index_of[id(p)] for p in b.params] for b in reducer.buckets],
+            segments=self.transport.segments,
+            optimizers=[optimizer_spec(o, index_of) for o in optimizers],
+            full_gradients=self.strategy.full_gradients,
+            owner=f"strategy {self.strategy.strategy_name!r}",
+        )
+
+    def send_weights(self, buckets: list[GradientBucket]) -> None:
+        """Every server takes trainer 0's current weights (the trainers hold identical ones)."""
+        assert self.transport is not None
+        if self.is_trainer_zero:
+            self.transport.control(SET_WEIGHTS)
+            self.transport.send_weights(buckets)
+
+    # ------------------------------------------------------------------ the step
+    def clip_request(self, kind: str) -> Callable[[torch.optim.Optimizer, float], None]:
+        """A precision plugin's ``clip_grad_by_norm`` / ``clip_grad_by_value``: the servers clip their shares
+        (unless every trainer holds the averaged gradients: then Lightning's own clipping runs on them)."""
+        plugin = self.strategy.precision_plugin
+        lightning_clip = getattr(type(plugin), f"clip_grad_by_{kind}")
+
+        def clip(optimizer: torch.optim.Optimizer, value: float) -> None:
+            if self.strategy.full_gradients:
+                lightning_clip(plugin, optimizer, value)
+            else:
+                self._clip = (kind, float(value))
+
+        return clip
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        """One optimizer step with the servers (see :mod:`lightning_dp.comm.dedicated`)."""
+        s = self.strategy
+        assert self.transport is not None and self.layout is not None and s.reducer is not None
+        index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
+        sharded = self.optimizers[index]
+        if len(optimizer.param_groups) != self._groups[index]:
+            raise UnsupportedChangeError(
+                f"strategy {s.strategy_name!r} with num_servers={s.num_servers}: {type(optimizer).__name__} gained "
+                "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
+            )
+        result = closure()
+        fresh = s.reducer.consume()
+        if fresh and not s.full_gradients:  # once per synchronization, for every optimizer's pieces
+            self.layout.take_bucket_gradients()
+        self._clip = None
+        after_closure(s.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        buckets = s._buckets_of(optimizer)
+        if s.full_gradients:
+            sharded.take_param_gradients()
+        if self.is_trainer_zero:
+            control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
+                       "kwargs": kwargs}  # fmt: skip
+            self.transport.control(STEP, index, control)
+            if s.full_gradients:
+                self.transport.send_edited(buckets)
+        clip = None if s.full_gradients else self._clip
+        squares = squared_norm(sharded) if clip is not None and clip[0] == "norm" else 0.0
+        total, bad = self.transport.vote(squares, first_bad(sharded))
+        if bad:
+            for piece in sharded.pieces:
+                piece.tensor.grad = None
+            s._raise_nonfinite(None)
+        clip_pieces(sharded, clip, total)
+        sharded.step(**kwargs)
+        start = time.perf_counter()
+        self.pull(buckets)
+        s._end_step(blocking_seconds=time.perf_counter() - start)
+        return result
+
+    def pull(self, buckets: list[GradientBucket]) -> None:
+        """Every trainer receives the new weights of ``buckets`` from their owners."""
+        assert self.transport is not None
+        for bucket in buckets:
+            start, end = self.transport.owned(bucket)
+            bucket.pack_params(start, end)
+            self.transport.share_weights(bucket)
+            bucket.unpack_params()
+
+    def exchange_weights(self, buckets: list[GradientBucket]) -> None:
+        """The weight traffic of a step without a step (timing, see ``measure_exchange_seconds``)."""
+        assert self.transport is not None
+        if self.is_trainer_zero:
+            self.transport.control(PULL)
+        self.pull(buckets)
+
+    # ------------------------------------------------------------------ checkpoints
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The full optimizer state on trainer 0, from every trainer's and server's share (collective)."""
+        s = self.strategy
+        index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
+        sharded = self.optimizers[index]
+        if self.closed:
+            if self.final_states is None:
+                raise RuntimeError(f"strategy {s.strategy_name!r}: the servers stopped before training ended; their "
+                                   "optimizer state is lost")  # fmt: skip
+            return self.final_states[index]
+        assert s.lightning_module is not None and self.transport is not None
+        if s.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+            rank_zero_warn(
+                f"strategy {s.strategy_name!r}: a checkpoint written while the run fails holds no optimizer state "
+                "(it lives on the servers and cannot be gathered now); its weights are trainer 0's"
+            )
+            return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
+        gathered: list | None = [None] * s.world_size if self.is_trainer_zero else None
+        dist.gather_object(sharded.local_state(), gathered, group=s.gradient_group, group_dst=0)
+        if gathered is None:
+            return {}
+        sharded.merge_states(gathered + self.transport.server_states(index))
+        return sharded.state_dict()
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.transport is not None
+        for index, (sharded, saved) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            sharded.load_state_dict(saved)
+            if self.is_trainer_zero:
+                self.transport.control(LOAD, index, saved)
+
+    def keep_final_states(self) -> None:
+        """Gather the optimizer states while the servers still run (collective, at the end of training)."""
+        self.final_states = [self.optimizer_state(unwrap_optimizer(o)) for o in self.strategy.optimizers]
+
+    # ------------------------------------------------------------------ the end
+    def abort(self, reason: str) -> None:
+        """Trainer 0: tell the servers the run failed (they exit non-zero with ``reason``); never raises."""
+        if self.closed or self.transport is None or not self.is_trainer_zero:
+            return
+        try:
+            self.transport.control(ABORT, payload=reason)
+        except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
+            pass
+        self.close(stop=False)
+
+    def close(self, stop: bool = True) -> None:
+        """Stop the servers (trainer 0) and leave the group; local servers are waited for, then killed."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.transport is not None:
+            if stop and self.is_trainer_zero:
+                try:
+                    self.transport.control(STOP)
+                except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
+                    pass
+        codes = stop_local_servers(self.processes, STOP_GRACE_SECONDS if stop else 5.0)
+        if self.transport is not None:
+            self.transport.close()
+        failed = [f"server {i} (exit code {c})" for i, c in enumerate(codes) if c != 0]
+        if failed and stop:
+            rank_zero_warn(f"strategy {self.strategy.strategy_name!r}: {', '.join(failed)} did not stop cleanly")
+        self.processes = []
+
+
+def next_run_key() -> str:
+    """A key for this process's next fit with dedicated servers (``0`` for the first, as the CLI expects)."""
+    global _FITS
+    key = str(_FITS)
+    _FITS += 1
+    return key
+
+
+_FITS = 0
