@@ -31,6 +31,7 @@ new weights.
 from __future__ import annotations
 
 import importlib
+import json
 import pickle
 import threading
 from collections.abc import Sequence
@@ -46,7 +47,9 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
+from lightning_dp.comm.peers import PeerDirectory
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, ShardPiece, hyperparameters
+from lightning_dp.comm.sockets import tcp_sockets
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports import Transport
 
@@ -131,6 +134,15 @@ class MemberGroup:
         self.rank, self.num_trainers, self.num_servers = rank, num_trainers, num_servers
         self.size = num_trainers + num_servers
         self.backend: Any = dist.ProcessGroupGloo(store, rank, self.size, timeout)
+        # every member's socket endpoints, so that a transport error giving only an address names the member
+        try:
+            mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
+        except OSError:  # best effort: no /proc
+            mine = []
+        store.set(f"endpoints/{rank}", json.dumps(mine))
+        self.directory = PeerDirectory(
+            {endpoint: m for m in range(self.size) for endpoint in json.loads(store.get(f"endpoints/{m}"))}
+        )
 
     @property
     def trainers(self) -> range:
@@ -171,9 +183,11 @@ class MemberGroup:
         try:
             work.wait(timeout) if timeout is not None else work.wait()
         except Exception as error:
+            lost = self.directory.rank_in(str(error), exclude=self.rank)
+            who = self.name(lost) if lost is not None else "a member (the transport error below gives its address)"
             raise PeerUnreachableError(
-                f"{self.name(self.rank)} lost a member of the trainers-and-servers group during the step's vote (one "
-                f"of them died or its link is down). Transport error: {error}"
+                f"{self.name(self.rank)} could not reach {who} during the step's vote of the trainers and servers: the "
+                f"peer is unreachable (it may have died or its link is down). Transport error: {error}"
             ) from error
 
     def send_object(self, obj: Any, member: int, timeout: timedelta | None = None) -> None:

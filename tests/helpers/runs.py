@@ -13,6 +13,15 @@ from tests.helpers.launch import load_ranks, run_script
 from tests.helpers.replicas import TOLERANCE, prefixed
 
 STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
+#: the feature matrix also runs ``sharded_ps`` with two dedicated server processes
+WITH_SERVERS = "sharded_ps+servers"
+
+
+def strategy_args(strategy: str) -> list[str]:
+    """The feature script's arguments for ``strategy`` (a name, or :data:`WITH_SERVERS`)."""
+    if strategy == WITH_SERVERS:
+        return ["--strategy", "sharded_ps", "--num-servers", "2"]
+    return ["--strategy", strategy]
 
 
 class FeatureRuns:
@@ -27,7 +36,7 @@ class FeatureRuns:
         key = (strategy, "main")
         if key not in self.results:
             out = self.root / f"{strategy}-main"
-            run_script("features", "--strategy", strategy, "--out", str(out), timeout=300, env=self.env)
+            run_script("features", *strategy_args(strategy), "--out", str(out), timeout=300, env=self.env)
             self.results[key] = load_ranks(out, 2)
         return self.results[key]
 
@@ -37,10 +46,10 @@ class FeatureRuns:
         if key not in self.results:
             out = self.root / f"{strategy}-crash"
             start = time.monotonic()
-            crashed = run_script("features", "--strategy", strategy, "--phase", "crash", "--out", str(out),
+            crashed = run_script("features", *strategy_args(strategy), "--phase", "crash", "--out", str(out),
                                  timeout=300, check=False)  # fmt: skip
             seconds = time.monotonic() - start
-            run_script("features", "--strategy", strategy, "--phase", "resume", "--out", str(out), timeout=300)
+            run_script("features", *strategy_args(strategy), "--phase", "resume", "--out", str(out), timeout=300)
             self.results[key] = (crashed.returncode, crashed.stdout, seconds, load_ranks(out, 2))
         return self.results[key]
 
