@@ -27,6 +27,7 @@ parser.add_argument("--clip", choices=["norm", "value"], default=None)
 parser.add_argument("--clip-val", type=float, default=0.05)
 parser.add_argument("--server-rank", type=int, default=None)
 parser.add_argument("--num-servers", type=int, default=None, help="strategy option: dedicated server processes")
+parser.add_argument("--external-servers", action="store_true", help="start_servers=False: started by the CLI elsewhere")
 parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help="strategy option")
 parser.add_argument("--compression", default=None, help="strategy option")
@@ -54,6 +55,8 @@ for arg, option in (("server_rank", "server_rank"), ("num_servers", "num_servers
         options[option] = getattr(args, arg)
 if "--staleness" in sys.argv:
     options["staleness"] = args.staleness
+if args.external_servers:
+    options["start_servers"] = False
 strategy = args.strategy
 if options:
     from lightning.pytorch.strategies import StrategyRegistry

@@ -90,6 +90,27 @@ def test_hierarchical_ring_two_hosts_of_two_ranks(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_trainers_on_two_hosts_with_a_server_started_by_the_cli_on_a_third(tmp_path):
+    """``ParameterServerStrategy(num_servers=1, start_servers=False)`` on two hosts; ``python -m lightning_dp.server``
+    on a third joins through MASTER_ADDR / MASTER_PORT: the same weights as one process, the server exits 0."""
+    port = 29740
+    with emulated_hosts(3, rate_mbit=1000) as hosts:
+        args = ["--strategy", "parameter_server", "--num-servers", "1", "--external-servers", "--out", str(tmp_path)]
+        nodes = start_nodes(hosts[:2], args, port=port)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", hosts[2], sys.executable, "-m", "lightning_dp.server", "--master-addr",
+             f"{SUBNET}.1", "--master-port", str(port), "--server-index", "0", "--num-servers", "1"],
+            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        outputs = finish([*nodes, server], timeout=240)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert server.returncode == 0 and "server 0 done after 3 steps" in outputs[2], outputs[2][-3000:]
+    ranks = load_ranks(tmp_path, 2)
+    assert_identical_replicas(ranks)
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_link_down_mid_run_fails_with_an_error_naming_the_peer(tmp_path):
     with emulated_hosts(2, rate_mbit=1000) as hosts:

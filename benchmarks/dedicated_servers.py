@@ -1,0 +1,206 @@
+"""Dedicated parameter servers on emulated hosts: a step's exchange with n trainer hosts and k server hosts against
+the optimal-split formula, and ``ring_allreduce`` among the same trainers in the same run:
+
+    t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B      (k = 0: the sharded servers on the trainers = the ring's)
+
+Every host is a network namespace behind a link shaped with tc tbf (and a netem delay); the servers are real
+``python -m lightning_dp.server`` processes, the trainers run the strategies' transport
+(:class:`~lightning_dp.comm.dedicated.DedicatedServerTransport`): push during "backward", trainer 0's control
+message, the vote, the owners' optimizer step, the pull of the weights.
+
+    sudo python -m benchmarks.dedicated_servers                    # n = 2, 3, 4; k = 0 .. n; S = 16 MB; 1 Gbit/s
+    sudo python -m benchmarks.dedicated_servers --trainers 3 --size-mb 8
+
+Needs root and iproute2; writes results/dedicated_servers.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
+from benchmarks.report import pyplot, save
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def trainer(rank: int, n: int, k: int, size_mb: float, repeats: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dp.comm.buckets import GradientBucket
+    from lightning_dp.comm.dedicated import (
+        STEP,
+        STOP,
+        DedicatedServerTransport,
+        MemberGroup,
+        ServerPlan,
+        member_shares,
+        optimizer_spec,
+        run_store,
+    )
+    from lightning_dp.comm.ring import ring_allreduce
+    from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    main = f"{SUBNET}.1"
+    timeout = timedelta(minutes=5)
+    store = dist.TCPStore(main, port, n, rank == 0, timeout=timeout, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank, world_size=n)
+    param = torch.nn.Parameter(torch.randn(int(size_mb * 2**20) // 4))
+    bucket = GradientBucket(0, [param])
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    runs = run_store(main, port, "0", timeout)
+    if rank == 0:
+        runs.set("num_trainers", str(n))
+        runs.set("num_servers", str(k))
+    members = MemberGroup(runs, rank, n, k, timeout)
+    transport = DedicatedServerTransport(members, member_shares(n, k, True), False, None, None, timeout)
+    transport.bind([bucket])
+    if rank == 0:
+        plan = ServerPlan([tuple(param.shape)], param.dtype, [[0]], transport.segments,
+                          [optimizer_spec(optimizer, {id(param): 0})], full_gradients=False)  # fmt: skip
+        runs.set("plan", pickle.dumps(plan))  # type: ignore[arg-type]
+    layout = ShardLayout([bucket], transport.segments, rank)
+    sharded = ShardedOptimizer(optimizer, layout)
+    start, end = transport.owned(bucket)
+    control = {"hyperparameters": [hyperparameters(optimizer.param_groups[0])], "clip": None, "kwargs": {}}
+
+    def dedicated_step() -> None:
+        bucket.buffer[: bucket.grad_numel].normal_()
+        bucket.flags.fill_(1)
+        transport.reduce(bucket)
+        if rank == 0:
+            transport.control(STEP, 0, control)
+        layout.take_bucket_gradients()
+        transport.vote(0.0, False)
+        sharded.step()
+        bucket.pack_params(start, end)
+        transport.share_weights(bucket)
+        bucket.unpack_params()
+
+    def timed(fn) -> float:
+        fn()  # warm-up: connections, allocations
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
+
+    result = {"dedicated": timed(dedicated_step)}
+    if k == 0:
+        result["ring_allreduce"] = timed(lambda: ring_allreduce(bucket.buffer))
+    if rank == 0:
+        transport.control(STOP)
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    members.close()
+    dist.destroy_process_group()
+
+
+def measure(n: int, k: int, size_mb: float, rate_mbit: float, delay_ms: float, repeats: int, tmp: Path) -> dict:
+    out = tmp / f"n{n}k{k}.json"
+    port = 29600 + 10 * n + k
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    with emulated_hosts(n + k, rate_mbit, delay_ms) as hosts:
+        worker = [sys.executable, "-m", "benchmarks.dedicated_servers", "--worker"]
+        procs = [subprocess.Popen(["ip", "netns", "exec", hosts[r], *worker, str(r), str(n), str(k), str(size_mb),
+                                   str(repeats), str(port), str(out)], env=env) for r in range(n)]  # fmt: skip
+        procs += [subprocess.Popen(["ip", "netns", "exec", hosts[n + j], sys.executable, "-m", "lightning_dp.server",
+                                    "--master-addr", f"{SUBNET}.1", "--master-port", str(port), "--server-index",
+                                    str(j), "--num-servers", str(k)], env=env) for j in range(k)]  # fmt: skip
+        try:
+            for p in procs:
+                p.wait(timeout=900)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"n={n} k={k}: a process failed: exit codes {[p.returncode for p in procs]}")
+    from lightning_dp.comm.dedicated import communication_time
+
+    measured = json.loads(out.read_text())
+    s, b = size_mb * 2**20, rate_mbit * 1e6 / 8
+    return {"trainers": n, "servers": k, "size_mb": size_mb, "rate_mbit": rate_mbit, "delay_ms": delay_ms,
+            "measured_s": measured, "formula_s": communication_time(n, k, s, b)}  # fmt: skip
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        rank, n, k, size_mb, repeats, port, out = sys.argv[2:9]
+        trainer(int(rank), int(n), int(k), float(size_mb), int(repeats), int(port), out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainers", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--size-mb", type=float, default=16.0)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--delay-ms", type=float, default=0.5, help="one-way delay added to each link (netem)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("benchmarks.dedicated_servers needs root (network namespaces and tc)")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.trainers:
+            ring = None
+            for k in range(n + 1):
+                row = measure(n, k, args.size_mb, args.rate_mbit, args.delay_ms, args.repeats, Path(tmp))
+                ring = row["measured_s"].get("ring_allreduce", ring)
+                row["ring_allreduce_s"] = ring
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    lines = [
+        f"Machine: {os.cpu_count()} CPUs; every host a network namespace whose link is shaped with tc tbf to "
+        f"{args.rate_mbit:g} Mbit/s both ways plus {args.delay_ms:g} ms netem delay; S = {args.size_mb:g} MB of "
+        f"float32 gradients; median of {args.repeats} steps",
+        "",
+        "| trainers n | servers k | measured s | t(n, k) s | measured / t(n, k) | ring_allreduce s | speed-up over "
+        "ring (measured) | speed-up (formula) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        n, k, m, t, ring = (
+            r["trainers"],
+            r["servers"],
+            r["measured_s"]["dedicated"],
+            r["formula_s"],
+            r["ring_allreduce_s"],
+        )
+        formula = (2 * (n - 1) / n) / (t * args.rate_mbit * 1e6 / 8 / (args.size_mb * 2**20))
+        lines.append(f"| {n} | {k} | {m:.3f} | {t:.3f} | {m / t:.2f} | {ring:.3f} | {ring / m:.2f} | {formula:.2f} |")
+    save(args.out, "dedicated_servers", rows, lines)
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in args.trainers:
+            sel = [r for r in rows if r["trainers"] == n]
+            line = ax.plot(
+                [r["servers"] for r in sel], [r["measured_s"]["dedicated"] for r in sel], "o-", label=f"n={n} measured"
+            )
+            ax.plot([r["servers"] for r in sel], [r["formula_s"] for r in sel], "--", color=line[0].get_color(),
+                    label=f"n={n} t(n, k)")  # fmt: skip
+        ax.set_xlabel("dedicated server hosts k")
+        ax.set_ylabel("seconds per step's exchange")
+        ax.set_title(f"{args.size_mb:g} MB at {args.rate_mbit:g} Mbit/s: measured vs formula")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(Path(args.out) / "dedicated_servers.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
