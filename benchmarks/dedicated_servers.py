@@ -77,8 +77,10 @@ def trainer(rank: int, n: int, k: int, size_mb: float, repeats: int, port: int, 
     start, end = transport.owned(bucket)
     control = {"hyperparameters": [hyperparameters(optimizer.param_groups[0])], "clip": None, "kwargs": {}}
 
+    gradients = torch.randn(bucket.grad_numel)
+
     def dedicated_step() -> None:
-        bucket.buffer[: bucket.grad_numel].normal_()
+        bucket.buffer[: bucket.grad_numel].copy_(gradients)  # what backward leaves in the bucket
         bucket.flags.fill_(1)
         transport.reduce(bucket)
         if rank == 0:
@@ -148,7 +150,7 @@ def main() -> None:
     parser.add_argument("--trainers", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--size-mb", type=float, default=16.0)
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
-    parser.add_argument("--delay-ms", type=float, default=0.5, help="one-way delay added to each link (netem)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to each link (netem)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()

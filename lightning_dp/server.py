@@ -58,6 +58,12 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _exit_lost(name: str, error: BaseException) -> None:
+    """A trainer was lost mid-run: the run cannot go on, and the serving loop may be waiting for trainer 0."""
+    _log(f"{name} stops: {error}")
+    os._exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.parent_pid is not None:
@@ -89,14 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         members = MemberGroup(store, num_trainers + args.server_index, num_trainers, expected, IDLE_TIMEOUT)
         plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
-        server = DedicatedServer(members, plan)
+        server = DedicatedServer(members, plan, on_lost=lambda error: _exit_lost(name, error))
         _log(f"{name} (pid {os.getpid()}) serves {server.layout.storage.numel()} elements for {num_trainers} trainers")
         server.run()
     except Exception as error:  # noqa: BLE001 - the run failed: exit non-zero with the reason
         _log(f"{name} stops: {error}")
         return 1
     _log(f"{name} done after {server.steps} steps")
-    members.close()
     return 0
 
 
@@ -126,4 +131,8 @@ def stop_local_servers(processes: Sequence[subprocess.Popen], timeout: float) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # without running gloo's destructors under the receiving thread still waiting for the next step's gradients
+    os._exit(code)

@@ -34,7 +34,7 @@ import importlib
 import json
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -190,17 +190,17 @@ class MemberGroup:
                 f"peer is unreachable (it may have died or its link is down). Transport error: {error}"
             ) from error
 
-    def send_object(self, obj: Any, member: int, timeout: timedelta | None = None) -> None:
+    def send_object(self, obj: Any, member: int, timeout: timedelta | None = None, tag: int = TAG_OBJECT) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         for tensor in (size, data):
-            self.wait(self.isend(tensor, member, TAG_OBJECT), member, "send a message to", timeout)
+            self.wait(self.isend(tensor, member, tag), member, "send a message to", timeout)
 
-    def recv_object(self, member: int, timeout: timedelta | None = None) -> Any:
+    def recv_object(self, member: int, timeout: timedelta | None = None, tag: int = TAG_OBJECT) -> Any:
         size = torch.zeros(1, dtype=torch.int64)
-        self.wait(self.irecv(size, member, TAG_OBJECT), member, "receive a message from", timeout)
+        self.wait(self.irecv(size, member, tag), member, "receive a message from", timeout)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.wait(self.irecv(data, member, TAG_OBJECT), member, "receive a message from", timeout)
+        self.wait(self.irecv(data, member, tag), member, "receive a message from", timeout)
         return pickle.loads(data.numpy().tobytes())  # noqa: S301 - members of one run, on the run's private network
 
     def close(self) -> None:
@@ -306,6 +306,9 @@ class DedicatedServerTransport(Transport):
         self.syncs = 0
         self._num_buckets = 0
         self._staging: dict[int, Tensor] = {}
+        #: set around a step's backward when the servers update each bucket as it arrives (see :meth:`arm`)
+        self._eager: dict[str, Any] | None = None
+        self._pending: list[tuple[dist.Work | None, int, GradientBucket, Segment, Tensor | None]] = []
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
         self.segments = member_segments(buckets, self.shares, self.whole_parameters)
@@ -341,11 +344,23 @@ class DedicatedServerTransport(Transport):
     def _owners(self, bucket: GradientBucket) -> list[tuple[int, Segment]]:
         return [(m, (s, e)) for m, (s, e) in enumerate(self.segments[bucket.index]) if e > s]
 
+    def arm(self, control: dict[str, Any]) -> None:
+        """The next synchronization is a step's: the servers update each bucket as soon as every trainer's share of
+        it is in, with ``control`` (trainer 0's: hyperparameters, clipping by value, step arguments), and send the
+        new weights back at once, while later buckets are still being pushed; :meth:`finish_eager` collects them."""
+        self._eager = control
+
+    def disarm(self) -> None:
+        self._eager = None
+
     def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         if wire is not None:
             raise ValueError("dedicated servers carry full-precision buckets: use no codec")
         if bucket.index == 0:
             self.syncs += 1
+            if self.me == 0:  # every synchronization starts with trainer 0 saying whether the servers step in it
+                for server in self.members.servers:
+                    self.members.send_object(self._eager, server, self.timeout, TAG_GRADIENTS)
         host = self._to_host(bucket)
         flags = host[bucket.grad_numel :]
         works = []
@@ -363,6 +378,16 @@ class DedicatedServerTransport(Transport):
                     for tensor in (grads, their_flags):
                         works.append((self.members.irecv(tensor, t, TAG_GRADIENTS), t, "receive gradients from"))
                     received[t] = (grads, their_flags)
+        if self._eager is not None:  # the servers' new weights of this bucket, waited for after backward
+            for owner, (s, e) in self._owners(bucket):
+                if owner >= self.members.num_trainers:
+                    status = torch.zeros(1, dtype=torch.float64)
+                    self._pending.append(
+                        (self.members.irecv(status, owner, TAG_WEIGHTS), owner, bucket, (s, e), status)
+                    )
+                    self._pending.append(
+                        (self.members.irecv(host[s:e], owner, TAG_WEIGHTS), owner, bucket, (s, e), None)
+                    )
         for work, member, action in works:
             self.members.wait(work, member, action, self.timeout)
         if received:
@@ -378,12 +403,13 @@ class DedicatedServerTransport(Transport):
         """The owners' averaged gradients (and the combined used-flags, from the bucket's first owner)."""
         self._share(bucket, TAG_AVERAGED, with_flags=True)
 
-    def share_weights(self, bucket: GradientBucket) -> None:
-        """The owners' new weights of ``bucket`` into its gradient region (this trainer packed its own share)."""
-        self._share(bucket, TAG_WEIGHTS, with_flags=False)
+    def share_weights(self, bucket: GradientBucket, from_servers: bool = True) -> None:
+        """The owners' new weights of ``bucket`` into its gradient region (this trainer packed its own share); only
+        the trainers' shares without ``from_servers`` (the servers' came during an armed backward)."""
+        self._share(bucket, TAG_WEIGHTS, with_flags=False, from_servers=from_servers)
 
-    def _share(self, bucket: GradientBucket, tag: int, with_flags: bool) -> None:
-        owners = self._owners(bucket)
+    def _share(self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool = True) -> None:
+        owners = [(m, seg) for m, seg in self._owners(bucket) if from_servers or m < self.members.num_trainers]
         if not owners:
             return
         host = self._host(bucket)
@@ -411,6 +437,21 @@ class DedicatedServerTransport(Transport):
         for work, member, action in works:
             self.members.wait(work, member, action, self.timeout)
         self._from_host(bucket, ranges)
+
+    def finish_eager(self) -> list[int]:
+        """After an armed backward: wait for the servers' new weights (into the buckets' gradient regions); the
+        servers that found a non-finite gradient (they did not update that bucket's share)."""
+        bad = []
+        pending, self._pending = self._pending, []
+        for work, owner, bucket, (s, e), status in pending:
+            self.members.wait(work, owner, "receive the new weights from", self.timeout)
+            if status is not None:
+                if float(status) != 0.0 and owner not in bad:
+                    bad.append(owner)
+            else:
+                self.stats.add(received=(e - s) * bucket.buffer.element_size())
+                self._from_host(bucket, [(s, e)])
+        return bad
 
     def all_reduce(self, tensor: Tensor, bucket: GradientBucket) -> None:
         raise ConfigurationError("dedicated servers run without compression: codecs have no all-reduce there")
@@ -459,6 +500,12 @@ class DedicatedServerTransport(Transport):
         self.members.all_reduce_sum(tensor, self.timeout)
         return float(tensor[0]), bool(tensor[1] > 0)
 
+    def stop_servers(self) -> None:
+        """Trainer 0: tell every server the run is over and wait until each has taken it in."""
+        self.control(STOP)
+        for server in self.members.servers:
+            self.members.recv_object(server, self.timeout)
+
     def server_states(self, optimizer_index: int) -> list:
         """Trainer 0: every server's pieces of optimizer ``optimizer_index``'s state."""
         self.control(STATE, optimizer_index)
@@ -503,8 +550,14 @@ class DedicatedServer:
     trainers (see the module docstring). :meth:`run` serves until trainer 0 says stop; a lost trainer ends it with
     :class:`~lightning_dp.comm.errors.PeerUnreachableError` naming the trainer."""
 
-    def __init__(self, members: MemberGroup, plan: ServerPlan) -> None:
+    def __init__(
+        self, members: MemberGroup, plan: ServerPlan, on_lost: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.members, self.plan = members, plan
+        #: called (on the receiving thread) when a trainer is lost before trainer 0 said stop; by default the error
+        #: waits for the serving loop
+        self.on_lost = on_lost
+        self.stopping = False
         me = members.rank
         params = [torch.nn.Parameter(torch.empty(shape, dtype=plan.dtype, device="meta")) for shape in plan.shapes]
         self.buckets = [GradientBucket(b, [params[i] for i in indices]) for b, indices in enumerate(plan.buckets)]
@@ -551,6 +604,9 @@ class DedicatedServer:
         members = self.members
         try:
             while True:
+                eager = members.recv_object(0, tag=TAG_GRADIENTS)  # trainer 0 starts every synchronization
+                if eager is not None:
+                    self._apply_hyperparameters(eager)
                 for b in self.served:
                     works = []
                     for t in members.trainers:
@@ -564,13 +620,51 @@ class DedicatedServer:
                         self.flags[b].add_(their_flags)
                     if self.plan.full_gradients:
                         self._send_to_trainers(b, TAG_AVERAGED, self.gradients, with_flags=self._first_owner(b))
+                    if eager is not None:
+                        self._step_bucket(b, eager)
                 with self._cond:
                     self._synced += 1
+                    if eager is not None:
+                        self._consumed = self._synced
                     self._cond.notify_all()
         except BaseException as error:  # noqa: BLE001 - reported by the serving loop when it needs the gradients
             with self._cond:
                 self._sync_error = error
                 self._cond.notify_all()
+            if not self.stopping and self.on_lost is not None:
+                self.on_lost(error)
+
+    def _apply_hyperparameters(self, control: dict[str, Any]) -> None:
+        sharded = self.optimizers[0]
+        for group, hyper in zip(sharded.optimizer.param_groups, control["hyperparameters"]):
+            group.update(hyper)
+
+    def _step_bucket(self, b: int, control: dict[str, Any]) -> None:
+        """An armed synchronization: update this server's share of bucket ``b`` now and send it to every trainer,
+        after a status (1: a non-finite gradient, the share left as it was)."""
+        sharded = self.optimizers[0]
+        pieces = [pc for pc in sharded.pieces if pc.bucket.index == b]
+        self._take_gradients(pieces)
+        bad = first_nonfinite([(pc.param, pc.tensor.grad) for pc in pieces if pc.tensor.grad is not None]) is not None
+        if bad:
+            for piece in pieces:
+                piece.tensor.grad = None
+        else:
+            clip = control["clip"]
+            if clip is not None:  # by value only: an armed step never clips by norm
+                for piece in pieces:
+                    if piece.tensor.grad is not None:
+                        piece.tensor.grad.clamp_(-clip[1], clip[1])
+            sharded.step(**control["kwargs"])
+            if b == self.served[-1]:
+                self.steps += 1
+        status = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
+        works = []
+        for trainer in self.members.trainers:
+            works.append((self.members.isend(status, trainer, TAG_WEIGHTS), trainer))
+            works.append((self.members.isend(self.layout.storage[self._share_of(b)], trainer, TAG_WEIGHTS), trainer))
+        for work, trainer in works:
+            self.members.wait(work, trainer, "send the new weights to")
 
     def _first_owner(self, b: int) -> bool:
         return next(m for m, (s, e) in enumerate(self.plan.segments[b]) if e > s) == self.members.rank
@@ -582,8 +676,6 @@ class DedicatedServer:
             self.members.wait(work, trainer, "send to")
 
     def _wait_syncs(self, syncs: int) -> None:
-        if not self.served:
-            return
         with self._cond:
             while self._synced < syncs and self._sync_error is None:
                 self._cond.wait()
@@ -593,13 +685,14 @@ class DedicatedServer:
     # ------------------------------------------------------------------ the serving loop
     def run(self) -> None:
         """Serve until trainer 0 sends STOP (returns) or ABORT (raises), or a trainer is lost (raises)."""
-        if self.served:
-            threading.Thread(target=self._receive_syncs, daemon=True, name="lddp-server-gradients").start()
+        threading.Thread(target=self._receive_syncs, daemon=True, name="lddp-server-gradients").start()
         header = torch.zeros(3, dtype=torch.int64)
         while True:
             self.members.wait(self.members.irecv(header, 0, TAG_CONTROL), 0, "receive the next control message from")
             kind, index, syncs = (int(v) for v in header.tolist())
-            if kind == STOP:
+            if kind == STOP:  # acknowledged: the trainers leave only once every server knows the run is over
+                self.stopping = True
+                self.members.send_object("stopped", 0)
                 return
             if kind == ABORT:
                 reason = self.members.recv_object(0)

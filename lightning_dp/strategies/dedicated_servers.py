@@ -40,7 +40,8 @@ from lightning_dp.comm.dedicated import (
     run_store,
     squared_norm,
 )
-from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
+from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
+from lightning_dp.comm.ring import any_rank
 from lightning_dp.comm.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer, ShardLayout, hyperparameters
 from lightning_dp.server import start_local_servers, stop_local_servers
 
@@ -62,10 +63,15 @@ class DedicatedServers:
         self.layout: ShardLayout | None = None
         self.optimizers: list[ShardedOptimizer] = []
         self.closed = False
+        #: whether the servers were told the run is over (:meth:`finish`)
+        self.stopped = False
         #: the full optimizer states gathered at the end of training, for checkpoints saved after the servers stopped
         self.final_states: list[dict] | None = None
         self._clip: tuple[str, float] | None = None
         self._groups: list[int] = []
+        #: whether the servers update each bucket as it arrives during backward (see :meth:`_eager_possible`)
+        self.eager = False
+        self._static_clip: tuple[str, float] | None = None
 
     @property
     def is_trainer_zero(self) -> bool:
@@ -112,12 +118,27 @@ class DedicatedServers:
         self.layout = ShardLayout(reducer.buckets, transport.segments, s.global_rank, owner)
         self.optimizers = [ShardedOptimizer(o, self.layout, s.gradient_group, owner) for o in optimizers]
         self._groups = [len(o.param_groups) for o in optimizers]
+        self.eager = self._eager_possible(optimizers)
         self.send_weights(reducer.buckets)
         rank_zero_info(
             f"{s.strategy_name}: {n} trainers and {k} dedicated servers (joined in {time.perf_counter() - started:.1f} "
             f"s); each trainer serves {shares[0]:.1%} of the gradients, each server {shares[-1]:.1%}"
         )
         return transport
+
+    def _eager_possible(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        """Whether nothing between backward and the step can change the update, so the servers may apply it bucket
+        by bucket as the gradients arrive, overlapping the pull with the push: automatic optimization of one
+        optimizer, nothing reading gradients before the step, no clipping by norm (a global quantity)."""
+        s = self.strategy
+        assert s.lightning_module is not None
+        trainer = s.lightning_module.trainer
+        clip_val = trainer.gradient_clip_val or 0.0
+        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm")
+        if clip_val > 0 and algorithm == "norm":
+            return False
+        self._static_clip = ("value", float(clip_val)) if clip_val > 0 else None
+        return s.lightning_module.automatic_optimization and not s.full_gradients and len(optimizers) == 1
 
     def _plan(self, reducer: BucketReducer, optimizers: list[torch.optim.Optimizer]) -> ServerPlan:
         params = list(reducer.params)
@@ -166,12 +187,16 @@ class DedicatedServers:
         s = self.strategy
         assert self.transport is not None and self.layout is not None and s.reducer is not None
         index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
-        sharded = self.optimizers[index]
         if len(optimizer.param_groups) != self._groups[index]:
             raise UnsupportedChangeError(
                 f"strategy {s.strategy_name!r} with num_servers={s.num_servers}: {type(optimizer).__name__} gained "
                 "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
             )
+        control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._static_clip,
+                   "kwargs": kwargs}  # fmt: skip
+        if self.eager:
+            return self._eager_step(optimizer, closure, model, control)
+        sharded = self.optimizers[index]
         result = closure()
         fresh = s.reducer.consume()
         if fresh and not s.full_gradients:  # once per synchronization, for every optimizer's pieces
@@ -182,9 +207,7 @@ class DedicatedServers:
         if s.full_gradients:
             sharded.take_param_gradients()
         if self.is_trainer_zero:
-            control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
-                       "kwargs": kwargs}  # fmt: skip
-            self.transport.control(STEP, index, control)
+            self.transport.control(STEP, index, {**control, "clip": self._clip})
             if s.full_gradients:
                 self.transport.send_edited(buckets)
         clip = None if s.full_gradients else self._clip
@@ -198,6 +221,51 @@ class DedicatedServers:
         sharded.step(**kwargs)
         start = time.perf_counter()
         self.pull(buckets)
+        s._end_step(blocking_seconds=time.perf_counter() - start)
+        return result
+
+    def _eager_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, control: dict[str, Any]
+    ) -> Any:
+        """The servers step each bucket during backward (armed); the trainers step their own shares after it."""
+        s = self.strategy
+        assert self.transport is not None and self.layout is not None and s.reducer is not None
+        sharded = self.optimizers[0]
+        self.transport.arm(control)
+        try:
+            result = closure()
+        finally:
+            self.transport.disarm()
+        bad_servers = self.transport.finish_eager()
+        if s.reducer.consume():
+            self.layout.take_bucket_gradients()
+        self._clip = None
+        after_closure(s.precision_plugin, model, optimizer)  # hooks that read nothing; clipping is recorded
+        if self._clip != self._static_clip:
+            raise UnsupportedChangeError(
+                f"strategy {s.strategy_name!r}: gradient clipping changed during fit ({self._static_clip} at set-up, "
+                f"{self._clip} now), after the servers had applied the set-up's"
+            )
+        own_bad = first_bad(sharded)
+        if any_rank(own_bad, self.transport.ring, s.root_device) or bad_servers:
+            for piece in sharded.pieces:
+                piece.tensor.grad = None
+            seen = ", ".join([self.transport.members.name(m) for m in bad_servers] + (["a trainer"] if own_bad else []))
+            assert s.lightning_module is not None
+            raise NonFiniteGradientError(
+                f"non-finite (NaN or infinite) averaged gradient at global step {s.lightning_module.global_step} (seen "
+                f"by {seen}); every trainer stops here with its weights as before the step, all finite. The servers "
+                "update each share as its gradients arrive (num_servers > 0 without clipping by norm), so the other "
+                "shares on the servers took this step: resume from a checkpoint, not from this state"
+            )
+        clip_pieces(sharded, self._clip, 0.0)
+        sharded.step(**control["kwargs"])
+        start = time.perf_counter()
+        for bucket in s._buckets_of(optimizer):  # the servers' shares arrived during backward; the trainers' now
+            start_own, end_own = self.transport.owned(bucket)
+            bucket.pack_params(start_own, end_own)
+            self.transport.share_weights(bucket, from_servers=False)
+            bucket.unpack_params()
         s._end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
@@ -223,7 +291,7 @@ class DedicatedServers:
         s = self.strategy
         index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
         sharded = self.optimizers[index]
-        if self.closed:
+        if self.closed or self.stopped:
             if self.final_states is None:
                 raise RuntimeError(f"strategy {s.strategy_name!r}: the servers stopped before training ended; their "
                                    "optimizer state is lost")  # fmt: skip
@@ -249,9 +317,15 @@ class DedicatedServers:
             if self.is_trainer_zero:
                 self.transport.control(LOAD, index, saved)
 
-    def keep_final_states(self) -> None:
-        """Gather the optimizer states while the servers still run (collective, at the end of training)."""
+    def finish(self) -> None:
+        """At the end of training (collective): gather the optimizer states while the servers still run, for
+        checkpoints saved after ``fit``, then stop the servers; every trainer leaves once every server knows."""
         self.final_states = [self.optimizer_state(unwrap_optimizer(o)) for o in self.strategy.optimizers]
+        assert self.transport is not None
+        if self.is_trainer_zero:
+            self.transport.stop_servers()
+        dist.barrier(group=self.strategy.gradient_group)
+        self.stopped = True
 
     # ------------------------------------------------------------------ the end
     def abort(self, reason: str) -> None:
@@ -270,7 +344,7 @@ class DedicatedServers:
             return
         self.closed = True
         if self.transport is not None:
-            if stop and self.is_trainer_zero:
+            if stop and self.is_trainer_zero and not self.stopped:
                 try:
                     self.transport.control(STOP)
                 except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message

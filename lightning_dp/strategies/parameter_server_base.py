@@ -444,7 +444,7 @@ class ParameterServerBase(DataParallelStrategy):
         super().on_train_end()
         self._flush()
         if self._dedicated is not None and not self._dedicated.closed:
-            self._dedicated.keep_final_states()  # for a checkpoint saved after fit, when the servers are gone
+            self._dedicated.finish()  # the servers' optimizer state kept for checkpoints saved after fit
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def test_trainers_on_two_hosts_with_a_server_started_by_the_cli_on_a_third(tmp_p
         )  # fmt: skip
         outputs = finish([*nodes, server], timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert server.returncode == 0 and "server 0 done after 3 steps" in outputs[2], outputs[2][-3000:]
+    assert server.returncode == 0 and "server 0 done after 4 steps" in outputs[2], outputs[2][-3000:]
     ranks = load_ranks(tmp_path, 2)
     assert_identical_replicas(ranks)
     for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
