@@ -34,22 +34,21 @@ from benchmarks.report import pyplot, save
 REPO = Path(__file__).resolve().parents[1]
 
 
-def trainer(rank: int, n: int, k: int, size_mb: float, repeats: int, port: int, out: str) -> None:
+def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     from lightning_dp.comm.buckets import GradientBucket
     from lightning_dp.comm.dedicated import (
-        STEP,
-        STOP,
         DedicatedServerTransport,
         MemberGroup,
         ServerPlan,
+        first_bad,
         member_shares,
         optimizer_spec,
         run_store,
     )
-    from lightning_dp.comm.ring import ring_allreduce
+    from lightning_dp.comm.ring import any_rank, ring_allreduce
     from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
 
     torch.set_num_threads(1)
@@ -58,39 +57,46 @@ def trainer(rank: int, n: int, k: int, size_mb: float, repeats: int, port: int, 
     timeout = timedelta(minutes=5)
     store = dist.TCPStore(main, port, n, rank == 0, timeout=timeout, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank, world_size=n)
-    param = torch.nn.Parameter(torch.randn(int(size_mb * 2**20) // 4))
-    bucket = GradientBucket(0, [param])
-    optimizer = torch.optim.SGD([param], lr=0.0)
+    # the gradients in buckets of --bucket-mb, as the strategies' reducer makes them (one parameter per bucket)
+    numel = int(bucket_mb * 2**20) // 4
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(max(1, round(size_mb / bucket_mb)))]
+    buckets = [GradientBucket(i, [p]) for i, p in enumerate(params)]
+    optimizer = torch.optim.SGD(params, lr=0.0)
     runs = run_store(main, port, "0", timeout)
     if rank == 0:
         runs.set("num_trainers", str(n))
         runs.set("num_servers", str(k))
     members = MemberGroup(runs, rank, n, k, timeout)
     transport = DedicatedServerTransport(members, member_shares(n, k, True), False, None, None, timeout)
-    transport.bind([bucket])
+    transport.bind(buckets)
     if rank == 0:
-        plan = ServerPlan([tuple(param.shape)], param.dtype, [[0]], transport.segments,
-                          [optimizer_spec(optimizer, {id(param): 0})], full_gradients=False)  # fmt: skip
+        index_of = {id(p): i for i, p in enumerate(params)}
+        plan = ServerPlan([tuple(p.shape) for p in params], torch.float32, [[i] for i in range(len(params))],
+                          transport.segments, [optimizer_spec(optimizer, index_of)], full_gradients=False)  # fmt: skip
         runs.set("plan", pickle.dumps(plan))  # type: ignore[arg-type]
-    layout = ShardLayout([bucket], transport.segments, rank)
+    layout = ShardLayout(buckets, transport.segments, rank)
     sharded = ShardedOptimizer(optimizer, layout)
-    start, end = transport.owned(bucket)
     control = {"hyperparameters": [hyperparameters(optimizer.param_groups[0])], "clip": None, "kwargs": {}}
-
-    gradients = torch.randn(bucket.grad_numel)
+    gradients = torch.randn(numel)
 
     def dedicated_step() -> None:
-        bucket.buffer[: bucket.grad_numel].copy_(gradients)  # what backward leaves in the bucket
-        bucket.flags.fill_(1)
-        transport.reduce(bucket)
-        if rank == 0:
-            transport.control(STEP, 0, control)
+        """What a step of the strategies does with nothing to wait for but the network: the servers step each
+        bucket as it arrives (see DedicatedServers._eager_step), the trainers their own shares after it."""
+        transport.arm(control)
+        for bucket in buckets:  # the communication thread, bucket after bucket as backward fills them
+            bucket.buffer[: bucket.grad_numel].copy_(gradients)
+            bucket.flags.fill_(1)
+            transport.reduce(bucket)
+        transport.disarm()
+        assert not transport.finish_eager()
         layout.take_bucket_gradients()
-        transport.vote(0.0, False)
+        any_rank(first_bad(sharded), transport.ring, torch.device("cpu"))
         sharded.step()
-        bucket.pack_params(start, end)
-        transport.share_weights(bucket)
-        bucket.unpack_params()
+        for bucket in buckets:
+            bucket.pack_params(*transport.owned(bucket))
+        transport.share_weights_all(buckets, from_servers=False)
+        for bucket in buckets:
+            bucket.unpack_params()
 
     def timed(fn) -> float:
         fn()  # warm-up: connections, allocations
@@ -104,23 +110,26 @@ def trainer(rank: int, n: int, k: int, size_mb: float, repeats: int, port: int, 
 
     result = {"dedicated": timed(dedicated_step)}
     if k == 0:
-        result["ring_allreduce"] = timed(lambda: ring_allreduce(bucket.buffer))
+        result["ring_allreduce"] = timed(lambda: [ring_allreduce(b.buffer) for b in buckets])
     if rank == 0:
-        transport.control(STOP)
+        transport.stop_servers()
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     members.close()
     dist.destroy_process_group()
 
 
-def measure(n: int, k: int, size_mb: float, rate_mbit: float, delay_ms: float, repeats: int, tmp: Path) -> dict:
+def measure(
+    n: int, k: int, size_mb: float, bucket_mb: float, rate_mbit: float, delay_ms: float, repeats: int, tmp: Path
+) -> dict:
     out = tmp / f"n{n}k{k}.json"
     port = 29600 + 10 * n + k
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with emulated_hosts(n + k, rate_mbit, delay_ms) as hosts:
         worker = [sys.executable, "-m", "benchmarks.dedicated_servers", "--worker"]
-        procs = [subprocess.Popen(["ip", "netns", "exec", hosts[r], *worker, str(r), str(n), str(k), str(size_mb),
-                                   str(repeats), str(port), str(out)], env=env) for r in range(n)]  # fmt: skip
+        sizes = [str(size_mb), str(bucket_mb), str(repeats), str(port), str(out)]
+        procs = [subprocess.Popen(["ip", "netns", "exec", hosts[r], *worker, str(r), str(n), str(k), *sizes], env=env)
+                 for r in range(n)]  # fmt: skip
         procs += [subprocess.Popen(["ip", "netns", "exec", hosts[n + j], sys.executable, "-m", "lightning_dp.server",
                                     "--master-addr", f"{SUBNET}.1", "--master-port", str(port), "--server-index",
                                     str(j), "--num-servers", str(k)], env=env) for j in range(k)]  # fmt: skip
@@ -143,15 +152,17 @@ def measure(n: int, k: int, size_mb: float, rate_mbit: float, delay_ms: float, r
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        rank, n, k, size_mb, repeats, port, out = sys.argv[2:9]
-        trainer(int(rank), int(n), int(k), float(size_mb), int(repeats), int(port), out)
+        rank, n, k, size_mb, bucket_mb, repeats, port, out = sys.argv[2:10]
+        trainer(int(rank), int(n), int(k), float(size_mb), float(bucket_mb), int(repeats), int(port), out)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainers", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--size-mb", type=float, default=16.0)
+    parser.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size (the strategies' bucket_cap_mb)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to each link (netem)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--servers", type=int, nargs="+", default=None, help="only these k (default 0 .. n)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -160,8 +171,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.trainers:
             ring = None
-            for k in range(n + 1):
-                row = measure(n, k, args.size_mb, args.rate_mbit, args.delay_ms, args.repeats, Path(tmp))
+            for k in range(n + 1) if args.servers is None else args.servers:
+                row = measure(
+                    n, k, args.size_mb, args.bucket_mb, args.rate_mbit, args.delay_ms, args.repeats, Path(tmp)
+                )
                 ring = row["measured_s"].get("ring_allreduce", ring)
                 row["ring_allreduce_s"] = ring
                 print(json.dumps(row), flush=True)
@@ -169,7 +182,7 @@ def main() -> None:
     lines = [
         f"Machine: {os.cpu_count()} CPUs; every host a network namespace whose link is shaped with tc tbf to "
         f"{args.rate_mbit:g} Mbit/s both ways plus {args.delay_ms:g} ms netem delay; S = {args.size_mb:g} MB of "
-        f"float32 gradients; median of {args.repeats} steps",
+        f"float32 gradients in buckets of {args.bucket_mb:g} MB; median of {args.repeats} steps",
         "",
         "| trainers n | servers k | measured s | t(n, k) s | measured / t(n, k) | ring_allreduce s | speed-up over "
         "ring (measured) | speed-up (formula) |",

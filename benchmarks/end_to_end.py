@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import save
+from lightning_dp.comm.dedicated import communication_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,8 +90,9 @@ DDP_HOOKS = ("fp16_hook", "bf16_hook", "powersgd_hook")
 POWERSGD_RANK, POWERSGD_START = 4, 2
 
 
-def build_strategy(spec: str):
-    """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME@ring`` (``intra_node="ring"``),
+def build_strategy(spec: str, external_servers: bool = False):
+    """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME#K`` (``num_servers=K`` dedicated
+    servers, started elsewhere with ``external_servers``), ``NAME@ring`` (``intra_node="ring"``),
     ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), or ``ddp+HOOK`` (Lightning's
     ``ddp`` with one of torch's communication hooks, :data:`DDP_HOOKS`, registered on the DDP module at the start of
     training: Lightning registers hooks itself only on CUDA)."""
@@ -129,7 +131,10 @@ def build_strategy(spec: str):
 
         return DDPStrategy(bucket_cap_mb_list=[1024]), [RegisterHook()]
     name, _, intra_node = name.partition("@")
-    options = {}
+    name, _, servers = name.partition("#")
+    options: dict = {}
+    if servers:
+        options.update(num_servers=int(servers), start_servers=not external_servers)
     if intra_node:
         options["intra_node"] = intra_node
     if codec:
@@ -171,7 +176,7 @@ def worker(args) -> None:
             self.isolated_exchange_seconds = measure() if measure is not None else None
 
     timer = StepTimer()
-    strategy, callbacks = build_strategy(args.strategy)
+    strategy, callbacks = build_strategy(args.strategy, args.external_servers)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -238,7 +243,7 @@ def worker_command(
     return [
         sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
         "--num-nodes", str(num_nodes), "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
-        "--result-dir", str(result_dir),
+        "--result-dir", str(result_dir), *(["--external-servers"] if "#" in strategy else []),
     ]  # fmt: skip
 
 
@@ -257,7 +262,8 @@ def run_emulated(
         "MASTER_PORT": "29800",
         "GLOO_SOCKET_IFNAME": IFNAME,
     }
-    with emulated_hosts(hosts, rate_mbit) as namespaces:
+    servers = int(strategy.partition("#")[2].partition("@")[0] or 0)  # dedicated servers, each on a host of its own
+    with emulated_hosts(hosts + servers, rate_mbit) as namespaces:
         procs = [
             subprocess.Popen(
                 ["ip", "netns", "exec", ns, *worker_command(model, strategy, 1, steps, warmup, result_dir, hosts)],
@@ -265,7 +271,32 @@ def run_emulated(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            for rank, ns in enumerate(namespaces)
+            for rank, ns in enumerate(namespaces[:hosts])
+        ]
+        procs += [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "lightning_dp.server",
+                    "--master-addr",
+                    f"{SUBNET}.1",
+                    "--master-port",
+                    env["MASTER_PORT"],
+                    "--server-index",
+                    str(j),
+                    "--num-servers",
+                    str(servers),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            for j, ns in enumerate(namespaces[hosts:])
         ]
         try:
             codes = [p.wait(timeout=1800) for p in procs]
@@ -293,8 +324,13 @@ def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) 
             lines.append(f"| {r['model']} | ddp | {r['steps_per_s']:.2f} | 1.00 | | | | |")
             continue
         s = r["sync_bytes"]
-        factor = 2 * (hosts - 1) if r["strategy"] == "parameter_server" else 2 * (hosts - 1) / hosts
-        analytic = factor * s / b
+        name, _, servers = r["strategy"].partition("@")[0].partition("#")
+        if servers:  # dedicated servers: the optimal split (sharded) or S / B per trainer, n S / k per server
+            k = int(servers)
+            analytic = communication_time(hosts, k, s, b) if name == "sharded_ps" else max(1.0, hosts / k) * s / b
+        else:
+            factor = 2 * (hosts - 1) if name == "parameter_server" else 2 * (hosts - 1) / hosts
+            analytic = factor * s / b
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['steps_per_s']:.2f} | {r['vs_ddp']:.2f} | {s / 2**20:.1f} | "
             f"{r['comm_s_per_step']:.3f} | {analytic:.3f} | {r['comm_s_per_step'] / analytic:.2f} |"
@@ -336,6 +372,7 @@ def main() -> None:
         help="registry names; NAME@ring runs NAME with intra_node='ring' (sockets inside the machine too)",
     )  # fmt: skip
     parser.add_argument("--result-dir", default="")
+    parser.add_argument("--external-servers", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.worker:

@@ -308,6 +308,7 @@ class DedicatedServerTransport(Transport):
         self._staging: dict[int, Tensor] = {}
         #: set around a step's backward when the servers update each bucket as it arrives (see :meth:`arm`)
         self._eager: dict[str, Any] | None = None
+        self._sent: list[tuple[dist.Work | None, int, str]] = []
         self._pending: list[tuple[dist.Work | None, int, GradientBucket, Segment, Tensor | None]] = []
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
@@ -363,11 +364,12 @@ class DedicatedServerTransport(Transport):
                     self.members.send_object(self._eager, server, self.timeout, TAG_GRADIENTS)
         host = self._to_host(bucket)
         flags = host[bucket.grad_numel :]
+        flags_out = flags.clone()  # this trainer's own flags, while its share's flags sum everyone's below
         works = []
         for owner, (s, e) in self._owners(bucket):
-            if owner != self.me:
-                for tensor in (host[s:e], flags):
-                    works.append((self.members.isend(tensor, owner, TAG_GRADIENTS), owner, "push gradients to"))
+            if owner != self.me:  # not waited for here: the next bucket's push overlaps (see wait_sent)
+                for tensor in (host[s:e], flags_out):
+                    self._sent.append((self.members.isend(tensor, owner, TAG_GRADIENTS), owner, "push gradients to"))
                 self.stats.add(sent=(e - s + flags.numel()) * host.element_size())
         start, end = self.owned(bucket)
         received: dict[int, tuple[Tensor, Tensor]] = {}
@@ -408,15 +410,34 @@ class DedicatedServerTransport(Transport):
         the trainers' shares without ``from_servers`` (the servers' came during an armed backward)."""
         self._share(bucket, TAG_WEIGHTS, with_flags=False, from_servers=from_servers)
 
+    def share_weights_all(self, buckets: Sequence[GradientBucket], from_servers: bool = True) -> None:
+        """:meth:`share_weights` of every bucket at once (all messages in flight together)."""
+        self.wait_sent()
+        started = [(bucket, *self._start_share(bucket, TAG_WEIGHTS, False, from_servers)) for bucket in buckets]
+        for bucket, works, ranges in started:
+            for work, member, action in works:
+                self.members.wait(work, member, action, self.timeout)
+            self._from_host(bucket, ranges)
+
     def _share(self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool = True) -> None:
+        self.wait_sent()
+        works, ranges = self._start_share(bucket, tag, with_flags, from_servers)
+        for work, member, action in works:
+            self.members.wait(work, member, action, self.timeout)
+        self._from_host(bucket, ranges)
+
+    def _start_share(
+        self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool
+    ) -> tuple[list[tuple[dist.Work | None, int, str]], list[Segment]]:
         owners = [(m, seg) for m, seg in self._owners(bucket) if from_servers or m < self.members.num_trainers]
         if not owners:
-            return
+            return [], []
         host = self._host(bucket)
         start, end = self.owned(bucket)
         if end > start and host is not bucket.buffer:
             host[start:end].copy_(bucket.buffer[start:end])
-        works, ranges = [], []
+        works: list[tuple[dist.Work | None, int, str]] = []
+        ranges: list[Segment] = []
         for owner, (s, e) in owners:
             if owner == self.me:
                 for t in self.members.trainers:
@@ -434,13 +455,18 @@ class DedicatedServerTransport(Transport):
                 ranges.append((s, e))
         if with_flags and owners[0][0] != self.me:
             ranges.append((bucket.grad_numel, bucket.buffer.numel()))
-        for work, member, action in works:
+        return works, ranges
+
+    def wait_sent(self) -> None:
+        """Wait for the pushes still leaving (before anything rewrites the buckets)."""
+        sent, self._sent = self._sent, []
+        for work, member, action in sent:
             self.members.wait(work, member, action, self.timeout)
-        self._from_host(bucket, ranges)
 
     def finish_eager(self) -> list[int]:
         """After an armed backward: wait for the servers' new weights (into the buckets' gradient regions); the
         servers that found a non-finite gradient (they did not update that bucket's share)."""
+        self.wait_sent()
         bad = []
         pending, self._pending = self._pending, []
         for work, owner, bucket, (s, e), status in pending:
@@ -469,6 +495,7 @@ class DedicatedServerTransport(Transport):
     def send_edited(self, buckets: Sequence[GradientBucket]) -> None:
         """Trainer 0: each server's share of the gradients of ``buckets``' parameters as ``param.grad`` holds them now
         (edited by the hooks; the buckets' contents are overwritten)."""
+        self.wait_sent()
         works = []
         for bucket in buckets:
             for i, p in enumerate(bucket.params):
@@ -607,21 +634,23 @@ class DedicatedServer:
                 eager = members.recv_object(0, tag=TAG_GRADIENTS)  # trainer 0 starts every synchronization
                 if eager is not None:
                     self._apply_hyperparameters(eager)
+                arriving = {b: [(members.irecv(tensor, t, TAG_GRADIENTS), t) for t in members.trainers
+                                for tensor in (self._scratch[b][t], self._flag_scratch[b][t])]
+                            for b in self.served}  # fmt: skip
+                sending: list[tuple[dist.Work | None, int]] = []
                 for b in self.served:
-                    works = []
-                    for t in members.trainers:
-                        for tensor in (self._scratch[b][t], self._flag_scratch[b][t]):
-                            works.append((members.irecv(tensor, t, TAG_GRADIENTS), t))
-                    for work, t in works:
+                    for work, t in arriving[b]:
                         members.wait(work, t, "receive gradients from")
                     _average_in_rank_order(self._scratch[b], members.num_trainers, self.gradients[self._share_of(b)])
                     self.flags[b].zero_()
                     for their_flags in self._flag_scratch[b]:
                         self.flags[b].add_(their_flags)
                     if self.plan.full_gradients:
-                        self._send_to_trainers(b, TAG_AVERAGED, self.gradients, with_flags=self._first_owner(b))
+                        sending += self._send_to_trainers(b, TAG_AVERAGED, self.gradients, self._first_owner(b))
                     if eager is not None:
-                        self._step_bucket(b, eager)
+                        sending += self._step_bucket(b, eager)
+                for work, t in sending:
+                    members.wait(work, t, "send to")
                 with self._cond:
                     self._synced += 1
                     if eager is not None:
@@ -639,9 +668,9 @@ class DedicatedServer:
         for group, hyper in zip(sharded.optimizer.param_groups, control["hyperparameters"]):
             group.update(hyper)
 
-    def _step_bucket(self, b: int, control: dict[str, Any]) -> None:
-        """An armed synchronization: update this server's share of bucket ``b`` now and send it to every trainer,
-        after a status (1: a non-finite gradient, the share left as it was)."""
+    def _step_bucket(self, b: int, control: dict[str, Any]) -> list[tuple[dist.Work | None, int]]:
+        """An armed synchronization: update this server's share of bucket ``b`` now and start sending it to every
+        trainer, after a status (1: a non-finite gradient, the share left as it was); the sends' works."""
         sharded = self.optimizers[0]
         pieces = [pc for pc in sharded.pieces if pc.bucket.index == b]
         self._take_gradients(pieces)
@@ -663,16 +692,20 @@ class DedicatedServer:
         for trainer in self.members.trainers:
             works.append((self.members.isend(status, trainer, TAG_WEIGHTS), trainer))
             works.append((self.members.isend(self.layout.storage[self._share_of(b)], trainer, TAG_WEIGHTS), trainer))
-        for work, trainer in works:
-            self.members.wait(work, trainer, "send the new weights to")
+        return works
 
     def _first_owner(self, b: int) -> bool:
         return next(m for m, (s, e) in enumerate(self.plan.segments[b]) if e > s) == self.members.rank
 
-    def _send_to_trainers(self, b: int, tag: int, source: Tensor, with_flags: bool = False) -> None:
+    def _send_to_trainers(
+        self, b: int, tag: int, source: Tensor, with_flags: bool = False
+    ) -> list[tuple[dist.Work | None, int]]:
+        """Start sending this server's share of bucket ``b`` (of ``source``) to every trainer; the works."""
         tensors = [source[self._share_of(b)]] + ([self.flags[b]] if with_flags else [])
-        works = [(self.members.isend(t, trainer, tag), trainer) for trainer in self.members.trainers for t in tensors]
-        for work, trainer in works:
+        return [(self.members.isend(t, trainer, tag), trainer) for trainer in self.members.trainers for t in tensors]
+
+    def _send_and_wait(self, b: int, tag: int, source: Tensor) -> None:
+        for work, trainer in self._send_to_trainers(b, tag, source):
             self.members.wait(work, trainer, "send to")
 
     def _wait_syncs(self, syncs: int) -> None:
@@ -701,7 +734,7 @@ class DedicatedServer:
                 self._step(index, syncs, self.members.recv_object(0))
             elif kind == PULL:
                 for b in self.served:
-                    self._send_to_trainers(b, TAG_WEIGHTS, self.layout.storage)
+                    self._send_and_wait(b, TAG_WEIGHTS, self.layout.storage)
             elif kind == SET_WEIGHTS:
                 works = [(self.members.irecv(self.layout.storage[self._share_of(b)], 0, TAG_WEIGHTS), b)
                          for b in self.served]  # fmt: skip
@@ -742,7 +775,7 @@ class DedicatedServer:
         sharded.step(**control["kwargs"])
         self.steps += 1
         for b in mine:
-            self._send_to_trainers(b, TAG_WEIGHTS, self.layout.storage)
+            self._send_and_wait(b, TAG_WEIGHTS, self.layout.storage)
 
     def _take_gradients(self, pieces: Sequence[ShardPiece]) -> None:
         for piece in pieces:

@@ -261,10 +261,11 @@ class DedicatedServers:
         clip_pieces(sharded, self._clip, 0.0)
         sharded.step(**control["kwargs"])
         start = time.perf_counter()
-        for bucket in s._buckets_of(optimizer):  # the servers' shares arrived during backward; the trainers' now
-            start_own, end_own = self.transport.owned(bucket)
-            bucket.pack_params(start_own, end_own)
-            self.transport.share_weights(bucket, from_servers=False)
+        buckets = s._buckets_of(optimizer)
+        for bucket in buckets:  # the servers' shares arrived during backward; the trainers' now
+            bucket.pack_params(*self.transport.owned(bucket))
+        self.transport.share_weights_all(buckets, from_servers=False)
+        for bucket in buckets:
             bucket.unpack_params()
         s._end_step(blocking_seconds=time.perf_counter() - start)
         return result
@@ -273,9 +274,9 @@ class DedicatedServers:
         """Every trainer receives the new weights of ``buckets`` from their owners."""
         assert self.transport is not None
         for bucket in buckets:
-            start, end = self.transport.owned(bucket)
-            bucket.pack_params(start, end)
-            self.transport.share_weights(bucket)
+            bucket.pack_params(*self.transport.owned(bucket))
+        self.transport.share_weights_all(buckets)
+        for bucket in buckets:
             bucket.unpack_params()
 
     def exchange_weights(self, buckets: list[GradientBucket]) -> None:
