@@ -98,25 +98,36 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
         for bucket in buckets:
             bucket.unpack_params()
 
-    def timed(fn) -> float:
+    def timed(fn) -> tuple[float, float]:
+        """Median seconds of ``fn`` over the repeats, and how busy the machine's CPUs were meanwhile."""
         fn()  # warm-up: connections, allocations
         seconds = []
+        before = cpu_times()
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             seconds.append(time.perf_counter() - t0)
-        return statistics.median(seconds)
+        after = cpu_times()
+        busy = 1 - (after[1] - before[1]) / max(1, after[0] - before[0])
+        return statistics.median(seconds), busy
 
-    result = {"dedicated": timed(dedicated_step)}
+    result, busy = {}, {}
+    result["dedicated"], busy["dedicated"] = timed(dedicated_step)
     if k == 0:
-        result["ring_allreduce"] = timed(lambda: [ring_allreduce(b.buffer) for b in buckets])
+        result["ring_allreduce"], busy["ring_allreduce"] = timed(lambda: [ring_allreduce(b.buffer) for b in buckets])
     if rank == 0:
         transport.stop_servers()
-        Path(out).write_text(json.dumps(result))
+        Path(out).write_text(json.dumps({"seconds": result, "cpu_busy": busy}))
     dist.barrier()
     members.close()
     dist.destroy_process_group()
+
+
+def cpu_times() -> tuple[int, int]:
+    """The machine's (total, idle) CPU jiffies from /proc/stat (not namespaced: the whole machine)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]
 
 
 def measure(
@@ -147,7 +158,8 @@ def measure(
     measured = json.loads(out.read_text())
     s, b = size_mb * 2**20, rate_mbit * 1e6 / 8
     return {"trainers": n, "servers": k, "size_mb": size_mb, "rate_mbit": rate_mbit, "delay_ms": delay_ms,
-            "measured_s": measured, "formula_s": communication_time(n, k, s, b)}  # fmt: skip
+            "measured_s": measured["seconds"], "cpu_busy": measured["cpu_busy"],
+            "formula_s": communication_time(n, k, s, b)}  # fmt: skip
 
 
 def main() -> None:
@@ -175,8 +187,10 @@ def main() -> None:
                 row = measure(
                     n, k, args.size_mb, args.bucket_mb, args.rate_mbit, args.delay_ms, args.repeats, Path(tmp)
                 )
-                ring = row["measured_s"].get("ring_allreduce", ring)
-                row["ring_allreduce_s"] = ring
+                if "ring_allreduce" in row["measured_s"]:
+                    ring = (row["measured_s"]["ring_allreduce"], row["cpu_busy"]["ring_allreduce"])
+                assert ring is not None
+                row["ring_allreduce_s"], row["ring_cpu_busy"] = ring
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     lines = [
@@ -184,9 +198,9 @@ def main() -> None:
         f"{args.rate_mbit:g} Mbit/s both ways plus {args.delay_ms:g} ms netem delay; S = {args.size_mb:g} MB of "
         f"float32 gradients in buckets of {args.bucket_mb:g} MB; median of {args.repeats} steps",
         "",
-        "| trainers n | servers k | measured s | t(n, k) s | measured / t(n, k) | ring_allreduce s | speed-up over "
-        "ring (measured) | speed-up (formula) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| trainers n | servers k | measured s | t(n, k) s | measured / t(n, k) | CPUs busy | ring_allreduce s "
+        "| ring's CPUs busy | speed-up over ring (measured) | speed-up (formula) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         n, k, m, t, ring = (
@@ -197,8 +211,10 @@ def main() -> None:
             r["ring_allreduce_s"],
         )
         formula = (2 * (n - 1) / n) / (t * args.rate_mbit * 1e6 / 8 / (args.size_mb * 2**20))
-        lines.append(f"| {n} | {k} | {m:.3f} | {t:.3f} | {m / t:.2f} | {ring:.3f} | {ring / m:.2f} | {formula:.2f} |")
-    save(args.out, "dedicated_servers", rows, lines)
+        lines.append(f"| {n} | {k} | {m:.3f} | {t:.3f} | {m / t:.2f} | {r['cpu_busy']['dedicated']:.0%} | {ring:.3f} | "
+                     f"{r['ring_cpu_busy']:.0%} | {ring / m:.2f} | {formula:.2f} |")  # fmt: skip
+    name = "dedicated_servers" if args.rate_mbit == 1000 else f"dedicated_servers_{args.rate_mbit:g}mbit"
+    save(args.out, name, rows, lines)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -214,7 +230,7 @@ def main() -> None:
         ax.set_title(f"{args.size_mb:g} MB at {args.rate_mbit:g} Mbit/s: measured vs formula")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(Path(args.out) / "dedicated_servers.png", dpi=120)
+        fig.savefig(Path(args.out) / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,9 @@ def start_local_servers(
         command = [sys.executable, "-m", "lightning_dp.server", "--master-addr", master_addr, "--master-port",
                    str(master_port), "--server-index", str(index), "--num-servers", str(num_servers), "--run-key",
                    run_key, "--timeout", str(timeout), "--parent-pid", str(os.getpid())]  # fmt: skip
-        processes.append(subprocess.Popen(command))  # noqa: S603 - our own module, our own interpreter
+        # the trainer's import path (its script's folder included), so the servers find the user's optimizer class
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        processes.append(subprocess.Popen(command, env=env))  # noqa: S603 - our own module, our own interpreter
     return processes
 
 

@@ -561,10 +561,7 @@ def clip_pieces(sharded: ShardedOptimizer, clip: tuple[str, float] | None, squar
 
 
 def squared_norm(sharded: ShardedOptimizer) -> float:
-    total = torch.zeros((), dtype=torch.float64)
-    for _, grad in sharded.gradients():
-        total += grad.detach().double().pow(2).sum()
-    return float(total)
+    return sum(float(grad.detach().double().pow(2).sum()) for _, grad in sharded.gradients())
 
 
 def first_bad(sharded: ShardedOptimizer) -> bool:
@@ -732,7 +729,9 @@ class DedicatedServer:
                 raise RuntimeError(f"trainer 0 stopped the run: {reason}")
             if kind == STEP:
                 self._step(index, syncs, self.members.recv_object(0))
-            elif kind == PULL:
+            elif kind == PULL:  # a timed exchange: its gradients are nobody's step
+                self._wait_syncs(syncs)
+                self._consumed = max(self._consumed, syncs)
                 for b in self.served:
                     self._send_and_wait(b, TAG_WEIGHTS, self.layout.storage)
             elif kind == SET_WEIGHTS:

@@ -28,7 +28,6 @@ from lightning_dp.comm.dedicated import (
     PULL,
     SET_WEIGHTS,
     STEP,
-    STOP,
     DedicatedServerTransport,
     MemberGroup,
     ServerPlan,
@@ -97,6 +96,12 @@ class DedicatedServers:
         env = s.cluster_environment
         assert env is not None and s._timeout is not None and s.lightning_module is not None
         n, k = s.world_size, s.num_servers
+        dtypes = {b.buffer.dtype for b in reducer.buckets}
+        if len(dtypes) > 1:
+            raise ConfigurationError(
+                f"strategy {s.strategy_name!r} with num_servers={k} needs every trainable parameter in one dtype, got "
+                f"{sorted(str(d) for d in dtypes)}"
+            )
         if self.is_trainer_zero and s.start_servers:
             self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
                                                  s._timeout.total_seconds())  # fmt: skip
@@ -138,7 +143,9 @@ class DedicatedServers:
         if clip_val > 0 and algorithm == "norm":
             return False
         self._static_clip = ("value", float(clip_val)) if clip_val > 0 else None
-        return s.lightning_module.automatic_optimization and not s.full_gradients and len(optimizers) == 1
+        # stepping bucket by bucket is one step only for optimizers that update each element on its own
+        elementwise = len(optimizers) == 1 and type(optimizers[0]) in ELEMENTWISE_OPTIMIZERS
+        return s.lightning_module.automatic_optimization and not s.full_gradients and elementwise
 
     def _plan(self, reducer: BucketReducer, optimizers: list[torch.optim.Optimizer]) -> ServerPlan:
         params = list(reducer.params)
@@ -192,9 +199,9 @@ class DedicatedServers:
                 f"strategy {s.strategy_name!r} with num_servers={s.num_servers}: {type(optimizer).__name__} gained "
                 "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
             )
-        control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._static_clip,
-                   "kwargs": kwargs}  # fmt: skip
         if self.eager:
+            control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups],
+                       "clip": self._static_clip, "kwargs": kwargs}  # fmt: skip
             return self._eager_step(optimizer, closure, model, control)
         sharded = self.optimizers[index]
         result = closure()
@@ -206,8 +213,10 @@ class DedicatedServers:
         buckets = s._buckets_of(optimizer)
         if s.full_gradients:
             sharded.take_param_gradients()
-        if self.is_trainer_zero:
-            self.transport.control(STEP, index, {**control, "clip": self._clip})
+        if self.is_trainer_zero:  # the hyperparameters as the step will use them (after every hook)
+            control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
+                       "kwargs": kwargs}  # fmt: skip
+            self.transport.control(STEP, index, control)
             if s.full_gradients:
                 self.transport.send_edited(buckets)
         clip = None if s.full_gradients else self._clip
@@ -245,6 +254,14 @@ class DedicatedServers:
             raise UnsupportedChangeError(
                 f"strategy {s.strategy_name!r}: gradient clipping changed during fit ({self._static_clip} at set-up, "
                 f"{self._clip} now), after the servers had applied the set-up's"
+            )
+        if [hyperparameters(g) for g in optimizer.param_groups] != control["hyperparameters"]:
+            raise UnsupportedChangeError(
+                f"strategy {s.strategy_name!r} with num_servers={s.num_servers}: the optimizer's hyperparameters (e.g. "
+                "the learning rate) changed during the step's forward or backward, after the servers had applied "
+                "them to the gradients as they arrived. Change them before the step starts (an LR scheduler, or "
+                "LightningModule.optimizer_step), or in on_before_optimizer_step, which makes the servers wait for "
+                "the hooks"
             )
         own_bad = first_bad(sharded)
         if any_rank(own_bad, self.transport.ring, s.root_device) or bad_servers:
@@ -331,12 +348,16 @@ class DedicatedServers:
     # ------------------------------------------------------------------ the end
     def abort(self, reason: str) -> None:
         """Trainer 0: tell the servers the run failed (they exit non-zero with ``reason``); never raises."""
-        if self.closed or self.transport is None or not self.is_trainer_zero:
+        if self.closed or not self.is_trainer_zero:
             return
-        try:
-            self.transport.control(ABORT, payload=reason)
-        except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
-            pass
+        if self.transport is not None:
+            try:
+                self.transport.control(ABORT, payload=reason)
+            except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
+                pass
+        else:  # set-up failed before the servers joined: nobody will tell them
+            for process in self.processes:
+                process.kill()
         self.close(stop=False)
 
     def close(self, stop: bool = True) -> None:
@@ -347,7 +368,7 @@ class DedicatedServers:
         if self.transport is not None:
             if stop and self.is_trainer_zero and not self.stopped:
                 try:
-                    self.transport.control(STOP)
+                    self.transport.stop_servers()
                 except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
                     pass
         codes = stop_local_servers(self.processes, STOP_GRACE_SECONDS if stop else 5.0)
