@@ -120,6 +120,22 @@ def member_segments(
     return segments_at(sizes, element_sizes, cuts)
 
 
+#: the largest single message: bigger tensors travel as several, which keeps a shaped link's throughput steady
+MESSAGE_BYTES = 1 << 20
+
+
+class _AllWorks:
+    """Several works waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:  # noqa: SIM110 - each must be waited for
+            work.wait(timeout) if timeout is not None else work.wait()
+        return True
+
+
 def _nearest(boundaries: Sequence[int], cut: int) -> int:
     return min(boundaries, key=lambda b: (abs(b - cut), b))
 
@@ -158,11 +174,21 @@ class MemberGroup:
             return f"trainer {member}"
         return f"server {member - self.num_trainers} (member {member})"
 
-    def isend(self, tensor: Tensor, member: int, tag: int) -> dist.Work | None:
-        return self.backend.send([tensor], member, tag) if tensor.numel() else None
+    def isend(self, tensor: Tensor, member: int, tag: int) -> Any:
+        return self._pieces(self.backend.send, tensor, member, tag)
 
-    def irecv(self, tensor: Tensor, member: int, tag: int) -> dist.Work | None:
-        return self.backend.recv([tensor], member, tag) if tensor.numel() else None
+    def irecv(self, tensor: Tensor, member: int, tag: int) -> Any:
+        return self._pieces(self.backend.recv, tensor, member, tag)
+
+    def _pieces(self, op: Callable[..., Any], tensor: Tensor, member: int, tag: int) -> Any:
+        """``op`` on ``tensor`` in messages of at most :data:`MESSAGE_BYTES`, each piece on a tag of its own: gloo
+        then has every piece's receive announced at once, instead of one announcement per piece that would queue
+        behind the bulk data already filling the link back."""
+        if not tensor.numel():
+            return None
+        step = max(1, MESSAGE_BYTES // tensor.element_size())
+        pieces = range(0, tensor.numel(), step)
+        return _AllWorks([op([tensor[i : i + step]], member, tag * 65536 + k) for k, i in enumerate(pieces)])
 
     def wait(self, work: dist.Work | None, member: int, action: str, timeout: timedelta | None = None) -> None:
         """Wait for ``work`` (with ``member``); a failure names both ends."""
@@ -309,9 +335,13 @@ class DedicatedServerTransport(Transport):
         #: set around a step's backward when the servers update each bucket as it arrives (see :meth:`arm`)
         self._eager: dict[str, Any] | None = None
         self._sent: list[tuple[dist.Work | None, int, str]] = []
+        self._buckets: list[GradientBucket] = []
+        self._arriving: dict[int, tuple[list[tuple[dist.Work | None, int, str]], dict[int, tuple[Tensor, Tensor]]]]
+        self._arriving = {}
         self._pending: list[tuple[dist.Work | None, int, GradientBucket, Segment, Tensor | None]] = []
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
+        self._buckets = list(buckets)
         self.segments = member_segments(buckets, self.shares, self.whole_parameters)
         self._num_buckets = len(buckets)
         for b in buckets:
@@ -365,21 +395,10 @@ class DedicatedServerTransport(Transport):
         host = self._to_host(bucket)
         flags = host[bucket.grad_numel :]
         flags_out = flags.clone()  # this trainer's own flags, while its share's flags sum everyone's below
-        works = []
-        for owner, (s, e) in self._owners(bucket):
-            if owner != self.me:  # not waited for here: the next bucket's push overlaps (see wait_sent)
-                for tensor in (host[s:e], flags_out):
-                    self._sent.append((self.members.isend(tensor, owner, TAG_GRADIENTS), owner, "push gradients to"))
-                self.stats.add(sent=(e - s + flags.numel()) * host.element_size())
+        if bucket.index == 0:  # this trainer's share of every bucket: announced before any of its pushes leaves
+            self._arriving = {b.index: self._receive_share(b) for b in self._buckets}
         start, end = self.owned(bucket)
-        received: dict[int, tuple[Tensor, Tensor]] = {}
-        if end > start:
-            for t in self.members.trainers:
-                if t != self.me:
-                    grads, their_flags = torch.empty(end - start, dtype=host.dtype), torch.empty_like(flags)
-                    for tensor in (grads, their_flags):
-                        works.append((self.members.irecv(tensor, t, TAG_GRADIENTS), t, "receive gradients from"))
-                    received[t] = (grads, their_flags)
+        works, received = self._arriving.pop(bucket.index, ([], {}))
         if self._eager is not None:  # the servers' new weights of this bucket, waited for after backward
             for owner, (s, e) in self._owners(bucket):
                 if owner >= self.members.num_trainers:
@@ -390,6 +409,11 @@ class DedicatedServerTransport(Transport):
                     self._pending.append(
                         (self.members.irecv(host[s:e], owner, TAG_WEIGHTS), owner, bucket, (s, e), None)
                     )
+        for owner, (s, e) in self._owners(bucket):  # after the receives are announced (see MemberGroup._pieces)
+            if owner != self.me:  # not waited for here: the next bucket's push overlaps (see wait_sent)
+                for tensor in (host[s:e], flags_out):
+                    self._sent.append((self.members.isend(tensor, owner, TAG_GRADIENTS), owner, "push gradients to"))
+                self.stats.add(sent=(e - s + flags.numel()) * host.element_size())
         for work, member, action in works:
             self.members.wait(work, member, action, self.timeout)
         if received:
@@ -400,6 +424,24 @@ class DedicatedServerTransport(Transport):
                 flags.add_(their_flags)
             self.stats.add(received=sum((g.numel() + f.numel()) * g.element_size() for g, f in received.values()))
             self._from_host(bucket, [(start, end), (bucket.grad_numel, bucket.buffer.numel())])
+
+    def _receive_share(
+        self, bucket: GradientBucket
+    ) -> tuple[list[tuple[dist.Work | None, int, str]], dict[int, tuple[Tensor, Tensor]]]:
+        """Start receiving every other trainer's gradients (and flags) of this trainer's share of ``bucket``."""
+        start, end = self.owned(bucket)
+        works: list[tuple[dist.Work | None, int, str]] = []
+        received: dict[int, tuple[Tensor, Tensor]] = {}
+        if end > start:
+            flags = bucket.buffer[bucket.grad_numel :]
+            for t in self.members.trainers:
+                if t != self.me:
+                    grads = torch.empty(end - start, dtype=bucket.buffer.dtype)
+                    their_flags = torch.empty(flags.shape, dtype=flags.dtype)
+                    for tensor in (grads, their_flags):
+                        works.append((self.members.irecv(tensor, t, TAG_GRADIENTS), t, "receive gradients from"))
+                    received[t] = (grads, their_flags)
+        return works, received
 
     def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         """The owners' averaged gradients (and the combined used-flags, from the bucket's first owner)."""
@@ -413,7 +455,10 @@ class DedicatedServerTransport(Transport):
     def share_weights_all(self, buckets: Sequence[GradientBucket], from_servers: bool = True) -> None:
         """:meth:`share_weights` of every bucket at once (all messages in flight together)."""
         self.wait_sent()
-        started = [(bucket, *self._start_share(bucket, TAG_WEIGHTS, False, from_servers)) for bucket in buckets]
+        started = [(bucket, *self._start_share(bucket, TAG_WEIGHTS, False, from_servers, phase="receive"))
+                   for bucket in buckets]  # fmt: skip
+        for bucket, works, _ in started:  # every receive announced before any send (see MemberGroup._pieces)
+            works += self._start_share(bucket, TAG_WEIGHTS, False, from_servers, phase="send")[0]
         for bucket, works, ranges in started:
             for work, member, action in works:
                 self.members.wait(work, member, action, self.timeout)
@@ -427,7 +472,7 @@ class DedicatedServerTransport(Transport):
         self._from_host(bucket, ranges)
 
     def _start_share(
-        self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool
+        self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool, phase: str = "both"
     ) -> tuple[list[tuple[dist.Work | None, int, str]], list[Segment]]:
         owners = [(m, seg) for m, seg in self._owners(bucket) if from_servers or m < self.members.num_trainers]
         if not owners:
@@ -438,22 +483,22 @@ class DedicatedServerTransport(Transport):
             host[start:end].copy_(bucket.buffer[start:end])
         works: list[tuple[dist.Work | None, int, str]] = []
         ranges: list[Segment] = []
-        for owner, (s, e) in owners:
-            if owner == self.me:
-                for t in self.members.trainers:
-                    if t != self.me:
-                        tensors = [host[s:e]] + ([host[bucket.grad_numel :]] if with_flags and owner == owners[0][0]
-                                                 else [])  # fmt: skip
-                        for tensor in tensors:
-                            works.append((self.members.isend(tensor, t, tag), t, "send its share to"))
-                            self.stats.add(sent=tensor.numel() * tensor.element_size())
-            else:
+        phases = {"both": (True, False), "receive": (True,), "send": (False,)}[phase]
+        for receiving in phases:  # every receive announced before any send (see MemberGroup._pieces)
+            for owner, (s, e) in owners:
                 tensors = [host[s:e]] + ([host[bucket.grad_numel :]] if with_flags and owner == owners[0][0] else [])
-                for tensor in tensors:
-                    works.append((self.members.irecv(tensor, owner, tag), owner, "receive its share from"))
-                    self.stats.add(received=tensor.numel() * tensor.element_size())
-                ranges.append((s, e))
-        if with_flags and owners[0][0] != self.me:
+                if owner == self.me and not receiving:
+                    for t in self.members.trainers:
+                        if t != self.me:
+                            for tensor in tensors:
+                                works.append((self.members.isend(tensor, t, tag), t, "send its share to"))
+                                self.stats.add(sent=tensor.numel() * tensor.element_size())
+                elif owner != self.me and receiving:
+                    for tensor in tensors:
+                        works.append((self.members.irecv(tensor, owner, tag), owner, "receive its share from"))
+                        self.stats.add(received=tensor.numel() * tensor.element_size())
+                    ranges.append((s, e))
+        if with_flags and owners[0][0] != self.me and True in phases:
             ranges.append((bucket.grad_numel, bucket.buffer.numel()))
         return works, ranges
 
