@@ -9,7 +9,7 @@ Every host is a network namespace behind a link shaped with tc tbf (and a netem 
 message, the vote, the owners' optimizer step, the pull of the weights.
 
     sudo python -m benchmarks.dedicated_servers                    # n = 2, 3, 4; k = 0 .. n; S = 16 MB; 1 Gbit/s
-    sudo python -m benchmarks.dedicated_servers --trainers 3 --size-mb 8
+    sudo python -m benchmarks.dedicated_servers --quick            # n = 3, S = 8 MB
 
 Needs root and iproute2; writes results/dedicated_servers.{json,md,png}.
 """
@@ -168,8 +168,9 @@ def main() -> None:
         trainer(int(rank), int(n), int(k), float(size_mb), float(bucket_mb), int(repeats), int(port), out)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainers", type=int, nargs="+", default=[2, 3, 4])
-    parser.add_argument("--size-mb", type=float, default=16.0)
+    parser.add_argument("--quick", action="store_true", help="n = 3 only, S = 8 MB")
+    parser.add_argument("--trainers", type=int, nargs="+", default=None, help="n (default 2 3 4)")
+    parser.add_argument("--size-mb", type=float, default=None, help="S (default 16)")
     parser.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size (the strategies' bucket_cap_mb)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to each link (netem)")
@@ -179,6 +180,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("benchmarks.dedicated_servers needs root (network namespaces and tc)")
+    args.trainers = args.trainers or ([3] if args.quick else [2, 3, 4])
+    args.size_mb = args.size_mb or (8.0 if args.quick else 16.0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.trainers:

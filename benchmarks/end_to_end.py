@@ -373,6 +373,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--result-dir", default="")
     parser.add_argument("--external-servers", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--name", default="", help="results/<name>.{json,md} instead of the default name")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.worker:
@@ -403,7 +404,8 @@ def main() -> None:
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-        save(args.out, "end_to_end_emulated", rows, emulated_report(rows, args.emulated_hosts, args.rate_mbit, steps))
+        lines = emulated_report(rows, args.emulated_hosts, args.rate_mbit, steps)
+        save(args.out, args.name or "end_to_end_emulated", rows, lines)
         return
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:

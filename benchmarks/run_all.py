@@ -28,15 +28,16 @@ def main() -> None:
     quick = ["--quick"] if args.quick else []
     modules = ["benchmarks.collectives", "benchmarks.end_to_end", "benchmarks.straggler"]
     if os.geteuid() == 0:
-        modules += ["benchmarks.emulated_cluster", "benchmarks.compression"]
+        modules += ["benchmarks.emulated_cluster", "benchmarks.compression", "benchmarks.dedicated_servers"]
     else:
-        print("not root: skipping benchmarks.emulated_cluster and benchmarks.compression (network namespaces)")
+        print("not root: skipping benchmarks.emulated_cluster, benchmarks.compression and benchmarks.dedicated_servers "
+              "(network namespaces)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # the repository root, whatever the working directory
     for module in modules:
         print(f"== {module}", flush=True)
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
     names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
-             "straggler_accuracy")  # fmt: skip
+             "straggler_accuracy", "dedicated_servers", "end_to_end_emulated")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

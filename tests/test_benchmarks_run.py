@@ -58,6 +58,20 @@ def test_emulated_hierarchical_benchmark_runs(tmp_path):
     assert row["analytic_s"]["hierarchical"] < row["analytic_s"]["ring_allreduce"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@skip_without_netns
+def test_dedicated_servers_benchmark_runs_and_the_links_bind(tmp_path):
+    out = run(["-m", "benchmarks.dedicated_servers", "--trainers", "2", "--servers", "0", "1", "--size-mb", "2",
+               "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "dedicated_servers.json").read_text())
+    assert [(r["trainers"], r["servers"]) for r in rows] == [(2, 0), (2, 1)]
+    for r in rows:  # no exchange beats the bandwidth bound of its split
+        assert r["measured_s"]["dedicated"] >= 0.9 * r["formula_s"]
+    assert "lddp-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
 @pytest.mark.unit
 def test_strategy_specs_of_the_benchmarks():
     from benchmarks.end_to_end import build_strategy
@@ -67,6 +81,8 @@ def test_strategy_specs_of_the_benchmarks():
     name, callbacks = build_strategy("ddp+bf16_hook")
     assert name == "ddp" and len(callbacks) == 1
     assert build_strategy("ring_allreduce") == ("ring_allreduce", [])
+    servers, _ = build_strategy("sharded_ps#3", external_servers=True)
+    assert (servers.num_servers, servers.start_servers) == (3, False)
     with pytest.raises(ValueError, match="ddp\\+zip_hook"):
         build_strategy("ddp+zip_hook")
 

@@ -245,7 +245,9 @@ class DedicatedServers:
             result = closure()
         finally:
             self.transport.disarm()
-        bad_servers = self.transport.finish_eager()
+        waited = time.perf_counter()
+        bad_servers = self.transport.finish_eager()  # the servers' shares: what backward left to wait for
+        waited = time.perf_counter() - waited
         if s.reducer.consume():
             self.layout.take_bucket_gradients()
         self._clip = None
@@ -284,7 +286,7 @@ class DedicatedServers:
         self.transport.share_weights_all(buckets, from_servers=False)
         for bucket in buckets:
             bucket.unpack_params()
-        s._end_step(blocking_seconds=time.perf_counter() - start)
+        s._end_step(blocking_seconds=waited + time.perf_counter() - start)
         return result
 
     def pull(self, buckets: list[GradientBucket]) -> None:
