@@ -14,22 +14,20 @@ Needs no Lightning: the optimizer classes the trainers use must be importable he
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import pickle
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
 from lightning_dp.comm.dedicated import DedicatedServer, MemberGroup, run_store
-from lightning_dp.comm.rendezvous import interface_with_address, local_address_towards
+from lightning_dp.comm.errors import ForeignJobError
+from lightning_dp.comm.rendezvous import die_with_parent, interface_with_address, local_address_towards
 
 #: how long a server waits for the trainers' next message: without a deadline in practice (validation, checkpoint
 #: writing and a slow epoch end all pause the trainers); a lost trainer's closed sockets end any wait at once
 IDLE_TIMEOUT = timedelta(days=7)
-_PR_SET_PDEATHSIG = 1
 
 
 def _log(message: str) -> None:
@@ -45,17 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-key", default="0", help="which fit of the trainers' process to join (0: the first)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the trainers to be there")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # local servers die with it
+    parser.add_argument("--scope", default=None, help=argparse.SUPPRESS)  # local servers: the trainers' job scope
     return parser
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: get SIGKILL when the process that started this one dies (so a killed trainer leaves no server)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the lost trainer's closed sockets still end the server
-        return
-    if os.getppid() != parent:  # it died before the line above
-        os._exit(1)
 
 
 def _exit_lost(name: str, error: BaseException) -> None:
@@ -67,7 +56,7 @@ def _exit_lost(name: str, error: BaseException) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
     if args.num_servers < 1:
         _log(f"--num-servers must be >= 1, got {args.num_servers}")
         return 2
@@ -80,9 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         interface = interface_with_address(local_address_towards(args.master_addr))
         if interface is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-        store = run_store(args.master_addr, args.master_port, args.run_key, timedelta(seconds=args.timeout))
+        store = run_store(args.master_addr, args.master_port, args.run_key, timedelta(seconds=args.timeout),
+                          scope=args.scope)  # fmt: skip
         num_trainers = int(store.get("num_trainers"))
         expected = int(store.get("num_servers"))
+    except ForeignJobError as error:
+        _log(f"{name}: {error}")
+        return 2
     except Exception as error:  # noqa: BLE001 - any failure to reach the job is one clear message
         _log(f"{name}: found no lightning-dp job at {args.master_addr}:{args.master_port} within "
              f"{args.timeout:.0f} s (is the job running, with num_servers > 0, and are these its MASTER_ADDR and "
@@ -106,14 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def start_local_servers(
-    master_addr: str, master_port: int, num_servers: int, run_key: str, timeout: float
+    master_addr: str, master_port: int, num_servers: int, run_key: str, timeout: float, scope: str
 ) -> list[subprocess.Popen]:
     """Start ``num_servers`` server processes on this machine, children of this process (they die with it)."""
     processes = []
     for index in range(num_servers):
         command = [sys.executable, "-m", "lightning_dp.server", "--master-addr", master_addr, "--master-port",
                    str(master_port), "--server-index", str(index), "--num-servers", str(num_servers), "--run-key",
-                   run_key, "--timeout", str(timeout), "--parent-pid", str(os.getpid())]  # fmt: skip
+                   run_key, "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--scope", scope]  # fmt: skip
         # the trainer's import path (its script's folder included), so the servers find the user's optimizer class
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         processes.append(subprocess.Popen(command, env=env))  # noqa: S603 - our own module, our own interpreter

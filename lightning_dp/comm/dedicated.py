@@ -48,6 +48,7 @@ from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
 from lightning_dp.comm.peers import PeerDirectory
+from lightning_dp.comm.rendezvous import JobRecord
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, ShardPiece, hyperparameters
 from lightning_dp.comm.sockets import tcp_sockets
 from lightning_dp.comm.stats import CommStats
@@ -236,10 +237,16 @@ class MemberGroup:
             pass
 
 
-def run_store(host: str, port: int, run_key: str, timeout: timedelta) -> dist.Store:
-    """A client of the rendezvous store at ``host:port``, narrowed to this run's keys."""
+def run_store(host: str, port: int, run_key: str, timeout: timedelta, scope: str | None = None) -> dist.Store:
+    """A client of the rendezvous store at ``host:port``, narrowed to this run's keys under the job's ``scope``;
+    without one, the scope the job's record names, once the record proves this process belongs to the job
+    (:class:`~lightning_dp.comm.rendezvous.JobRecord`; :class:`ForeignJobError` otherwise)."""
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"{STORE_PREFIX}/{run_key}", store)
+    if scope is None:
+        record = JobRecord.read(store, f"{host}:{port}", timeout)
+        record.check(f"{host}:{port}", "this dedicated server")
+        scope = record.scope
+    return dist.PrefixStore(f"{scope}/{STORE_PREFIX}/{run_key}", store)
 
 
 # ---------------------------------------------------------------------------------------------------- the plan

@@ -36,12 +36,18 @@ class PeerUnreachableError(LightningDPError, dist.DistNetworkError):
     """A message to or from another rank failed: the peer died, the link is down, or the timeout passed."""
 
 
+class ForeignJobError(LightningDPError, RuntimeError):
+    """A process reached the rendezvous of another job (a stray rank of an earlier launch, two jobs on one port, a
+    wrong shared secret) and was refused before it touched that job."""
+
+
 class NonFiniteGradientError(LightningDPError, FloatingPointError):
     """The averaged gradient of a step holds NaN or infinity; raised on every rank before the optimizer step."""
 
 
 __all__ = [
     "ConfigurationError",
+    "ForeignJobError",
     "LightningDPError",
     "NonFiniteGradientError",
     "PeerUnreachableError",

@@ -6,21 +6,38 @@ address (``MASTER_ADDR``) and gloo / NCCL use the one interface that carries tra
 the main address is loopback (every single-node run), the cluster-facing interface otherwise.
 
 Across several hosts NCCL keeps choosing its own interfaces (InfiniBand, several NICs): only gloo is narrowed.
-The store has no authentication: whoever reaches its port can join or disturb the run. Binding narrowly keeps
-it off other networks; the cluster's private network must still be trusted.
+Every key a job writes lies under a scope of its own, ``lightning_dp/<job id>/<restart>/<join>`` (see
+:func:`job_scope`), so that a restarted attempt, a later job on the same port, or a stray rank of another job
+never reads another job's addresses. Rank 0 publishes the job's record (its id and scope, and the proof of the
+optional shared secret) before anything else; every other rank checks it against what its launcher told it
+(:func:`check_job`) and refuses to join another job with :class:`~lightning_dp.comm.errors.ForeignJobError`.
+
+The store has no authentication: whoever reaches its port can read its keys. The job checks keep mistakes out
+(stray ranks, two jobs on one port, a restart), not attackers; binding narrowly keeps the store off other
+networks, and the cluster's private network must still be trusted.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import hashlib
+import hmac
 import ipaddress
+import json
 import logging
 import os
+import signal
 import socket
 import struct
+import sys
+import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from lightning_dp.comm.errors import ForeignJobError
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +119,16 @@ def _store(
         if error.errno != errno.EADDRINUSE:
             raise
         # shares this process's server, if any
-        return dist.TCPStore(main_address, main_port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+        try:
+            return dist.TCPStore(
+                main_address, main_port, world_size, is_master=True, timeout=timeout, multi_tenant=True
+            )
+        except dist.DistNetworkError as taken:
+            raise ForeignJobError(
+                f"rank 0 cannot serve the rendezvous on {main_address}:{main_port}: another process holds the port "
+                "(another job, or a rank of an earlier launch still running). Give this job a free MASTER_PORT "
+                "(or stop the other job); no rank of this launch joined anything."
+            ) from taken
     if listen_fd is None and address is not None:
         log.warning("MASTER_ADDR=%s is not an address of this machine; the store listens everywhere", main_address)
     return dist.TCPStore(
@@ -119,9 +145,12 @@ def init_bound_process_group(
     world_size: int,
     timeout: timedelta,
     single_host: bool,
-) -> None:
+    node_rank: int = 0,
+    local_rank: int = 0,
+) -> str:
     """``dist.init_process_group`` with the store on ``main_address:main_port`` only and gloo on the interface
-    towards it (NCCL too when ``single_host``). ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user win.
+    towards it (NCCL too when ``single_host``), every key under the job's scope (:func:`join_job`), which it
+    returns. ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user win.
 
     A loopback main address in a run over several hosts (a hostname that resolves to 127.0.1.1 on its own node,
     as Debian's /etc/hosts does) cannot be what the other nodes reach, so there nothing is narrowed."""
@@ -144,6 +173,149 @@ def init_bound_process_group(
         if single_host:  # across hosts NCCL picks its fast interfaces (InfiniBand, several NICs) itself
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
-    # the prefix init_process_group gives its own rendezvous store: keys never collide with torchrun's agent
-    store = dist.PrefixStore("default_pg", _store(main_address, address, main_port, rank, world_size, timeout))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    base = _store(main_address, address, main_port, rank, world_size, timeout)
+    scope = join_job(base, rank, node_rank, local_rank, f"{main_address}:{main_port}", timeout)
+    # under the job's scope, the prefix init_process_group gives its own store: never torchrun's agent's keys, nor
+    # those of an earlier attempt, job or stray rank on this port
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{scope}/default_pg", base), rank=rank,
+                            world_size=world_size, timeout=timeout)  # fmt: skip
+    return scope
+
+
+# ---------------------------------------------------------------------------------------------------- jobs apart
+#: a job id every rank (and dedicated server) of a job is given by whoever starts them (a job script); a rank whose
+#: id differs from rank 0's is refused. Without it torchrun's run id, then SLURM's job id, serve as the job id.
+JOB_ID_VARIABLE = "LIGHTNING_DP_JOB_ID"
+#: ``<pid>:<id>`` of the process that started a node's ranks itself (Lightning's launchers), for those ranks: they
+#: die with that process and join only the job their node's local rank 0 joined with the same launch
+LAUNCH_VARIABLE = "LIGHTNING_DP_LAUNCH"
+#: an optional shared secret: only ranks and servers holding the same value join the job
+SECRET_VARIABLE = "LIGHTNING_DP_JOB_SECRET"
+#: where rank 0 publishes the job's record (id, scope, proof of the secret)
+JOB_RECORD_KEY = "lightning_dp/job"
+
+_joins = 0  # rendezvous this process has joined (a Hydra sweep joins once per job in one process)
+
+
+def external_job_id() -> str | None:
+    """The job id the launcher gave every rank alike: :data:`JOB_ID_VARIABLE`, torchrun's run id, SLURM's job id."""
+    for name in (JOB_ID_VARIABLE, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+def restart_attempt() -> str:
+    """Which attempt of the job this process belongs to: torchrun's restart count (its store outlives attempts)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def new_launch() -> str:
+    """A fresh :data:`LAUNCH_VARIABLE` value for the ranks this process is about to start."""
+    return f"{os.getpid()}:{uuid.uuid4().hex[:16]}"
+
+
+def launcher_pid() -> int | None:
+    """The pid of the process that started this one as a rank (:data:`LAUNCH_VARIABLE`), if any."""
+    value = os.environ.get(LAUNCH_VARIABLE)
+    return int(value.split(":", 1)[0]) if value else None
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (even by SIGKILL), and exit at once if the
+    parent ``parent`` (a pid) is gone already. Elsewhere nothing: closed sockets still end a lost peer's waits."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the line above took effect
+        sys.stderr.write(f"lightning-dp: the process that started this one (pid {parent}) is gone; exiting\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # Linux prctl option
+
+
+def _proof(job_id: str) -> str:
+    secret = os.environ.get(SECRET_VARIABLE, "")
+    return hmac.new(secret.encode(), job_id.encode(), hashlib.sha256).hexdigest() if secret else ""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What rank 0 publishes: the job id, the scope of every key of this rendezvous, the secret's proof."""
+
+    job_id: str
+    scope: str
+    proof: str
+
+    def dumps(self) -> str:
+        return json.dumps({"job": self.job_id, "scope": self.scope, "proof": self.proof})
+
+    @classmethod
+    def read(cls, store: dist.Store, where: str, timeout: timedelta) -> JobRecord:
+        """Wait up to ``timeout`` for the record of the job served at ``where``; a clear error if none comes."""
+        try:
+            store.wait([JOB_RECORD_KEY], timeout)
+            data = json.loads(store.get(JOB_RECORD_KEY))
+        except (RuntimeError, ValueError) as error:  # torch raises DistStoreError (a RuntimeError) on timeout
+            raise ForeignJobError(
+                f"the rendezvous at {where} answered but no lightning-dp job published itself there within "
+                f"{timeout.total_seconds():.0f} s ({error}): another program (e.g. a `ddp` job) or a job that "
+                "failed to start holds that port. Check MASTER_ADDR / MASTER_PORT, or pick a free port."
+            ) from error
+        return cls(str(data["job"]), str(data["scope"]), str(data["proof"]))
+
+    def check(self, where: str, joining: str) -> None:
+        """Refuse ``joining`` (e.g. ``"rank 3"``) if it belongs to another job or lacks the job's secret."""
+        claim = external_job_id()
+        if claim is not None and claim != self.job_id:
+            raise ForeignJobError(
+                f"{joining} belongs to job {claim!r}, but {where} serves job {self.job_id!r}: two jobs use the same "
+                "port (or this is a stray rank of an earlier launch). Give each job its own MASTER_PORT; this rank "
+                "leaves without touching the other job."
+            )
+        if not hmac.compare_digest(_proof(self.job_id), self.proof):
+            holds = "holds a different" if os.environ.get(SECRET_VARIABLE) else "does not hold the"
+            raise ForeignJobError(
+                f"{joining} {holds} shared secret of the job at {where} ({SECRET_VARIABLE}): refused. Start every "
+                f"rank and server of a job with the same {SECRET_VARIABLE}."
+            )
+
+
+def join_job(store: dist.Store, rank: int, node_rank: int, local_rank: int, where: str, timeout: timedelta) -> str:
+    """Agree on the job's scope (see the module docstring) and check this process belongs to it; returns the scope.
+
+    Rank 0 publishes the record; every other rank reads and checks it. Where Lightning's launcher started the
+    node's ranks (:data:`LAUNCH_VARIABLE`), local rank 0 registers its launch under the scope and the other local
+    ranks join only if theirs is the same, so a rank left over from an earlier launch on this port is refused."""
+    global _joins
+    join, _joins = _joins, _joins + 1
+    launch = os.environ.get(LAUNCH_VARIABLE)
+    joining = f"rank {rank}"
+    if rank == 0:
+        job_id = external_job_id() or (launch.split(":", 1)[1] if launch else uuid.uuid4().hex[:16])
+        scope = f"lightning_dp/{job_id}/{restart_attempt()}/{join}"
+        store.set(JOB_RECORD_KEY, JobRecord(job_id, scope, _proof(job_id)).dumps())
+    else:
+        record = JobRecord.read(store, where, timeout)
+        record.check(where, joining)
+        scope = f"lightning_dp/{record.job_id}/{restart_attempt()}/{join}"
+    if launch is not None:
+        key = f"{scope}/launch/{node_rank}"
+        if local_rank == 0:
+            held = store.compare_set(key, "", launch).decode()
+        else:
+            store.wait([key], timeout)
+            held = store.get(key).decode()
+        if held != launch:
+            raise ForeignJobError(
+                f"{joining} was started by launch {launch!r}, but node {node_rank} of the job at {where} belongs to "
+                f"launch {held!r}: this is a stray rank of an earlier launch on the same port (its launcher is gone). "
+                "It leaves without touching the running job."
+            )
+    return scope

@@ -185,7 +185,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
     def _uses_shared_memory(self) -> bool:
         """Whether the ranks of a node exchange buckets through shared memory: asked for, CPU tensors, and more than
         one rank per node."""
-        return self.intra_node == "shm" and self.root_device.type == "cpu" and self.num_processes > 1
+        return self.intra_node == "shm" and self.root_device.type == "cpu" and self.ranks_on_this_node > 1
 
     def _shared_memory_kwargs(self) -> dict[str, Any]:
         """What a shared-memory transport needs beyond the group and stats: which ranks share a node, the timeout."""

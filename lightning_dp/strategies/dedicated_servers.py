@@ -102,10 +102,11 @@ class DedicatedServers:
                 f"strategy {s.strategy_name!r} with num_servers={k} needs every trainable parameter in one dtype, got "
                 f"{sorted(str(d) for d in dtypes)}"
             )
+        scope = s.job_scope or EXTERNAL_SCOPE
         if self.is_trainer_zero and s.start_servers:
             self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
-                                                 s._timeout.total_seconds())  # fmt: skip
-        store = run_store(env.main_address, env.main_port, self.run_key, s._timeout)
+                                                 s._timeout.total_seconds(), scope)  # fmt: skip
+        store = run_store(env.main_address, env.main_port, self.run_key, s._timeout, scope=scope)
         if self.is_trainer_zero:
             store.set("num_trainers", str(n))
             store.set("num_servers", str(k))
@@ -380,6 +381,10 @@ class DedicatedServers:
         if failed and stop:
             rank_zero_warn(f"strategy {self.strategy.strategy_name!r}: {', '.join(failed)} did not stop cleanly")
         self.processes = []
+
+
+#: the scope of the servers' keys where another party created the trainers' default group (no job record)
+EXTERNAL_SCOPE = "lightning_dp/external"
 
 
 def next_run_key() -> str:

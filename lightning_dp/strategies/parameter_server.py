@@ -64,7 +64,7 @@ class ParameterServerStrategy(ParameterServerBase):
     @override
     def _make_transport(self, shared_memory: bool) -> Transport:
         # the gradient group spans every rank in global order: its rank of the server is the global one
-        if shared_memory and self.num_nodes == 1:
+        if shared_memory and self.single_node:
             kwargs = self._shared_memory_kwargs()
             return SharedMemoryServerTransport(self.server_rank, self.gradient_group, self.sync_stats, **kwargs)
         return CentralServerTransport(self.server_rank, self.gradient_group, self.sync_stats)

@@ -292,7 +292,7 @@ class ParameterServerBase(DataParallelStrategy):
             self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,
             overlap=self._may_overlap_backward(),
         )  # fmt: skip
-        if self.intra_node == "shm" and self.num_processes > 1:
+        if self.intra_node == "shm" and self.ranks_on_this_node > 1:
             rank_zero_info(f"{self.strategy_name}: with num_servers={self.num_servers} buckets travel through sockets "
                            "(intra_node='shm' applies to num_servers=0)")  # fmt: skip
         self.transport = self._dedicated.setup(self.reducer)

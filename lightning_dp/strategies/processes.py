@@ -17,13 +17,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -36,8 +37,16 @@ from lightning_dp._lightning_compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
+from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.peers import PeerDirectory, naming_lost_peer
-from lightning_dp.comm.rendezvous import init_bound_process_group
+from lightning_dp.comm.rendezvous import (
+    LAUNCH_VARIABLE,
+    die_with_parent,
+    init_bound_process_group,
+    launcher_pid,
+    new_launch,
+)
+from lightning_dp.comm.shm import NodeLayout
 from lightning_dp.strategies.options import check_choice, check_timeout
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -91,6 +100,10 @@ class ProcessGroupStrategy(DDPStrategy):
         #: the process group that carries gradient and weight traffic (never interleaved with Lightning's)
         self.gradient_group: dist.ProcessGroup | None = None
         self._peers = PeerDirectory()
+        #: which ranks share a machine, gathered from every rank's node rank once the groups exist
+        self.node_layout: NodeLayout | None = None
+        #: the prefix of every rendezvous key of this job (``None`` where another party created the default group)
+        self.job_scope: str | None = None
 
     @property
     @override
@@ -100,8 +113,19 @@ class ProcessGroupStrategy(DDPStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        """This rank's device: one per local rank, or the single device a launcher that starts every rank itself
+        gave it (Ray Train, torchrun with ``devices="auto"``: each process sees one device)."""
+        devices = self.parallel_devices
+        assert devices is not None
+        if self.local_rank < len(devices):
+            return devices[self.local_rank]
+        if len(devices) == 1:
+            return devices[0]
+        raise ConfigurationError(
+            f"strategy {self.strategy_name!r}: local rank {self.local_rank} has no device among the {len(devices)} "
+            f"given ({devices}); set `devices` to the number of processes per node, or to 'auto' where the cluster "
+            "starts the processes (each then uses the one device it sees)"
+        )
 
     @property
     @override
@@ -120,7 +144,23 @@ class ProcessGroupStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def ranks_on_this_node(self) -> int:
+        """How many ranks share this rank's machine (known once the process groups exist)."""
+        return self.node_layout.local_size if self.node_layout is not None else self.num_processes
+
+    @property
+    def single_node(self) -> bool:
+        """Whether every rank runs on one machine (known once the process groups exist)."""
+        return self.node_layout.num_nodes == 1 if self.node_layout is not None else self.num_nodes == 1
+
+    def _launched_externally(self) -> bool:
+        """Whether a cluster (torchrun, SLURM, Ray, MPI) starts the ranks and names their ranks and world size (not
+        Lightning's own launcher, whose environment also says so in the ranks it started)."""
+        env = self.cluster_environment
+        return env is not None and env.creates_processes_externally and not isinstance(env, LightningEnvironment)
 
     @property
     @override
@@ -129,11 +169,18 @@ class ProcessGroupStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # called in the launching process once the world size is known: check options that depend on it now
+        # called in every process once the world size is known: check options that depend on it now
+        env = self.cluster_environment
+        assert env is not None
+        if self._launched_externally():
+            self._check_world_size(env.world_size())
+            return
         self._check_world_size(self.num_nodes * self.num_processes)
-        assert self.cluster_environment is not None
+        if not env.creates_processes_externally:
+            # this process starts the node's ranks: a fresh launch id for them (a later Trainer gets another)
+            os.environ[LAUNCH_VARIABLE] = new_launch()
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -142,6 +189,8 @@ class ProcessGroupStrategy(DDPStrategy):
 
     @override
     def set_world_ranks(self) -> None:
+        """Ranks and world size from ``devices`` and ``num_nodes``, as ``ddp``; the environments of clusters that
+        start the ranks themselves ignore them and report their own (so ``devices="auto"`` works there)."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
@@ -151,8 +200,17 @@ class ProcessGroupStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         # the accelerator first (it selects the CUDA device NCCL binds to), then the process groups; DDPStrategy's
         # own version would join them before the device is set
+        _die_with_launcher()
         ParallelStrategy.setup_environment(self)
         self.setup_distributed()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failing launcher stops the ranks it started at once (instead of leaving them waiting for it)."""
+        super().on_exception(exception)
+        for process in getattr(self._launcher, "procs", []):
+            if process.poll() is None:
+                process.kill()
 
     @override
     def setup_distributed(self) -> None:
@@ -167,20 +225,28 @@ class ProcessGroupStrategy(DDPStrategy):
         timeout = self._timeout
         assert timeout is not None  # set in __init__
         if not _distributed_is_initialized():
-            init_bound_process_group(
+            self.job_scope = init_bound_process_group(
                 self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
-                timeout, single_host=self.num_nodes == 1,
+                timeout, single_host=self.num_nodes == 1, node_rank=self.node_rank, local_rank=self.local_rank,
             )  # fmt: skip
             # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
+        else:
+            self.job_scope = None
+            rank_zero_info(
+                f"strategy {self.strategy_name!r}: the default process group was created before the strategy (e.g. by "
+                "Ray Train): the option `timeout` applies to the strategy's gradient traffic only, and its sockets are "
+                "not narrowed to the interface towards MASTER_ADDR; the default group keeps its creator's settings"
+            )
         # every rank is a member of the new group (torch returns a sentinel only to non-members)
         group = dist.new_group(backend=self._process_group_backend, timeout=timeout)
         self.gradient_group = cast(dist.ProcessGroup, group)
         if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
             self._peers = PeerDirectory.build()
+        self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
         self._check_world_size(self.world_size)
 
     # ------------------------------------------------------------------ Lightning's collectives, naming lost peers
@@ -234,3 +300,12 @@ class ProcessGroupStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+def _die_with_launcher() -> None:
+    """In a rank that Lightning's launcher started (popen: another rank's process; spawn / fork: the main process):
+    die with the launcher, even when it gets SIGKILL. Otherwise such ranks outlive a failed launch and wait, then
+    join whatever job next serves their port."""
+    parent = launcher_pid()
+    if parent is not None and parent != os.getpid():
+        die_with_parent(parent)

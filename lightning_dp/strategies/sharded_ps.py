@@ -61,7 +61,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
 
     @override
     def _make_transport(self, shared_memory: bool) -> Transport:
-        if shared_memory and self.num_nodes == 1:
+        if shared_memory and self.single_node:
             return SharedMemoryShardedTransport(self.gradient_group, self.sync_stats, **self._shared_memory_kwargs())
         return ShardedServerTransport(self.gradient_group, self.sync_stats)
 
