@@ -48,6 +48,7 @@ from lightning_dp.comm.rendezvous import (
 )
 from lightning_dp.comm.shm import NodeLayout
 from lightning_dp.strategies.options import check_choice, check_timeout
+from lightning_dp.strategies.resume import resume_mid_epoch
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
@@ -248,6 +249,13 @@ class ProcessGroupStrategy(DDPStrategy):
             self._peers = PeerDirectory.build()
         self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
         self._check_world_size(self.world_size)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A run resumed mid-epoch continues with the batches it had not trained yet (see :mod:`.resume`)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return resume_mid_epoch(trainer, dataloader) if trainer is not None else dataloader
 
     # ------------------------------------------------------------------ Lightning's collectives, naming lost peers
     @override

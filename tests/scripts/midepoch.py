@@ -1,0 +1,104 @@
+"""Train a model whose only randomness is the data order, with checkpoints every few steps; resume from one, or
+(under torchrun) kill a rank at a step and resume from the newest checkpoint in the restarted attempt.
+
+Every rank writes ``<out>/rank<r>.pt``: its final weights, the sample indices it trained batch by batch in this
+process (a resumed run: from the checkpoint on) and the checkpoint it resumed from.
+"""
+
+import argparse
+import os
+import re
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_dp  # noqa: F401 - registers the strategies
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--strategy", default="ring_allreduce")
+parser.add_argument("--devices", default="2")
+parser.add_argument("--max-epochs", type=int, default=2)
+parser.add_argument("--batch-size", type=int, default=4)
+parser.add_argument("--samples", type=int, default=64)
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--workers", type=int, default=0)
+parser.add_argument("--checkpoint-every", type=int, default=3, help="ModelCheckpoint every n steps into <out>/ckpt")
+parser.add_argument("--resume-from", default=None, help="a checkpoint, or 'newest' (the newest in <out>/ckpt)")
+parser.add_argument("--kill-rank", type=int, default=1)
+parser.add_argument("--kill-at-step", type=int, default=None, help="attempt 0: SIGKILL --kill-rank after this step")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+out = Path(args.out)
+
+
+class IndexedData(Dataset):
+    """Sample i is (i, features of i): the trained indices can be recorded."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = torch.randn(n, 2, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+class Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.trained: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        index, x, y = batch
+        self.trained.append(index.tolist())
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if args.kill_at_step == self.global_step and restart == 0 and self.global_rank == args.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)]
+
+    def train_dataloader(self):
+        # shuffle=True: Lightning replaces the sampler with its DistributedSampler(shuffle=True)
+        return DataLoader(IndexedData(args.samples), batch_size=args.batch_size, shuffle=True,
+                          num_workers=args.workers)  # fmt: skip
+
+
+def newest_checkpoint() -> str | None:
+    found = [(int(m.group(1)), p) for p in (out / "ckpt").glob("*.ckpt") if (m := re.search(r"step=(\d+)", p.name))]
+    return str(max(found)[1]) if found else None
+
+
+resume = newest_checkpoint() if args.resume_from == "newest" else args.resume_from
+model = Model()
+trainer = L.Trainer(
+    strategy=args.strategy,
+    accelerator="cpu",
+    devices=args.devices if args.devices == "auto" else int(args.devices),
+    max_epochs=args.max_epochs,
+    accumulate_grad_batches=args.accumulate,
+    logger=False,
+    callbacks=[
+        ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}")
+    ],  # fmt: skip
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+trainer.fit(model, ckpt_path=resume)
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+torch.save({"weights": weights, "trained": model.trained, "resumed_from": resume},
+           out / f"rank{trainer.global_rank}.pt")  # fmt: skip
