@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -31,6 +32,9 @@ parser.add_argument("--checkpoint-every", type=int, default=3, help="ModelCheckp
 parser.add_argument("--resume-from", default=None, help="a checkpoint, or 'newest' (the newest in <out>/ckpt)")
 parser.add_argument("--kill-rank", type=int, default=1)
 parser.add_argument("--kill-at-step", type=int, default=None, help="attempt 0: SIGKILL --kill-rank after this step")
+parser.add_argument("--variables-environment", action="store_true",
+                    help="ranks started by the test itself, told their place by RANK, WORLD_SIZE, LOCAL_RANK, "
+                         "NODE_RANK (a cluster that starts the processes, as Ray Train and SLURM do)")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -78,6 +82,44 @@ class Model(L.LightningModule):
                           num_workers=args.workers)  # fmt: skip
 
 
+class VariablesEnvironment(ClusterEnvironment):
+    """A cluster that starts every rank itself and tells it its place in environment variables."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ["MASTER_ADDR"]
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ["MASTER_PORT"])
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return int(os.environ["WORLD_SIZE"])
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the cluster's value stands
+
+    def global_rank(self) -> int:
+        return int(os.environ["RANK"])
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return int(os.environ["LOCAL_RANK"])
+
+    def node_rank(self) -> int:
+        return int(os.environ["NODE_RANK"])
+
+
 def newest_checkpoint() -> str | None:
     found = [(int(m.group(1)), p) for p in (out / "ckpt").glob("*.ckpt") if (m := re.search(r"step=(\d+)", p.name))]
     return str(max(found)[1]) if found else None
@@ -97,6 +139,7 @@ trainer = L.Trainer(
     ],  # fmt: skip
     enable_progress_bar=False,
     enable_model_summary=False,
+    plugins=[VariablesEnvironment()] if args.variables_environment else None,
 )
 trainer.fit(model, ckpt_path=resume)
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
