@@ -10,6 +10,7 @@ python examples/train.py model=boring
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_dp import hydra_support
+
+log = logging.getLogger(__name__)
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -69,6 +72,11 @@ def train(cfg: DictConfig) -> dict:
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy,
                         callbacks=callbacks, logger=logger)  # fmt: skip
+    if trainer.is_global_zero:
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        log.info("%s ranks on %s node(s), started by %s, writing to %s", trainer.world_size, trainer.num_nodes,
+                 type(environment).__name__ if environment else "this process",
+                 HydraConfig.get().runtime.output_dir)  # fmt: skip
 
     trainer.fit(model, datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

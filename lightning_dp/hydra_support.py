@@ -8,6 +8,10 @@ own resolved overrides, in its own output directory, without ``-m``, writing no 
 
 A sweep runs its jobs one after another in one process, so each job must also leave no process group and none
 of the rendezvous variables Lightning exported behind: :func:`job_scope` takes care of that.
+
+Where a cluster starts every rank (SLURM, torchrun), each rank composes its own config, and a run folder named
+by the time would differ between ranks that start in different seconds. ``conf/train.yaml`` names it with the
+``lightning_dp.job_dir`` resolver (:func:`cluster_job_folder`): the cluster's job id there, the time otherwise.
 """
 
 from __future__ import annotations
@@ -57,6 +61,45 @@ def subprocess_command(local_rank: int) -> tuple[list[str], str]:
     return command, get_original_cwd()
 
 
+def cluster_job_folder(default: str) -> str:
+    """The run folder's name for a job whose ranks a cluster started: ``slurm-<job id>`` under SLURM (one per array
+    task), ``torchrun-<run id>`` under torchrun (with its default run id ``none``: the folder torchrun's agent made
+    for this job on this node, shared by its restarts); ``default`` (the time) when Lightning starts the ranks."""
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    if slurm_job and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):  # Lightning's SLURM rule
+        return f"slurm-{slurm_job}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"torchrun-{run_id}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <agent tmp>/<run id>_<random>/attempt_<n>/<rank>/...
+    if run_id and error_file:
+        parts = error_file.split(os.sep)
+        attempt = next((i for i, part in enumerate(parts) if part.startswith("attempt_")), None)
+        if attempt:
+            return f"torchrun-{parts[attempt - 1]}"
+    return default
+
+
+def cluster_rank_suffix() -> str:
+    """``_rank<r>`` for a rank other than 0 that a cluster started (torchrun's ``RANK``, SLURM's ``SLURM_PROCID``),
+    so that ranks sharing the run folder log to files of their own; empty otherwise."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        rank = os.environ.get("RANK", "0")
+    else:
+        rank = os.environ.get("SLURM_PROCID", "0") if cluster_job_folder("") else "0"
+    return "" if rank == "0" else f"_rank{rank}"
+
+
+def register_resolvers() -> None:
+    """Register ``${lightning_dp.job_dir:<default>}`` and ``${lightning_dp.rank_suffix:}`` with OmegaConf (once)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("lightning_dp.job_dir"):
+        OmegaConf.register_new_resolver("lightning_dp.job_dir", cluster_job_folder)
+    if not OmegaConf.has_resolver("lightning_dp.rank_suffix"):
+        OmegaConf.register_new_resolver("lightning_dp.rank_suffix", cluster_rank_suffix)
+
+
 def install() -> None:
     """Make Lightning's popen launcher (``ddp`` and every lightning-dp strategy) use :func:`subprocess_command`.
     Raises ``RuntimeError`` if this Lightning version has no such hook to replace."""
@@ -83,3 +126,6 @@ def job_scope() -> Iterator[None]:
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+register_resolvers()  # before Hydra composes any config that names the run folder with it

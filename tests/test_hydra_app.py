@@ -245,3 +245,42 @@ def test_a_users_own_hydra_app_composes_lightning_dp_strategies(tmp_path):
             timeout=120,
         )
         assert f"STRATEGY {expected}" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.unit
+def test_the_run_folder_is_named_by_the_clusters_job(monkeypatch):
+    from lightning_dp.hydra_support import cluster_job_folder, cluster_rank_suffix
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+                 "RANK"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    assert cluster_job_folder("2026-12-04/10-00-00") == "2026-12-04/10-00-00" and cluster_rank_suffix() == ""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert cluster_job_folder("t") == "slurm-4242" and cluster_rank_suffix() == "_rank3"
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive allocation: Lightning starts the ranks
+    assert cluster_job_folder("t") == "t" and cluster_rank_suffix() == ""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/tmp/torchelastic_x1/none_ab12/attempt_1/0/error.json")
+    monkeypatch.setenv("RANK", "1")
+    assert cluster_job_folder("t") == "torchrun-none_ab12" and cluster_rank_suffix() == "_rank1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    assert cluster_job_folder("t") == "torchrun-job7"
+
+
+@pytest.mark.multiprocess
+def test_ranks_torchrun_starts_share_one_run_folder(tmp_path):
+    """torchrun starts both ranks, each composes its own config: one run folder, one log per rank."""
+    from tests.helpers.distributed import free_port
+    from tests.helpers.launch import CLUSTER_VARIABLES, subprocess_env
+
+    env = {k: v for k, v in subprocess_env().items() if k not in CLUSTER_VARIABLES}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(REPO / "examples" / "train.py"), "trainer.devices=2", *QUICK]  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    (folder,) = (tmp_path / "outputs").iterdir()
+    assert folder.name.startswith("torchrun-")
+    assert {p.name for p in folder.glob("*.log")} == {"train.log", "train_rank1.log"}
+    assert json.loads((folder / "metrics.json").read_text())["world_size"] == 2
+    assert "2 ranks on 1 node(s), started by TorchElasticEnvironment" in (folder / "train.log").read_text()

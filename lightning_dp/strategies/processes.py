@@ -226,22 +226,24 @@ class ProcessGroupStrategy(DDPStrategy):
         timeout = self._timeout
         assert timeout is not None  # set in __init__
         if not _distributed_is_initialized():
-            self.job_scope = init_bound_process_group(
+            scope = init_bound_process_group(
                 self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
                 timeout, single_host=self.num_nodes == 1, node_rank=self.node_rank, local_rank=self.local_rank,
             )  # fmt: skip
+            _joined_default_group[:] = [(dist.group.WORLD, scope)]
             # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
-        else:
-            self.job_scope = None
+        elif _own_scope() is None:
             rank_zero_info(
                 f"strategy {self.strategy_name!r}: the default process group was created before the strategy (e.g. by "
                 "Ray Train): the option `timeout` applies to the strategy's gradient traffic only, and its sockets are "
                 "not narrowed to the interface towards MASTER_ADDR; the default group keeps its creator's settings"
             )
+        # a later fit or test in this process reuses the group and scope an earlier one joined
+        self.job_scope = _own_scope()
         # every rank is a member of the new group (torch returns a sentinel only to non-members)
         group = dist.new_group(backend=self._process_group_backend, timeout=timeout)
         self.gradient_group = cast(dist.ProcessGroup, group)
@@ -308,6 +310,15 @@ class ProcessGroupStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+#: the default group this process joined itself, and its job scope (held, so that no later group reuses its id)
+_joined_default_group: list[tuple[object, str]] = []
+
+
+def _own_scope() -> str | None:
+    """The job scope of the current default group if this process joined it itself (``None``: another party did)."""
+    return next((scope for group, scope in _joined_default_group if group is dist.group.WORLD), None)
 
 
 def _die_with_launcher() -> None:
