@@ -236,7 +236,8 @@ class ProcessGroupStrategy(DDPStrategy):
             os.environ["MASTER_PORT"] = str(env.main_port)
             if self._process_group_backend == "nccl":
                 atexit.register(_destroy_dist_connection)
-        elif _own_scope() is None:
+        elif _own_scope() is None and not any(group is dist.group.WORLD for group in _external_groups_told):
+            _external_groups_told.append(dist.group.WORLD)
             rank_zero_info(
                 f"strategy {self.strategy_name!r}: the default process group was created before the strategy (e.g. by "
                 "Ray Train): the option `timeout` applies to the strategy's gradient traffic only, and its sockets are "
@@ -314,6 +315,10 @@ class ProcessGroupStrategy(DDPStrategy):
 
 #: the default group this process joined itself, and its job scope (held, so that no later group reuses its id)
 _joined_default_group: list[tuple[object, str]] = []
+
+
+#: default groups another party created that a strategy has already said so about (once per group)
+_external_groups_told: list[object] = []
 
 
 def _own_scope() -> str | None:
