@@ -78,7 +78,7 @@ def train(cfg: DictConfig) -> dict:
                  type(environment).__name__ if environment else "this process",
                  HydraConfig.get().runtime.output_dir)  # fmt: skip
 
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     # the parameter servers' record of how stale each step's weights were (rank 0's, taken before testing)
     seen = getattr(trainer.strategy, "staleness_seen", None)

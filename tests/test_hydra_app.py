@@ -275,8 +275,10 @@ def test_ranks_torchrun_starts_share_one_run_folder(tmp_path):
     from tests.helpers.launch import CLUSTER_VARIABLES, subprocess_env
 
     env = {k: v for k, v in subprocess_env().items() if k not in CLUSTER_VARIABLES}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(REPO / "examples" / "train.py"), "trainer.devices=2", *QUICK]  # fmt: skip
+    # the README's command (its first start finds no last checkpoint and starts afresh)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--master-port", str(free_port()), str(REPO / "examples" / "train.py"), "trainer.devices=2",
+               "ckpt_path=last", *QUICK]  # fmt: skip
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
     (folder,) = (tmp_path / "outputs").iterdir()

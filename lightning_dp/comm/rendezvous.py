@@ -207,8 +207,9 @@ def external_job_id() -> str | None:
 
 
 def restart_attempt() -> str:
-    """Which attempt of the job this process belongs to: torchrun's restart count (its store outlives attempts)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    """Which attempt of the job this process belongs to: torchrun's restart count (its store outlives attempts),
+    else SLURM's (a requeued job keeps its id)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
 
 
 def new_launch() -> str:
