@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -47,10 +48,26 @@ def _weights(out: Path) -> list[torch.Tensor] | None:
     return [torch.load(f)["weights"] for f in files] if all(f.exists() for f in files) else None
 
 
+def _run_torchrun(args: list[str], timeout: float) -> tuple[int | None, str]:
+    """``torchrun --nproc-per-node 2 --max-restarts 1 args``: its exit code (``None``: killed after ``timeout``
+    seconds, with every process it started) and its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--master-port", str(_free_port()), *args]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+    return proc.returncode, output
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--strategies", nargs="+", default=STRATEGIES)
+    parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds before a run counts as hung")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     script = ["-m", "tests.scripts.midepoch"]
@@ -62,25 +79,26 @@ def main() -> None:
                            env=_env(), check=True, capture_output=True, timeout=600)  # fmt: skip
             want = _weights(reference)
             assert want is not None
-            finished = exact = 0
+            finished = exact = hung = 0
             seconds = 0.0
             for run in range(args.runs):
                 out = Path(tmp) / f"{strategy}-{run}"
                 start = time.perf_counter()
-                done = subprocess.run(
-                    [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-                     "--master-port", str(_free_port()), *script, "--strategy", strategy, "--resume-from", "newest",
-                     "--kill-at-step", str(4 + run % 11), "--out", str(out)],
-                    cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+                code, output = _run_torchrun(
+                    [*script, "--strategy", strategy, "--resume-from", "newest", "--kill-at-step", str(4 + run % 11),
+                     "--out", str(out)], args.run_timeout,
                 )  # fmt: skip
                 seconds += time.perf_counter() - start
                 got = _weights(out)
-                if done.returncode == 0 and got is not None:
+                if code == 0 and got is not None:
                     finished += 1
                     exact += all(torch.equal(a, b) for a, b in zip(got, want))
                 else:
-                    print(f"{strategy} run {run} failed:\n{(done.stdout + done.stderr)[-1500:]}", file=sys.stderr)
-            rows.append({"strategy": strategy, "runs": args.runs, "finished": finished, "exact": exact,
+                    hung += code is None
+                    errors = [line for line in output.splitlines() if "Error" in line and "Traceback" not in line]
+                    print(f"{strategy} run {run}: {'hung' if code is None else f'exit {code}'}; "
+                          f"{errors[-1][:300] if errors else output[-300:]}", file=sys.stderr, flush=True)  # fmt: skip
+            rows.append({"strategy": strategy, "runs": args.runs, "finished": finished, "exact": exact, "hung": hung,
                          "seconds_per_run": seconds / args.runs})  # fmt: skip
             print(rows[-1], flush=True)
     lines = [

@@ -36,22 +36,6 @@ def _assert_continues(full: list[dict], resumed: list[dict]) -> None:
         assert 0 < len(b["trained"]) < len(a["trained"]), rank
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Each (strategy, options) trained once without interruption: two epochs, a checkpoint every 3 steps."""
-    runs: dict[tuple, list[dict]] = {}
-
-    def run(strategy: str, *options: str) -> tuple[Path, list[dict]]:
-        out = tmp_path_factory.mktemp(f"full-{strategy}")
-        key = (strategy, *options)
-        if key not in runs:
-            run_script("midepoch", "--strategy", strategy, *options, "--out", str(out), timeout=180)
-            runs[key] = (out, _ranks(out))
-        return runs[key]
-
-    return run
-
-
 # ---------------------------------------------------------------------------------------------------- resume
 @pytest.mark.parametrize(
     "strategy, options, step",
