@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import save
+from tests.helpers.launch import kill_process_tree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -58,7 +58,7 @@ def _run_torchrun(args: list[str], timeout: float) -> tuple[int | None, str]:
     try:
         output = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_process_tree(proc.pid)
         return None, proc.communicate()[0]
     return proc.returncode, output
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -48,7 +49,7 @@ from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
 from lightning_dp.comm.peers import PeerDirectory
-from lightning_dp.comm.rendezvous import JobRecord
+from lightning_dp.comm.rendezvous import JOB_ID_VARIABLE, JobRecord
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, ShardPiece, hyperparameters
 from lightning_dp.comm.sockets import tcp_sockets
 from lightning_dp.comm.stats import CommStats
@@ -244,7 +245,8 @@ def run_store(host: str, port: int, run_key: str, timeout: timedelta, scope: str
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     if scope is None:
         record = JobRecord.read(store, f"{host}:{port}", timeout)
-        record.check(f"{host}:{port}", "this dedicated server")
+        # a server is pointed at host:port by hand, often from another scheduler job: only an explicit job id counts
+        record.check(f"{host}:{port}", "this dedicated server", os.environ.get(JOB_ID_VARIABLE) or None)
         scope = record.scope
     return dist.PrefixStore(f"{scope}/{STORE_PREFIX}/{run_key}", store)
 

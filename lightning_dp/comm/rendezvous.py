@@ -271,14 +271,15 @@ class JobRecord:
             ) from error
         return cls(str(data["job"]), str(data["scope"]), str(data["proof"]))
 
-    def check(self, where: str, joining: str) -> None:
-        """Refuse ``joining`` (e.g. ``"rank 3"``) if it belongs to another job or lacks the job's secret."""
-        claim = external_job_id()
+    def check(self, where: str, joining: str, claim: str | None) -> None:
+        """Refuse ``joining`` (e.g. ``"rank 3"``), which its launcher says belongs to job ``claim`` (``None``: no
+        claim), if it belongs to another job or lacks the job's secret."""
         if claim is not None and claim != self.job_id:
             raise ForeignJobError(
                 f"{joining} belongs to job {claim!r}, but {where} serves job {self.job_id!r}: two jobs use the same "
-                "port (or this is a stray rank of an earlier launch). Give each job its own MASTER_PORT; this rank "
-                "leaves without touching the other job."
+                "port (or this is a stray rank of an earlier launch). Give each job its own MASTER_PORT; this "
+                f"process leaves without touching the other job. (To join job {self.job_id!r} on purpose, set "
+                f"{JOB_ID_VARIABLE}={self.job_id}.)"
             )
         if not hmac.compare_digest(_proof(self.job_id), self.proof):
             holds = "holds a different" if os.environ.get(SECRET_VARIABLE) else "does not hold the"
@@ -304,7 +305,7 @@ def join_job(store: dist.Store, rank: int, node_rank: int, local_rank: int, wher
         store.set(JOB_RECORD_KEY, JobRecord(job_id, scope, _proof(job_id)).dumps())
     else:
         record = JobRecord.read(store, where, timeout)
-        record.check(where, joining)
+        record.check(where, joining, external_job_id())
         scope = f"lightning_dp/{record.job_id}/{restart_attempt()}/{join}"
     if launch is not None:
         key = f"{scope}/launch/{node_rank}"

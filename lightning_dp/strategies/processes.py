@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import subprocess
+import time
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, cast
 
@@ -202,8 +204,29 @@ class ProcessGroupStrategy(DDPStrategy):
         # the accelerator first (it selects the CUDA device NCCL binds to), then the process groups; DDPStrategy's
         # own version would join them before the device is set
         _die_with_launcher()
+        self._wait_for_started_ranks()
         ParallelStrategy.setup_environment(self)
         self.setup_distributed()
+
+    def _wait_for_started_ranks(self) -> None:
+        """In the process that started the node's other ranks (``popen``): before it exits, wait (up to the timeout)
+        for them to finish, since they die with it (what a rank does after ``fit``, e.g. writing its results, must
+        not be cut short by rank 0 finishing first)."""
+        processes = list(getattr(self._launcher, "procs", []))
+        if not processes or self.local_rank != 0:
+            return
+        assert self._timeout is not None
+        seconds = self._timeout.total_seconds()
+
+        def wait() -> None:
+            deadline = time.monotonic() + seconds
+            for process in processes:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    return  # the parent-death signal ends them as this process exits
+
+        atexit.register(wait)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -114,3 +114,26 @@ def run_app(args, cwd, timeout=300, check=True):
     if check:
         assert proc.returncode == 0, out[-6000:]
     return proc.returncode, out
+
+
+def kill_process_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process below it, found by ancestry before any dies (torchrun starts each worker
+    in a session of its own, out of reach of ``killpg``)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [root], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
