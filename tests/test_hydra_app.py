@@ -182,11 +182,13 @@ def test_train_py_runs_a_module_from_lightning_demos(tmp_path):
 
 @pytest.mark.multiprocess
 def test_sweep_runs_each_job_with_its_own_processes(tmp_path):
-    code, out = run_app(["-m", "strategy=sharded_ps,ddp", *QUICK, f"hydra.sweep.dir={tmp_path}/sweep"], cwd=tmp_path)
+    """Two lightning-dp jobs in one sweep: the sweep process is rank 0 of both, each job's other ranks are new."""
+    sweep = ["-m", "strategy=sharded_ps,ring_allreduce,ddp", *QUICK, f"hydra.sweep.dir={tmp_path}/sweep"]
+    code, out = run_app(sweep, cwd=tmp_path)
     jobs = sorted((tmp_path / "sweep").iterdir())
-    assert [j.name for j in jobs if j.is_dir()] == ["0", "1"], out[-3000:]
+    assert [j.name for j in jobs if j.is_dir()] == ["0", "1", "2"], out[-3000:]
     strategies = [json.loads((j / "metrics.json").read_text())["strategy"] for j in jobs if j.is_dir()]
-    assert strategies == ["ShardedParameterServerStrategy", "DDPStrategy"]
+    assert strategies == ["ShardedParameterServerStrategy", "RingAllReduceStrategy", "DDPStrategy"]
     for job in (j for j in jobs if j.is_dir()):
         assert json.loads((job / "metrics.json").read_text())["world_size"] == 2
         assert len(list((job / "logs").glob("version_*"))) == 1

@@ -6,11 +6,11 @@ address (``MASTER_ADDR``) and gloo / NCCL use the one interface that carries tra
 the main address is loopback (every single-node run), the cluster-facing interface otherwise.
 
 Across several hosts NCCL keeps choosing its own interfaces (InfiniBand, several NICs): only gloo is narrowed.
-Every key a job writes lies under a scope of its own, ``lightning_dp/<job id>/<restart>/<join>`` (see
-:func:`job_scope`), so that a restarted attempt, a later job on the same port, or a stray rank of another job
+Every key a job writes lies under a scope of its own, ``lightning_dp/<job id>/<restart>/<launch or join>`` (see
+:func:`join_job`), so that a restarted attempt, a later job on the same port, or a stray rank of another job
 never reads another job's addresses. Rank 0 publishes the job's record (its id and scope, and the proof of the
 optional shared secret) before anything else; every other rank checks it against what its launcher told it
-(:func:`check_job`) and refuses to join another job with :class:`~lightning_dp.comm.errors.ForeignJobError`.
+(:meth:`JobRecord.check`) and refuses to join another job with :class:`~lightning_dp.comm.errors.ForeignJobError`.
 
 The store has no authentication: whoever reaches its port can read its keys. The job checks keep mistakes out
 (stray ranks, two jobs on one port, a restart), not attackers; binding narrowly keeps the store off other
@@ -31,6 +31,8 @@ import signal
 import socket
 import struct
 import sys
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -186,15 +188,17 @@ def init_bound_process_group(
 #: a job id every rank (and dedicated server) of a job is given by whoever starts them (a job script); a rank whose
 #: id differs from rank 0's is refused. Without it torchrun's run id, then SLURM's job id, serve as the job id.
 JOB_ID_VARIABLE = "LIGHTNING_DP_JOB_ID"
-#: ``<pid>:<id>`` of the process that started a node's ranks itself (Lightning's launchers), for those ranks: they
-#: die with that process and join only the job their node's local rank 0 joined with the same launch
+#: ``<pid>:<id>`` of the process that started a node's ranks itself (Lightning's launchers), set only in the
+#: environment of the ranks it starts: they die with that process (``pid`` 0: they cannot, see :func:`new_launch`)
+#: and join only the job their node's local rank 0 joined with the same launch
 LAUNCH_VARIABLE = "LIGHTNING_DP_LAUNCH"
 #: an optional shared secret: only ranks and servers holding the same value join the job
 SECRET_VARIABLE = "LIGHTNING_DP_JOB_SECRET"
 #: where rank 0 publishes the job's record (id, scope, proof of the secret)
 JOB_RECORD_KEY = "lightning_dp/job"
 
-_joins = 0  # rendezvous this process has joined (a Hydra sweep joins once per job in one process)
+_joins = 0  # rendezvous this process has joined without a launch (a Hydra sweep under SLURM joins once per job)
+_launch: str | None = None  # this process's launch (:func:`this_launch`)
 
 
 def external_job_id() -> str | None:
@@ -213,26 +217,52 @@ def restart_attempt() -> str:
 
 
 def new_launch() -> str:
-    """A fresh :data:`LAUNCH_VARIABLE` value for the ranks this process is about to start."""
-    return f"{os.getpid()}:{uuid.uuid4().hex[:16]}"
+    """A fresh :data:`LAUNCH_VARIABLE` value for the ranks this process is about to start, which also becomes this
+    process's own launch. Only a launch from the main thread names its pid: the kernel's parent-death signal fires
+    when the *thread* that started a process ends, which a launch from another thread may outlive."""
+    global _launch
+    pid = os.getpid() if threading.current_thread() is threading.main_thread() else 0
+    _launch = f"{pid}:{uuid.uuid4().hex[:16]}"
+    return _launch
 
 
-def launcher_pid() -> int | None:
-    """The pid of the process that started this one as a rank (:data:`LAUNCH_VARIABLE`), if any."""
-    value = os.environ.get(LAUNCH_VARIABLE)
-    return int(value.split(":", 1)[0]) if value else None
+def this_launch() -> str | None:
+    """The launch this process belongs to: the one it started last (:func:`new_launch`), else the one it was started
+    by (taken out of the environment at the first call, so that no program this process runs inherits it)."""
+    global _launch
+    if _launch is None:
+        _launch = os.environ.pop(LAUNCH_VARIABLE, None) or None
+    return _launch
+
+
+def launcher_pid(launch: str | None = None) -> int | None:
+    """The pid of the process that started ``launch`` (default: this process's), if it named one."""
+    launch = this_launch() if launch is None else launch
+    pid = int(launch.split(":", 1)[0]) if launch else 0
+    return pid or None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def die_with_parent(parent: int) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (even by SIGKILL), and exit at once if the
-    parent ``parent`` (a pid) is gone already. Elsewhere nothing: closed sockets still end a lost peer's waits."""
+    process ``parent`` (a pid: the parent itself, or, under ``forkserver``, the process the fork server serves) is
+    gone already. Elsewhere nothing: closed sockets still end a lost peer's waits."""
     if not sys.platform.startswith("linux"):
         return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # it died before the line above took effect
+    if not _alive(parent):  # it died before the line above took effect
         sys.stderr.write(f"lightning-dp: the process that started this one (pid {parent}) is gone; exiting\n")
         sys.stderr.flush()
         os._exit(1)
@@ -248,14 +278,16 @@ def _proof(job_id: str) -> str:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """What rank 0 publishes: the job id, the scope of every key of this rendezvous, the secret's proof."""
+    """What rank 0 publishes: the job id, the scope of every key of this rendezvous, the secret's proof, and rank
+    0's launch (empty where the cluster started it)."""
 
     job_id: str
     scope: str
     proof: str
+    launch: str = ""
 
     def dumps(self) -> str:
-        return json.dumps({"job": self.job_id, "scope": self.scope, "proof": self.proof})
+        return json.dumps({"job": self.job_id, "scope": self.scope, "proof": self.proof, "launch": self.launch})
 
     @classmethod
     def read(cls, store: dist.Store, where: str, timeout: timedelta) -> JobRecord:
@@ -269,7 +301,26 @@ class JobRecord:
                 f"{timeout.total_seconds():.0f} s ({error}): another program (e.g. a `ddp` job) or a job that "
                 "failed to start holds that port. Check MASTER_ADDR / MASTER_PORT, or pick a free port."
             ) from error
-        return cls(str(data["job"]), str(data["scope"]), str(data["proof"]))
+        return cls(str(data["job"]), str(data["scope"]), str(data["proof"]), str(data.get("launch", "")))
+
+    @classmethod
+    def read_launch(cls, store: dist.Store, where: str, joining: str, launch: str, timeout: timedelta) -> JobRecord:
+        """The record of the job that ``launch`` started, for a rank on rank 0's node: a record of another launch
+        is an earlier job's on this store (a Hydra sweep serves every job from one store) until rank 0 replaces
+        it, unless this rank's launcher is gone, which makes it a stray rank of that earlier launch."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            record = cls.read(store, where, timeout)
+            if record.launch == launch:
+                return record
+            pid = launcher_pid(launch)
+            if (pid is not None and not _alive(pid)) or time.monotonic() > deadline:
+                raise ForeignJobError(
+                    f"{joining} was started by launch {launch!r}, but the job at {where} was started by launch "
+                    f"{record.launch or 'of a cluster'!r}: this is a stray rank of an earlier launch on the same "
+                    "port (its launcher is gone). It leaves without touching the running job."
+                )
+            time.sleep(0.05)
 
     def check(self, where: str, joining: str, claim: str | None) -> None:
         """Refuse ``joining`` (e.g. ``"rank 3"``), which its launcher says belongs to job ``claim`` (``None``: no
@@ -292,21 +343,34 @@ class JobRecord:
 def join_job(store: dist.Store, rank: int, node_rank: int, local_rank: int, where: str, timeout: timedelta) -> str:
     """Agree on the job's scope (see the module docstring) and check this process belongs to it; returns the scope.
 
-    Rank 0 publishes the record; every other rank reads and checks it. Where Lightning's launcher started the
-    node's ranks (:data:`LAUNCH_VARIABLE`), local rank 0 registers its launch under the scope and the other local
+    Rank 0 publishes the record; every other rank reads and checks it. Ranks a cluster started (torchrun, SLURM:
+    every process runs the same program) name the scope themselves from the job id, the restart attempt and how
+    many rendezvous they joined before, so that a record an earlier attempt left in torchrun's store cannot mislead
+    them. Ranks Lightning's launcher started take the scope from the record of their launch (rank 0's node) or from
+    rank 0's record; there, each node's local rank 0 registers its launch under the scope and the node's other
     ranks join only if theirs is the same, so a rank left over from an earlier launch on this port is refused."""
     global _joins
-    join, _joins = _joins, _joins + 1
-    launch = os.environ.get(LAUNCH_VARIABLE)
+    launch = this_launch()
     joining = f"rank {rank}"
+    claim = external_job_id()
+    if launch is None:
+        join, _joins = _joins, _joins + 1
     if rank == 0:
-        job_id = external_job_id() or (launch.split(":", 1)[1] if launch else uuid.uuid4().hex[:16])
-        scope = f"lightning_dp/{job_id}/{restart_attempt()}/{join}"
-        store.set(JOB_RECORD_KEY, JobRecord(job_id, scope, _proof(job_id)).dumps())
+        nonce = launch.split(":", 1)[1] if launch else None
+        job_id = claim or nonce or uuid.uuid4().hex[:16]
+        scope = f"lightning_dp/{job_id}/{restart_attempt()}/{nonce or join}"
+        store.set(JOB_RECORD_KEY, JobRecord(job_id, scope, _proof(job_id), launch or "").dumps())
+        record = None
+    elif launch is not None and node_rank == 0:
+        record = JobRecord.read_launch(store, where, joining, launch, timeout)
     else:
         record = JobRecord.read(store, where, timeout)
-        record.check(where, joining, external_job_id())
-        scope = f"lightning_dp/{record.job_id}/{restart_attempt()}/{join}"
+    if record is not None:
+        record.check(where, joining, claim)
+        if launch is None and claim is not None:  # started by the cluster: never an earlier attempt's scope
+            scope = f"lightning_dp/{claim}/{restart_attempt()}/{join}"
+        else:
+            scope = record.scope
     if launch is not None:
         key = f"{scope}/launch/{node_rank}"
         if local_rank == 0:

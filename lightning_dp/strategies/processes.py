@@ -9,9 +9,12 @@ traffic, and names the lost peer when one of Lightning's collectives fails. It k
 from __future__ import annotations
 
 import atexit
+import multiprocessing.process
 import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, cast
 
@@ -161,9 +164,21 @@ class ProcessGroupStrategy(DDPStrategy):
 
     def _launched_externally(self) -> bool:
         """Whether a cluster (torchrun, SLURM, Ray, MPI) starts the ranks and names their ranks and world size (not
-        Lightning's own launcher, whose environment also says so in the ranks it started)."""
+        Lightning's own launcher, whose environment also says so in the ranks it started; Ray's environment is a
+        subclass of that one and is a cluster's)."""
         env = self.cluster_environment
-        return env is not None and env.creates_processes_externally and not isinstance(env, LightningEnvironment)
+        return env is not None and env.creates_processes_externally and type(env) is not LightningEnvironment
+
+    def _single_host(self) -> bool:
+        """Whether every rank runs on this machine, as far as the launcher says before the groups exist."""
+        if not self._launched_externally():
+            return self.num_nodes == 1
+        for nodes in ("GROUP_WORLD_SIZE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):  # torchrun's, SLURM's node count
+            if os.environ.get(nodes, "").isdigit():
+                return int(os.environ[nodes]) == 1
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        assert self.cluster_environment is not None
+        return local.isdigit() and int(local) == self.cluster_environment.world_size()
 
     @property
     @override
@@ -176,16 +191,17 @@ class ProcessGroupStrategy(DDPStrategy):
         env = self.cluster_environment
         assert env is not None
         if self._launched_externally():
+            # the cluster's rules as `ddp` applies them (SLURM: --ntasks-per-node must equal devices), unless each
+            # process is given the one device it sees (devices="auto" or 1)
+            if self.num_processes > 1:
+                env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             self._check_world_size(env.world_size())
             return
         self._check_world_size(self.num_nodes * self.num_processes)
-        if not env.creates_processes_externally:
-            # this process starts the node's ranks: a fresh launch id for them (a later Trainer gets another)
-            os.environ[LAUNCH_VARIABLE] = new_launch()
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+            self._launcher = _ScriptLauncher(env, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _ProcessLauncher(self, start_method=self._start_method)
 
     def _check_world_size(self, world_size: int) -> None:
         """Validate options against the number of processes (subclasses)."""
@@ -212,7 +228,7 @@ class ProcessGroupStrategy(DDPStrategy):
         """In the process that started the node's other ranks (``popen``): before it exits, wait (up to the timeout)
         for them to finish, since they die with it (what a rank does after ``fit``, e.g. writing its results, must
         not be cut short by rank 0 finishing first)."""
-        processes = list(getattr(self._launcher, "procs", []))
+        processes = [p for p in getattr(self._launcher, "procs", []) if isinstance(p, subprocess.Popen)]
         if not processes or self.local_rank != 0:
             return
         assert self._timeout is not None
@@ -233,7 +249,9 @@ class ProcessGroupStrategy(DDPStrategy):
         """A failing launcher stops the ranks it started at once (instead of leaving them waiting for it)."""
         super().on_exception(exception)
         for process in getattr(self._launcher, "procs", []):
-            if process.poll() is None:
+            if isinstance(process, subprocess.Popen) and process.poll() is None:
+                process.kill()
+            elif isinstance(process, multiprocessing.process.BaseProcess) and process.is_alive():
                 process.kill()
 
     @override
@@ -251,7 +269,7 @@ class ProcessGroupStrategy(DDPStrategy):
         if not _distributed_is_initialized():
             scope = init_bound_process_group(
                 self._process_group_backend, env.main_address, env.main_port, env.global_rank(), env.world_size(),
-                timeout, single_host=self.num_nodes == 1, node_rank=self.node_rank, local_rank=self.local_rank,
+                timeout, single_host=self._single_host(), node_rank=self.node_rank, local_rank=self.local_rank,
             )  # fmt: skip
             _joined_default_group[:] = [(dist.group.WORLD, scope)]
             # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
@@ -347,6 +365,40 @@ _external_groups_told: list[object] = []
 def _own_scope() -> str | None:
     """The job scope of the current default group if this process joined it itself (``None``: another party did)."""
     return next((scope for group, scope in _joined_default_group if group is dist.group.WORLD), None)
+
+
+@contextmanager
+def _launch_variable_for_children() -> Iterator[None]:
+    """While this process starts ranks: a fresh launch (:func:`~lightning_dp.comm.rendezvous.new_launch`) in the
+    environment they inherit, and only theirs (torchrun, srun or Ray runs started later from this process must not
+    see it)."""
+    before = os.environ.get(LAUNCH_VARIABLE)
+    os.environ[LAUNCH_VARIABLE] = new_launch()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LAUNCH_VARIABLE, None)
+        else:
+            os.environ[LAUNCH_VARIABLE] = before
+
+
+class _ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher, handing the ranks it starts their launch."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        with _launch_variable_for_children():
+            super()._call_children_scripts()
+
+
+class _ProcessLauncher(_MultiProcessingLauncher):
+    """Lightning's ``spawn`` / ``fork`` / ``forkserver`` launcher, handing the ranks it starts their launch."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        with _launch_variable_for_children():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 def _die_with_launcher() -> None:
