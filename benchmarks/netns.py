@@ -22,11 +22,24 @@ def host_ns(i: int) -> str:
     return f"{PREFIX}-h{i}"
 
 
+def _remove_leftovers() -> None:
+    """Namespaces and links of an earlier run that was killed before it could clean up (only ours, by name)."""
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(f"{PREFIX}-"):
+            sh("ip", "netns", "del", name, check=False)
+    for line in sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name.startswith((f"{PREFIX}v", f"{PREFIX}s")) and name[len(PREFIX) + 1 :].isdigit():
+            sh("ip", "link", "del", name, check=False)
+
+
 @contextmanager
 def emulated_hosts(n: int, rate_mbit: float, delay_ms: float = 0.0):
     """Create ``n`` hosts joined by a bridge in a switch namespace; every link shaped to ``rate_mbit`` both ways."""
     switch = f"{PREFIX}-sw"
     created = []
+    _remove_leftovers()
     try:
         sh("ip", "netns", "add", switch)
         created.append(switch)

@@ -25,10 +25,23 @@ from lightning_dp import hydra_support
 log = logging.getLogger(__name__)
 
 
-def world_size(cfg: DictConfig) -> int:
+def world_size(cfg: DictConfig) -> int | None:
+    """The number of processes the config asks for (``None`` for ``devices="auto"``: the cluster decides)."""
     devices = cfg.trainer.devices
-    count = len(devices) if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices) else int(devices)
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        count = len(devices)
+    elif isinstance(devices, int) or str(devices).isdigit():
+        count = int(devices)
+    else:
+        return None
     return count * int(cfg.trainer.get("num_nodes", 1))
+
+
+def check_batch_size(global_batch_size: int, ranks: int) -> None:
+    if global_batch_size % ranks:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} must be divisible by the number of processes ({ranks})"
+        )
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -42,11 +55,9 @@ def check_config(cfg: DictConfig) -> None:
                 f"1..{cfg.max_processes_per_cpu * cpus} ({cpus} CPUs x max_processes_per_cpu="
                 f"{cfg.max_processes_per_cpu})"
             )
-    if cfg.global_batch_size % world_size(cfg):
-        raise ValueError(
-            f"global_batch_size={cfg.global_batch_size} must be divisible by the number of processes "
-            f"({world_size(cfg)})"
-        )
+    ranks = world_size(cfg)
+    if ranks is not None:
+        check_batch_size(cfg.global_batch_size, ranks)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -61,17 +72,18 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True)
     strategy = instantiate(cfg.strategy)  # options are validated here, before launching
     model = instantiate(cfg.model)
-    datamodule = None
-    if cfg.get("data") is not None:
-        datamodule = instantiate(cfg.data, batch_size=cfg.global_batch_size // world_size(cfg))
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    if datamodule is None:  # a module with its own data may log no val_loss to monitor
+    if cfg.get("data") is None:  # a module with its own data may log no val_loss to monitor
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.ModelCheckpoint)] + [
             L.pytorch.callbacks.ModelCheckpoint(dirpath=Path(HydraConfig.get().runtime.output_dir) / "checkpoints")
         ]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     trainer = L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy,
                         callbacks=callbacks, logger=logger)  # fmt: skip
+    check_batch_size(cfg.global_batch_size, trainer.world_size)  # known now also where the cluster decides it
+    datamodule = None
+    if cfg.get("data") is not None:
+        datamodule = instantiate(cfg.data, batch_size=cfg.global_batch_size // trainer.world_size)
     if trainer.is_global_zero:
         environment = getattr(trainer.strategy, "cluster_environment", None)
         log.info("%s ranks on %s node(s), started by %s, writing to %s", trainer.world_size, trainer.num_nodes,

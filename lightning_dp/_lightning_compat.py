@@ -17,8 +17,11 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.utilities.data import _update_dataloader
 
 #: the Lightning releases the test suite runs against
 TESTED_LIGHTNING = ("2.6",)
@@ -26,12 +29,15 @@ TESTED_LIGHTNING = ("2.6",)
 __all__ = [
     "TESTED_LIGHTNING",
     "_MultiProcessingLauncher",
+    "_Stateful",
     "_SubprocessScriptLauncher",
     "_destroy_dist_connection",
     "_distributed_is_initialized",
     "_get_default_process_group_backend_for_device",
     "_optimizers_to_device",
+    "_parse_num_batches",
     "_sync_ddp_if_available",
+    "_update_dataloader",
     "after_closure",
     "patch_hydra_subprocess_command",
     "replace_sigterm_notifier",

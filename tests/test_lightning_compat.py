@@ -29,6 +29,13 @@ def test_private_symbols_exist_with_the_signatures_used():
     assert list(inspect.signature(_SignalConnector._sigterm_notifier_fn).parameters) == ["self", "signum", "_"]
     source = inspect.getsource(_SignalConnector.register_signal_handlers)
     assert "self._sigterm_notifier_fn" in source  # read when handlers are registered, after the strategy's set-up
+    # exact mid-epoch resume rebuilds the training loader and silences the loop's resumability warning for it
+    assert list(inspect.signature(compat._update_dataloader).parameters)[:3] == ["dataloader", "sampler", "mode"]
+    assert list(inspect.signature(compat._parse_num_batches).parameters) == ["stage", "length", "limit_batches"]
+    from lightning_dp.strategies.resume import _NOT_RESUMABLE
+
+    reset = inspect.getsource(_TrainingEpochLoop.reset)
+    assert "isinstance(loader, _Stateful)" in reset and _NOT_RESUMABLE in reset
     trainer = lightning.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert trainer._signal_connector.received_sigterm is False and trainer.received_sigterm is False
 

@@ -9,6 +9,7 @@ traffic, and names the lost peer when one of Lightning's collectives fails. It k
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing.process
 import os
 import subprocess
@@ -60,6 +61,8 @@ BACKENDS = ("gloo", "nccl")
 #: how long a rank waits for a peer by default: long enough for a slow checkpoint write on rank 0, short enough
 #: that a dead peer or a cut link ends the run within minutes
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+#: how long a failing launcher lets the ranks it started fail on their own before it kills them
+EXIT_GRACE_SECONDS = 5.0
 
 
 class ProcessGroupStrategy(DDPStrategy):
@@ -246,13 +249,22 @@ class ProcessGroupStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failing launcher stops the ranks it started at once (instead of leaving them waiting for it)."""
+        """A failing launcher stops the ranks it started within seconds (instead of leaving them waiting for it):
+        they get :data:`EXIT_GRACE_SECONDS` to fail on their own and report why (a peer's error is often the same
+        one), then they are killed."""
         super().on_exception(exception)
-        for process in getattr(self._launcher, "procs", []):
-            if isinstance(process, subprocess.Popen) and process.poll() is None:
-                process.kill()
-            elif isinstance(process, multiprocessing.process.BaseProcess) and process.is_alive():
-                process.kill()
+        processes = getattr(self._launcher, "procs", [])
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        for process in processes:
+            if isinstance(process, subprocess.Popen):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                if process.poll() is None:
+                    process.kill()
+            elif isinstance(process, multiprocessing.process.BaseProcess):
+                process.join(max(0.0, deadline - time.monotonic()))
+                if process.is_alive():
+                    process.kill()
 
     @override
     def setup_distributed(self) -> None:

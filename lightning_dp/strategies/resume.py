@@ -9,21 +9,24 @@ the indices of the batches the checkpoint already trained, so the skipped sample
 epoch runs as before.
 
 Not covered (Lightning's warning stays): a sampler or batch sampler of the user's own, an ``IterableDataset``,
-and randomness inside the data pipeline (augmentations in worker processes draw from their own generators).
+and randomness inside the data pipeline (augmentations in worker processes draw from their own generators). A
+loader with its own ``state_dict`` is left to Lightning, which restores it. Several training loaders each skip
+the batches already trained, which is right in the modes that draw one batch from every loader per step, until a
+shorter loader has cycled (then it restarts its epoch, as without resume).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+from lightning_dp._lightning_compat import _parse_num_batches, _Stateful, _update_dataloader
 
 
 class ResumingDistributedSampler(DistributedSampler):
@@ -46,6 +49,7 @@ class ResumingDistributedSampler(DistributedSampler):
         if self.skip and self.epoch == self.resume_epoch:
             indices = indices[self.skip :]
         self.skip = 0  # the next iteration, this epoch again or a later one, is whole
+        _stop_silencing()  # the loop has checked resumability by now
         return iter(indices)
 
 
@@ -70,6 +74,7 @@ def resume_mid_epoch(trainer: pl.Trainer, dataloader: Any) -> Any:
     sampler, batch_sampler = dataloader.sampler, dataloader.batch_sampler
     if (
         done == 0
+        or isinstance(dataloader, _Stateful)  # Lightning restores its position itself
         or isinstance(dataloader.dataset, IterableDataset)
         or type(sampler) is not DistributedSampler
         or type(batch_sampler) is not BatchSampler
@@ -87,10 +92,25 @@ def resume_mid_epoch(trainer: pl.Trainer, dataloader: Any) -> Any:
             f"{done} batches this epoch already trained ({error}); the resumed epoch starts from its beginning"
         )
         return dataloader
-    # Lightning's warning that the loader is not resumable does not apply to this one
-    warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, category=PossibleUserWarning)
+    _silence_not_resumable()
     rank_zero_info(f"resuming mid-epoch: the sampler skips the {done} batches of epoch {epoch} already trained")
     return resumed
 
 
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+_silenced: list[Any] = []  # the warnings filter entry in place while the loop checks the resumed loader
+
+
+def _silence_not_resumable() -> None:
+    """Lightning's warning that the loader is not resumable does not apply to a resumed one: ignore it until the
+    resumed loader's first iteration (the loop checks before it), and no longer."""
+    _stop_silencing()
+    warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, category=PossibleUserWarning)
+    _silenced.append(warnings.filters[0])
+
+
+def _stop_silencing() -> None:
+    while _silenced:
+        entry = _silenced.pop()
+        if entry in warnings.filters:  # an "ignore" entry leaves no trace in the registries: removing it is enough
+            cast(list, warnings.filters).remove(entry)

@@ -1,5 +1,6 @@
 """The rendezvous binds narrowly: the store on the main address only, gloo on the interface towards it."""
 
+import os
 import socket
 
 import pytest
@@ -61,3 +62,28 @@ print("two jobs joined")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "two jobs joined" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.unit
+def test_a_launch_is_handed_only_to_the_ranks_it_starts(monkeypatch):
+    """Lightning's launchers put the launch into the environment of the ranks they start, and nowhere else: a
+    torchrun, srun or Ray run this process starts later must not take it for its own (it names a launcher pid)."""
+    import lightning as L
+
+    from lightning_dp.comm import rendezvous
+    from lightning_dp.strategies.processes import _launch_variable_for_children
+
+    monkeypatch.delenv(rendezvous.LAUNCH_VARIABLE, raising=False)
+    monkeypatch.setattr(rendezvous, "_launch", None)
+    L.Trainer(strategy="ring_allreduce", accelerator="cpu", devices=2, logger=False)  # configures the launcher
+    assert rendezvous.LAUNCH_VARIABLE not in os.environ
+    with _launch_variable_for_children():
+        handed = os.environ[rendezvous.LAUNCH_VARIABLE]
+        assert rendezvous.this_launch() == handed and rendezvous.launcher_pid() == os.getpid()
+    assert rendezvous.LAUNCH_VARIABLE not in os.environ
+    # a rank takes its launch out of the environment at once, so its own children do not inherit it
+    monkeypatch.setattr(rendezvous, "_launch", None)
+    monkeypatch.setenv(rendezvous.LAUNCH_VARIABLE, "12345:abc")
+    assert rendezvous.this_launch() == "12345:abc" and rendezvous.launcher_pid() == 12345
+    assert rendezvous.LAUNCH_VARIABLE not in os.environ
+    monkeypatch.setattr(rendezvous, "_launch", None)

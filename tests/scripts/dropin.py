@@ -11,8 +11,9 @@ Cases (``--cases``, default all):
   bf16        ``precision="bf16-true"``: the buckets are bf16
   syncbn      ``sync_batchnorm=True`` (GPU runs only: SyncBatchNorm needs CUDA); its collectives run in backward
               on the default group while the gradients travel on the strategy's own
-  resume      ``ddp`` saves a checkpoint after 3 steps (``--save-checkpoint``), then every strategy, ``ddp``
-              included, resumes from it (``--resume-from``) and trains 3 more steps
+  resume      ``ddp`` trains 6 steps uninterrupted and saves a checkpoint after step 3 (``--save-checkpoint``),
+              mid-epoch; every strategy resumes from it (``--resume-from``) and trains steps 4 to 6, which must
+              equal ``ddp``'s (``ddp`` itself would replay the epoch's first batches: its resume is not exact)
 
 Each rank saves one record per case (see :class:`Record`).
 """
@@ -194,6 +195,21 @@ class Record(L.Callback):
         torch.save(record, os.path.join(args.out, self.case, f"rank{trainer.global_rank}.pt"))
 
 
+class SaveAfterStep(L.Callback):
+    """Saves a checkpoint after step ``step`` (as ``ModelCheckpoint`` would) and keeps only the later steps' weights
+    in the module's history (what a run resumed from it records)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        del pl_module.history[: self.step]
+
+
 def fit(case, model, callbacks=(), reentrant=False, fit_model=None, ckpt_path=None, **kwargs) -> L.Trainer:
     options = dict(
         strategy=strategy(args.strategy, reentrant), accelerator=ACCELERATOR, devices=2, logger=False,
@@ -239,10 +255,11 @@ def main() -> None:
     if "syncbn" in args.cases and ACCELERATOR == "gpu":
         fit("syncbn", WithBatchNorm(), sync_batchnorm=True)
     if "resume" in args.cases:
-        if args.save_checkpoint:  # ddp: three steps (mid-epoch), then the checkpoint everyone resumes from
-            trainer = fit(None, AdamW(), max_steps=3)
-            trainer.save_checkpoint(args.save_checkpoint)
-        fit("resume", AdamW(), max_steps=6, ckpt_path=args.save_checkpoint or args.resume_from)
+        if args.save_checkpoint:  # ddp: six steps, the checkpoint everyone resumes from after the third
+            model = AdamW()
+            fit("resume", model, callbacks=[SaveAfterStep(3, args.save_checkpoint)], max_steps=6)
+        else:
+            fit("resume", AdamW(), max_steps=6, ckpt_path=args.resume_from)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def test_bf16_true_buckets_are_bf16_and_follow_ddp(runs, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_ddp_checkpoint_resumes_as_ddp_itself_continues(runs, strategy):
-    """``ddp`` wrote the checkpoint after 3 steps (AdamW state in it); every strategy resumes to step 6."""
+    """``ddp`` wrote the checkpoint after step 3 of 6, mid-epoch (AdamW state in it); every strategy resumed from it
+    trains steps 4 to 6 exactly as ``ddp`` did uninterrupted (ddp's own resume would replay the epoch's start)."""
     ranks = assert_follows_ddp(runs, strategy, "resume")
     assert len(ranks[0]["weights"]) == 3
