@@ -238,11 +238,17 @@ class MemberGroup:
             pass
 
 
-def run_store(host: str, port: int, run_key: str, timeout: timedelta, scope: str | None = None) -> dist.Store:
+def run_store(
+    host: str, port: int, run_key: str, timeout: timedelta, scope: str | None = None, publish: bool = False
+) -> dist.Store:
     """A client of the rendezvous store at ``host:port``, narrowed to this run's keys under the job's ``scope``;
     without one, the scope the job's record names, once the record proves this process belongs to the job
-    (:class:`~lightning_dp.comm.rendezvous.JobRecord`; :class:`ForeignJobError` otherwise)."""
+    (:class:`~lightning_dp.comm.rendezvous.JobRecord`; :class:`ForeignJobError` otherwise). ``publish``: first
+    write the record for ``scope`` (trainer 0, where no lightning-dp rendezvous wrote one)."""
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if publish:
+        assert scope is not None
+        JobRecord.publish_for(store, scope)
     if scope is None:
         record = JobRecord.read(store, f"{host}:{port}", timeout)
         # a server is pointed at host:port by hand, often from another scheduler job: only an explicit job id counts

@@ -322,6 +322,13 @@ class JobRecord:
                 )
             time.sleep(0.05)
 
+    @classmethod
+    def publish_for(cls, store: dist.Store, scope: str) -> None:
+        """Publish a record for ``scope`` where the job's default group was created by another party (Ray Train),
+        so that dedicated servers started by hand find the scope and check the job id and secret as usual."""
+        job_id = external_job_id() or "external"
+        store.set(JOB_RECORD_KEY, cls(job_id, scope, _proof(job_id)).dumps())
+
     def check(self, where: str, joining: str, claim: str | None) -> None:
         """Refuse ``joining`` (e.g. ``"rank 3"``), which its launcher says belongs to job ``claim`` (``None``: no
         claim), if it belongs to another job or lacks the job's secret."""

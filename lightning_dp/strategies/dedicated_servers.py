@@ -106,7 +106,9 @@ class DedicatedServers:
         if self.is_trainer_zero and s.start_servers:
             self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
                                                  s._timeout.total_seconds(), scope)  # fmt: skip
-        store = run_store(env.main_address, env.main_port, self.run_key, s._timeout, scope=scope)
+        # where another party created the default group no record names the scope: servers started by hand need one
+        publish = s.job_scope is None and self.is_trainer_zero and not s.start_servers
+        store = run_store(env.main_address, env.main_port, self.run_key, s._timeout, scope=scope, publish=publish)
         if self.is_trainer_zero:
             store.set("num_trainers", str(n))
             store.set("num_servers", str(k))

@@ -87,3 +87,26 @@ def test_a_launch_is_handed_only_to_the_ranks_it_starts(monkeypatch):
     assert rendezvous.this_launch() == "12345:abc" and rendezvous.launcher_pid() == 12345
     assert rendezvous.LAUNCH_VARIABLE not in os.environ
     monkeypatch.setattr(rendezvous, "_launch", None)
+
+
+@pytest.mark.unit
+def test_a_record_published_for_a_group_ray_created_lets_hand_started_servers_join(monkeypatch):
+    """Where Ray created the default group no rendezvous of ours wrote a record: trainer 0 publishes one for the
+    servers' scope, and a server pointed at the port finds it (and its secret check) as under any launcher."""
+    from datetime import timedelta
+
+    from lightning_dp.comm.dedicated import run_store
+    from lightning_dp.comm.errors import ForeignJobError
+    from tests.helpers.distributed import free_port
+
+    monkeypatch.setenv("LIGHTNING_DP_JOB_SECRET", "s3")
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    trainer = run_store("127.0.0.1", port, "0", timedelta(seconds=5), scope="lightning_dp/external", publish=True)
+    trainer.set("plan", "p")
+    joined = run_store("127.0.0.1", port, "0", timedelta(seconds=5))
+    assert joined.get("plan") == b"p"
+    monkeypatch.setenv("LIGHTNING_DP_JOB_SECRET", "other")
+    with pytest.raises(ForeignJobError, match="shared secret"):
+        run_store("127.0.0.1", port, "0", timedelta(seconds=5))
+    del server
