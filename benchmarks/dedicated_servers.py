@@ -62,7 +62,8 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(max(1, round(size_mb / bucket_mb)))]
     buckets = [GradientBucket(i, [p]) for i, p in enumerate(params)]
     optimizer = torch.optim.SGD(params, lr=0.0)
-    runs = run_store(main, port, "0", timeout)
+    # trainer 0 publishes the job's record, as a strategy's rendezvous does: the servers find the scope in it
+    runs = run_store(main, port, "0", timeout, scope="lightning_dp/benchmark", publish=rank == 0)
     if rank == 0:
         runs.set("num_trainers", str(n))
         runs.set("num_servers", str(k))
