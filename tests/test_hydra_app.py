@@ -196,6 +196,16 @@ def test_sweep_runs_each_job_with_its_own_processes(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_sweep_over_dedicated_server_counts_runs_every_job(tmp_path):
+    """The sweep process starts servers for each job; the job's other ranks, new processes, find the same run."""
+    sweep = ["-m", "strategy=parameter_server", "strategy.num_servers=1,2", *QUICK, f"hydra.sweep.dir={tmp_path}/s"]
+    code, out = run_app(sweep, cwd=tmp_path, timeout=400)
+    assert code == 0, out[-3000:]
+    for job in ("0", "1"):
+        assert json.loads((tmp_path / "s" / job / "metrics.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -34,8 +34,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch.distributed as dist
 
@@ -196,9 +198,12 @@ LAUNCH_VARIABLE = "LIGHTNING_DP_LAUNCH"
 SECRET_VARIABLE = "LIGHTNING_DP_JOB_SECRET"
 #: where rank 0 publishes the job's record (id, scope, proof of the secret)
 JOB_RECORD_KEY = "lightning_dp/job"
+#: where each node's launcher publishes, under its launch, the scope it joined (for the ranks it started)
+LAUNCHES_KEY = "lightning_dp/launches"
 
 _joins = 0  # rendezvous this process has joined without a launch (a Hydra sweep under SLURM joins once per job)
 _launch: str | None = None  # this process's launch (:func:`this_launch`)
+_joined_scopes: set[str] = set()  # every scope this process has joined
 
 
 def external_job_id() -> str | None:
@@ -227,12 +232,21 @@ def new_launch() -> str:
 
 
 def this_launch() -> str | None:
-    """The launch this process belongs to: the one it started last (:func:`new_launch`), else the one it was started
-    by (taken out of the environment at the first call, so that no program this process runs inherits it)."""
+    """The launch this process belongs to: the one it started last (:func:`new_launch`) or was given
+    (:func:`set_launch`), else the one its environment names (taken out of the environment, so that no program
+    this process runs later inherits it)."""
     global _launch
+    handed = os.environ.pop(LAUNCH_VARIABLE, None) or None
     if _launch is None:
-        _launch = os.environ.pop(LAUNCH_VARIABLE, None) or None
+        _launch = handed
     return _launch
+
+
+def set_launch(launch: str | None) -> None:
+    """Make ``launch`` this process's launch (a rank a multiprocessing launcher started is handed it directly)."""
+    global _launch
+    os.environ.pop(LAUNCH_VARIABLE, None)
+    _launch = launch
 
 
 def launcher_pid(launch: str | None = None) -> int | None:
@@ -243,13 +257,18 @@ def launcher_pid(launch: str | None = None) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc: the signal test is all there is
+        return True
 
 
 def die_with_parent(parent: int) -> None:
@@ -262,7 +281,7 @@ def die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if not _alive(parent):  # it died before the line above took effect
+    if os.getppid() != parent and not _alive(parent):  # it died before the line above took effect
         sys.stderr.write(f"lightning-dp: the process that started this one (pid {parent}) is gone; exiting\n")
         sys.stderr.flush()
         os._exit(1)
@@ -290,37 +309,34 @@ class JobRecord:
         return json.dumps({"job": self.job_id, "scope": self.scope, "proof": self.proof, "launch": self.launch})
 
     @classmethod
-    def read(cls, store: dist.Store, where: str, timeout: timedelta) -> JobRecord:
-        """Wait up to ``timeout`` for the record of the job served at ``where``; a clear error if none comes."""
+    def read(
+        cls, store: dist.Store, where: str, timeout: timedelta, fresh: Callable[[JobRecord], bool] | None = None
+    ) -> JobRecord:
+        """Wait up to ``timeout`` for the record of the job served at ``where`` (one ``fresh`` accepts: an earlier
+        job's record stays in a store that outlives it until rank 0 replaces it); a clear error if none comes."""
+        deadline = time.monotonic() + timeout.total_seconds()
         try:
             store.wait([JOB_RECORD_KEY], timeout)
-            data = json.loads(store.get(JOB_RECORD_KEY))
+            while True:
+                data = json.loads(store.get(JOB_RECORD_KEY))
+                record = cls(str(data["job"]), str(data["scope"]), str(data["proof"]), str(data.get("launch", "")))
+                if fresh is None or fresh(record):
+                    return record
+                if time.monotonic() > deadline:
+                    raise ForeignJobError(
+                        f"the job at {where} has not published a record for this process within "
+                        f"{timeout.total_seconds():.0f} s: the record there (job {record.job_id!r}) is an earlier "
+                        "job's. Is rank 0 of this job running, with the same MASTER_ADDR / MASTER_PORT?"
+                    )
+                time.sleep(0.05)
         except (RuntimeError, ValueError) as error:  # torch raises DistStoreError (a RuntimeError) on timeout
+            if isinstance(error, ForeignJobError):
+                raise
             raise ForeignJobError(
                 f"the rendezvous at {where} answered but no lightning-dp job published itself there within "
                 f"{timeout.total_seconds():.0f} s ({error}): another program (e.g. a `ddp` job) or a job that "
                 "failed to start holds that port. Check MASTER_ADDR / MASTER_PORT, or pick a free port."
             ) from error
-        return cls(str(data["job"]), str(data["scope"]), str(data["proof"]), str(data.get("launch", "")))
-
-    @classmethod
-    def read_launch(cls, store: dist.Store, where: str, joining: str, launch: str, timeout: timedelta) -> JobRecord:
-        """The record of the job that ``launch`` started, for a rank on rank 0's node: a record of another launch
-        is an earlier job's on this store (a Hydra sweep serves every job from one store) until rank 0 replaces
-        it, unless this rank's launcher is gone, which makes it a stray rank of that earlier launch."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while True:
-            record = cls.read(store, where, timeout)
-            if record.launch == launch:
-                return record
-            pid = launcher_pid(launch)
-            if (pid is not None and not _alive(pid)) or time.monotonic() > deadline:
-                raise ForeignJobError(
-                    f"{joining} was started by launch {launch!r}, but the job at {where} was started by launch "
-                    f"{record.launch or 'of a cluster'!r}: this is a stray rank of an earlier launch on the same "
-                    "port (its launcher is gone). It leaves without touching the running job."
-                )
-            time.sleep(0.05)
 
     @classmethod
     def publish_for(cls, store: dist.Store, scope: str) -> None:
@@ -347,19 +363,47 @@ class JobRecord:
             )
 
 
+def _stray(joining: str, launch: str, where: str) -> ForeignJobError:
+    return ForeignJobError(
+        f"{joining} was started by launch {launch!r}, whose launcher is gone: this is a stray rank of an earlier "
+        f"launch dialing {where}. It leaves without touching the job there."
+    )
+
+
+def _launch_scope(store: dist.Store, launch: str, where: str, joining: str, timeout: timedelta) -> str:
+    """The scope the node's launcher (local rank 0) joined with ``launch``, once it has."""
+    key = f"{LAUNCHES_KEY}/{launch}"
+    pid = launcher_pid(launch)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([key]):
+        if pid is not None and not _alive(pid):
+            raise _stray(joining, launch, where)
+        if time.monotonic() > deadline:
+            raise ForeignJobError(
+                f"{joining} waited {timeout.total_seconds():.0f} s at {where} for the rank that started it (launch "
+                f"{launch!r}) to join the job: is that rank's MASTER_ADDR / MASTER_PORT the same?"
+            )
+        time.sleep(0.05)
+    return store.get(key).decode()
+
+
 def join_job(store: dist.Store, rank: int, node_rank: int, local_rank: int, where: str, timeout: timedelta) -> str:
     """Agree on the job's scope (see the module docstring) and check this process belongs to it; returns the scope.
 
-    Rank 0 publishes the record; every other rank reads and checks it. Ranks a cluster started (torchrun, SLURM:
-    every process runs the same program) name the scope themselves from the job id, the restart attempt and how
-    many rendezvous they joined before, so that a record an earlier attempt left in torchrun's store cannot mislead
-    them. Ranks Lightning's launcher started take the scope from the record of their launch (rank 0's node) or from
-    rank 0's record; there, each node's local rank 0 registers its launch under the scope and the node's other
-    ranks join only if theirs is the same, so a rank left over from an earlier launch on this port is refused."""
+    Rank 0 publishes the record; the others check it. Ranks a cluster started (torchrun, SLURM: every process runs
+    the same program) name the scope themselves from the job id, the restart attempt and how many rendezvous they
+    joined before, so that a record an earlier attempt left in torchrun's store cannot mislead them. Where
+    Lightning's launcher started a node's ranks, its local rank 0 (the launcher) joins as above, waiting for a
+    record it has not joined before (a store that outlives a job, as in a Hydra sweep, still holds the last
+    job's), and publishes the scope under its launch; the node's other ranks take it from there. A rank whose
+    launcher is gone is a stray of an earlier launch and is refused at once."""
     global _joins
     launch = this_launch()
     joining = f"rank {rank}"
     claim = external_job_id()
+    pid = launcher_pid(launch) if launch else None
+    if pid is not None and pid != os.getpid() and not _alive(pid):
+        raise _stray(joining, cast(str, launch), where)
     if launch is None:
         join, _joins = _joins, _joins + 1
     if rank == 0:
@@ -367,28 +411,28 @@ def join_job(store: dist.Store, rank: int, node_rank: int, local_rank: int, wher
         job_id = claim or nonce or uuid.uuid4().hex[:16]
         scope = f"lightning_dp/{job_id}/{restart_attempt()}/{nonce or join}"
         store.set(JOB_RECORD_KEY, JobRecord(job_id, scope, _proof(job_id), launch or "").dumps())
-        record = None
-    elif launch is not None and node_rank == 0:
-        record = JobRecord.read_launch(store, where, joining, launch, timeout)
+    elif launch is not None and local_rank != 0:
+        scope = _launch_scope(store, launch, where, joining, timeout)
     else:
-        record = JobRecord.read(store, where, timeout)
-    if record is not None:
+        fresh: Callable[[JobRecord], bool] | None = None
+        if launch is not None:
+            fresh = lambda record: record.scope not in _joined_scopes  # noqa: E731
+        elif claim is None:  # no job id to tell jobs apart: the record of the same rendezvous count
+            fresh = lambda record: record.scope.endswith(f"/{restart_attempt()}/{join}")  # noqa: E731
+        record = JobRecord.read(store, where, timeout, fresh)
         record.check(where, joining, claim)
         if launch is None and claim is not None:  # started by the cluster: never an earlier attempt's scope
             scope = f"lightning_dp/{claim}/{restart_attempt()}/{join}"
         else:
             scope = record.scope
-    if launch is not None:
-        key = f"{scope}/launch/{node_rank}"
-        if local_rank == 0:
-            held = store.compare_set(key, "", launch).decode()
-        else:
-            store.wait([key], timeout)
-            held = store.get(key).decode()
+    if launch is not None and local_rank == 0:
+        held = store.compare_set(f"{scope}/launch/{node_rank}", "", launch).decode()
         if held != launch:
             raise ForeignJobError(
-                f"{joining} was started by launch {launch!r}, but node {node_rank} of the job at {where} belongs to "
-                f"launch {held!r}: this is a stray rank of an earlier launch on the same port (its launcher is gone). "
-                "It leaves without touching the running job."
+                f"{joining} was started as node {node_rank} of the job at {where}, but launch {held!r} holds that "
+                "node already: two launches claim one node (check NODE_RANK on every machine). It leaves without "
+                "touching the job."
             )
+        store.set(f"{LAUNCHES_KEY}/{launch}", scope)
+    _joined_scopes.add(scope)
     return scope

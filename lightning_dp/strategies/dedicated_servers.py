@@ -389,12 +389,12 @@ class DedicatedServers:
 EXTERNAL_SCOPE = "lightning_dp/external"
 
 
-def next_run_key() -> str:
-    """A key for this process's next fit with dedicated servers (``0`` for the first, as the CLI expects)."""
-    global _FITS
-    key = str(_FITS)
-    _FITS += 1
-    return key
+def next_run_key(scope: str | None) -> str:
+    """A key for the next fit with dedicated servers in the job ``scope`` (``0`` for the first, as the CLI
+    expects): counted per job, so that the ranks of a sweep's later job, new processes, agree with the sweep's own."""
+    key = _FITS.get(scope, 0)
+    _FITS[scope] = key + 1
+    return str(key)
 
 
-_FITS = 0
+_FITS: dict[str | None, int] = {}

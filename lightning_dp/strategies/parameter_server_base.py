@@ -286,7 +286,7 @@ class ParameterServerBase(DataParallelStrategy):
         """Buckets as usual, travelling to the dedicated servers (see :mod:`.dedicated_servers`)."""
         self._close_gradient_sync()
         assert self.model is not None
-        self._dedicated = DedicatedServers(self, next_run_key())
+        self._dedicated = DedicatedServers(self, next_run_key(self.job_scope))
         self._dedicated.check_optimizers([unwrap_optimizer(o) for o in self.optimizers])
         self.reducer = BucketReducer(
             self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,

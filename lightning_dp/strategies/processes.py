@@ -23,7 +23,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
@@ -51,10 +50,12 @@ from lightning_dp.comm.rendezvous import (
     init_bound_process_group,
     launcher_pid,
     new_launch,
+    set_launch,
+    this_launch,
 )
 from lightning_dp.comm.shm import NodeLayout
 from lightning_dp.strategies.options import check_choice, check_timeout
-from lightning_dp.strategies.resume import resume_mid_epoch
+from lightning_dp.strategies.resume import resume_mid_epoch, stop_silencing
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
@@ -167,10 +168,9 @@ class ProcessGroupStrategy(DDPStrategy):
 
     def _launched_externally(self) -> bool:
         """Whether a cluster (torchrun, SLURM, Ray, MPI) starts the ranks and names their ranks and world size (not
-        Lightning's own launcher, whose environment also says so in the ranks it started; Ray's environment is a
-        subclass of that one and is a cluster's)."""
+        Lightning's own launcher, whose environment also says so in the ranks it started: those hold its launch)."""
         env = self.cluster_environment
-        return env is not None and env.creates_processes_externally and type(env) is not LightningEnvironment
+        return env is not None and env.creates_processes_externally and this_launch() is None
 
     def _single_host(self) -> bool:
         """Whether every rank runs on this machine, as far as the launcher says before the groups exist."""
@@ -194,8 +194,9 @@ class ProcessGroupStrategy(DDPStrategy):
         env = self.cluster_environment
         assert env is not None
         if self._launched_externally():
-            # the cluster's rules as `ddp` applies them (SLURM: --ntasks-per-node must equal devices), unless each
-            # process is given the one device it sees (devices="auto" or 1)
+            # the cluster's rules as `ddp` applies them (SLURM: --ntasks-per-node must equal devices, torchrun:
+            # devices x num_nodes the world size), unless one device is given (each rank then uses it: Ray's
+            # workers with devices="auto", CPU ranks)
             if self.num_processes > 1:
                 env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             self._check_world_size(env.world_size())
@@ -307,6 +308,11 @@ class ProcessGroupStrategy(DDPStrategy):
         self._check_world_size(self.world_size)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        stop_silencing()  # the loop has checked whether the resumed loader resumes by now
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """A run resumed mid-epoch continues with the batches it had not trained yet (see :mod:`.resume`)."""
         module = self.lightning_module
@@ -396,7 +402,7 @@ def _launch_variable_for_children() -> Iterator[None]:
 
 
 class _ScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, handing the ranks it starts their launch."""
+    """Lightning's ``popen`` launcher, handing the ranks it starts their launch (this process, rank 0, keeps it)."""
 
     @override
     def _call_children_scripts(self) -> None:
@@ -405,12 +411,24 @@ class _ScriptLauncher(_SubprocessScriptLauncher):
 
 
 class _ProcessLauncher(_MultiProcessingLauncher):
-    """Lightning's ``spawn`` / ``fork`` / ``forkserver`` launcher, handing the ranks it starts their launch."""
+    """Lightning's ``spawn`` / ``fork`` / ``forkserver`` launcher, handing the ranks it starts their launch: as an
+    attribute of the launcher they receive, not through the environment (a fork server keeps the environment it
+    started with)."""
+
+    launch_of_ranks: str | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        with _launch_variable_for_children():
+        self.launch_of_ranks = new_launch()
+        try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            set_launch(None)  # this process is not a rank of it
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        set_launch(self.launch_of_ranks)
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
 
 def _die_with_launcher() -> None:

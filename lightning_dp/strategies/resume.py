@@ -49,7 +49,6 @@ class ResumingDistributedSampler(DistributedSampler):
         if self.skip and self.epoch == self.resume_epoch:
             indices = indices[self.skip :]
         self.skip = 0  # the next iteration, this epoch again or a later one, is whole
-        _stop_silencing()  # the loop has checked resumability by now
         return iter(indices)
 
 
@@ -103,13 +102,14 @@ _silenced: list[Any] = []  # the warnings filter entry in place while the loop c
 
 def _silence_not_resumable() -> None:
     """Lightning's warning that the loader is not resumable does not apply to a resumed one: ignore it until the
-    resumed loader's first iteration (the loop checks before it), and no longer."""
-    _stop_silencing()
+    first training batch starts (the loop checks before it; :func:`stop_silencing`), and no longer."""
+    stop_silencing()
     warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, category=PossibleUserWarning)
     _silenced.append(warnings.filters[0])
 
 
-def _stop_silencing() -> None:
+def stop_silencing() -> None:
+    """End what :func:`_silence_not_resumable` began (the strategy calls it as each training batch starts)."""
     while _silenced:
         entry = _silenced.pop()
         if entry in warnings.filters:  # an "ignore" entry leaves no trace in the registries: removing it is enough
