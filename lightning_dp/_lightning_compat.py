@@ -10,10 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -28,6 +30,7 @@ TESTED_LIGHTNING = ("2.6",)
 
 __all__ = [
     "TESTED_LIGHTNING",
+    "_ChildProcessObserver",
     "_MultiProcessingLauncher",
     "_Stateful",
     "_SubprocessScriptLauncher",
@@ -36,6 +39,7 @@ __all__ = [
     "_get_default_process_group_backend_for_device",
     "_optimizers_to_device",
     "_parse_num_batches",
+    "_set_num_threads_if_needed",
     "_sync_ddp_if_available",
     "_update_dataloader",
     "after_closure",

@@ -35,10 +35,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import (
+    _ChildProcessObserver,
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _MultiProcessingLauncher,
+    _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
@@ -402,12 +404,36 @@ def _launch_variable_for_children() -> Iterator[None]:
 
 
 class _ScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, handing the ranks it starts their launch (this process, rank 0, keeps it)."""
+    """Lightning's ``popen`` launcher, handing the ranks it starts their launch (this process, rank 0, keeps it),
+    with an observer that lets the surviving ranks report why they fail before it kills them."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _GracefulObserver(main_pid=os.getpid(), child_processes=self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
     @override
     def _call_children_scripts(self) -> None:
         with _launch_variable_for_children():
             super()._call_children_scripts()
+
+
+class _GracefulObserver(_ChildProcessObserver):
+    """Lightning's observer of the ranks rank 0 started: when one dies, the others (rank 0 included) get
+    :data:`EXIT_GRACE_SECONDS` to fail on their own and say which peer they lost, then all are killed."""
+
+    @override
+    def _terminate_all(self) -> None:
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        for process in self._child_processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
+        time.sleep(max(0.0, deadline - time.monotonic()))  # rank 0, this process, reports meanwhile
+        super()._terminate_all()
 
 
 class _ProcessLauncher(_MultiProcessingLauncher):
