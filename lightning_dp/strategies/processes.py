@@ -238,17 +238,8 @@ class ProcessGroupStrategy(DDPStrategy):
         if not processes or self.local_rank != 0:
             return
         assert self._timeout is not None
-        seconds = self._timeout.total_seconds()
-
-        def wait() -> None:
-            deadline = time.monotonic() + seconds
-            for process in processes:
-                try:
-                    process.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    return  # the parent-death signal ends them as this process exits
-
-        atexit.register(wait)
+        # those still running after it are ended by the parent-death signal as this process exits
+        atexit.register(_wait_for_exit, processes, self._timeout.total_seconds())
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -257,17 +248,10 @@ class ProcessGroupStrategy(DDPStrategy):
         one), then they are killed."""
         super().on_exception(exception)
         processes = getattr(self._launcher, "procs", [])
-        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        _wait_for_exit(processes, EXIT_GRACE_SECONDS)
         for process in processes:
-            if isinstance(process, subprocess.Popen):
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(max(0.0, deadline - time.monotonic()))
-                if process.poll() is None:
-                    process.kill()
-            elif isinstance(process, multiprocessing.process.BaseProcess):
-                process.join(max(0.0, deadline - time.monotonic()))
-                if process.is_alive():
-                    process.kill()
+            if process.poll() is None if isinstance(process, subprocess.Popen) else process.is_alive():
+                process.kill()
 
     @override
     def setup_distributed(self) -> None:
@@ -387,6 +371,19 @@ def _own_scope() -> str | None:
     return next((scope for group, scope in _joined_default_group if group is dist.group.WORLD), None)
 
 
+def _wait_for_exit(processes: list[Any], seconds: float) -> None:
+    """Wait until each of ``processes`` (``subprocess.Popen`` or ``multiprocessing`` processes) has exited, for
+    ``seconds`` at most in all."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        left = max(0.0, deadline - time.monotonic())
+        if isinstance(process, subprocess.Popen):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(left)
+        elif isinstance(process, multiprocessing.process.BaseProcess):
+            process.join(left)
+
+
 @contextmanager
 def _launch_variable_for_children() -> Iterator[None]:
     """While this process starts ranks: a fresh launch (:func:`~lightning_dp.comm.rendezvous.new_launch`) in the
@@ -429,9 +426,7 @@ class _GracefulObserver(_ChildProcessObserver):
     @override
     def _terminate_all(self) -> None:
         deadline = time.monotonic() + EXIT_GRACE_SECONDS
-        for process in self._child_processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(max(0.0, deadline - time.monotonic()))
+        _wait_for_exit(self._child_processes, EXIT_GRACE_SECONDS)
         time.sleep(max(0.0, deadline - time.monotonic()))  # rank 0, this process, reports meanwhile
         super()._terminate_all()
 
