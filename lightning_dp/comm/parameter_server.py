@@ -13,6 +13,10 @@ Sharded servers (rank ``i`` serves shard ``i`` of every buffer):
   serves. Every rank sends and receives about ``(N - 1) / N S`` bytes.
 - :func:`pull_shards`: each rank sends the segment it serves to every other rank. Again ``(N - 1) / N S``.
 
+Each exchange is one message round (every message of a rank is posted at once), so a step of a parameter server
+pays the network's latency a few times, not ``2 (N - 1)`` times as a ring does. :func:`sum_everywhere` sums a few
+values on every rank in one round (votes, used-flags).
+
 The sums run in rank order on the serving rank, and the result is then copied, so every rank ends with the
 same bits.
 
@@ -159,18 +163,47 @@ def pull_weights(
             stats.add(received=_nbytes(incoming))
 
 
+def _everywhere_ops(tensor: torch.Tensor, rank: int, size: int, tag: int) -> tuple[list, dict[int, torch.Tensor]]:
+    """The sends and receives of a direct exchange of ``tensor`` with every peer, and the receive buffers."""
+    incoming = {peer: torch.empty_like(tensor) for peer in range(size) if peer != rank}
+    ops = [("recv", incoming[p], p, tag) for p in sorted(incoming)]
+    ops += [("send", tensor, p, tag) for p in range(size) if p != rank]
+    return ops, incoming
+
+
+def sum_everywhere(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, stats: CommStats | None = None
+) -> torch.Tensor:
+    """``tensor`` (1-D, small) becomes the sum over all ranks, on every rank, in one message round: each rank sends
+    it to every peer and adds what arrives in rank order (the same bits everywhere). Each rank sends and receives
+    ``(N - 1) S`` bytes: meant for a few values (a vote, used-flags), where a ring's ``2 (N - 1)`` rounds of latency
+    would cost more than the bytes."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1 or tensor.numel() == 0:
+        return tensor
+    ops, incoming = _everywhere_ops(tensor, rank, size, tag=1)
+    actions = ["receive a vote from" if kind == "recv" else "send a vote to" for kind, *_ in ops]
+    _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
+    _sum_in_rank_order((tensor if p == rank else incoming[p] for p in range(size)), tensor)
+    if stats is not None:
+        stats.add(sent=_nbytes(tensor) * (size - 1), received=_nbytes(tensor) * (size - 1))
+    return tensor
+
+
 def push_shards(
     buffer: torch.Tensor,
     segments: Sequence[Segment],
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     wire: torch.dtype | None = None,
+    everywhere: torch.Tensor | None = None,
 ) -> None:
     """Sharded fan-in: ``buffer[segments[i]]`` goes to rank ``i``; this rank's own segment ends up averaged (with
     ``wire``: summed, see the module docstring).
 
     ``segments`` has one ``(start, end)`` per group rank, the same on every rank. Other segments of ``buffer`` are
-    left as they were.
+    left as they were. ``everywhere`` (optional, small, e.g. used-flags) travels in the same message round to every
+    peer and becomes the sum over all ranks on every rank (as :func:`sum_everywhere`).
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
@@ -181,6 +214,11 @@ def push_shards(
     ops = [("recv", scratch[p], p, 0) for p in sorted(scratch)]
     ops += [("send", _on_wire(buffer[s:e], wire), p, 0) for p, (s, e) in enumerate(segments) if p != rank]
     actions = ["receive a gradient shard from" if kind == "recv" else "push a gradient shard to" for kind, *_ in ops]
+    flags: dict[int, torch.Tensor] = {}
+    if everywhere is not None and everywhere.numel():
+        flag_ops, flags = _everywhere_ops(everywhere, rank, size, tag=2)
+        ops += flag_ops
+        actions += ["receive used-flags from" if kind == "recv" else "send used-flags to" for kind, *_ in flag_ops]
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
     element = torch.empty((), dtype=dtype).element_size()
     sent = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * element
@@ -188,6 +226,11 @@ def push_shards(
         _combine([mine if peer == rank else scratch[peer] for peer in range(size)], size, mine, wire)
     if stats is not None:
         stats.add(sent=sent, received=mine.numel() * element * (size - 1))
+    if flags:
+        assert everywhere is not None
+        _sum_in_rank_order((everywhere if p == rank else flags[p] for p in range(size)), everywhere)
+        if stats is not None:
+            stats.add(sent=_nbytes(everywhere) * (size - 1), received=_nbytes(everywhere) * (size - 1))
 
 
 def pull_shards(

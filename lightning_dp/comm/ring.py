@@ -236,7 +236,10 @@ def ring_allreduce(
 
 
 def any_rank(flag: bool, ring: Ring, device: torch.device | str = "cpu") -> bool:
-    """Whether ``flag`` is true on any rank of the ring's group (collective: every rank calls it)."""
+    """Whether ``flag`` is true on any rank of the ring's group (collective: every rank calls it). One message
+    round: the votes go straight to every peer, not around the ring (``2 (N - 1)`` rounds of latency)."""
+    from lightning_dp.comm.parameter_server import sum_everywhere  # it builds on this module
+
     vote = torch.tensor([1.0 if flag else 0.0], device=device)
-    ring_allreduce(vote, op="sum", ring=ring)
+    sum_everywhere(vote, ring.group)
     return bool(vote.item() > 0)

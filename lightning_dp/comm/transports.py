@@ -143,8 +143,9 @@ class CentralServerTransport(Transport):
 class ShardedServerTransport(Transport):
     """N servers, one per rank: the buckets laid end to end are cut into N shards of equal bytes (element
     granularity, so one huge tensor cannot unbalance them) and rank ``i`` owns shard ``i``. :meth:`reduce` pushes
-    each shard to its owner, which averages it, and sums the used-flags everywhere (one small all-reduce of P
-    flags); :meth:`share` sends every owner's shard to all. Each moves ``(N - 1) / N S`` bytes each way."""
+    each shard to its owner, which averages it, and sums the used-flags everywhere (the P flags travel to every
+    peer in the push's own message round); :meth:`share` sends every owner's shard to all. Each
+    moves ``(N - 1) / N S`` bytes each way (plus ``(N - 1)`` times the flags); one message round per exchange."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         super().__init__(group, stats)
@@ -155,8 +156,8 @@ class ShardedServerTransport(Transport):
         self.segments = byte_balanced_shards(buckets, self.size)
 
     def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
-        push_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats, wire)
-        ring_allreduce(bucket.flags, op="sum", stats=self.stats, ring=self.ring)
+        gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
+        push_shards(gradients, segments, self.group, self.stats, wire, everywhere=bucket.flags)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         start, end = self.segments[bucket.index][self.rank]
