@@ -154,7 +154,7 @@ def measure(
                     p.kill()
         if any(p.returncode for p in procs):
             raise RuntimeError(f"n={n} k={k}: a process failed: exit codes {[p.returncode for p in procs]}")
-    from lightning_dp.comm.dedicated import communication_time
+    from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_time
 
     measured = json.loads(out.read_text())
     s, b = size_mb * 2**20, rate_mbit * 1e6 / 8

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import save
-from lightning_dp.comm.dedicated import communication_time
+from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_time
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -36,6 +36,7 @@ _STRATEGY_EXPORTS = (
 
 __all__ = [
     *_STRATEGY_EXPORTS,
+    "CommMonitor",
     "ConfigurationError",
     "LightningDPError",
     "NonFiniteGradientError",
@@ -52,6 +53,10 @@ def __getattr__(name: str) -> Any:
         from lightning_dp import strategies
 
         return getattr(strategies, name)
+    if name == "CommMonitor":
+        from lightning_dp.monitor import CommMonitor
+
+        return CommMonitor
     raise AttributeError(f"module 'lightning_dp' has no attribute {name!r}")
 
 

@@ -9,10 +9,10 @@ share: it averages that part of every trainer's gradients, runs the user's optim
 With per-machine bandwidth ``B``, gradient bytes ``S``, trainers that serve a share ``x`` each and servers a share
 ``y`` each (``n x + k y = 1``), a trainer machine sends ``(1 - x) S`` gradients plus ``(n - 1) x S`` weights of its
 share, a server machine receives ``n y S`` (and sends as much back). Equal loads give the optimal split
-(:func:`trainer_share`)::
+(:func:`~lightning_dp.comm.cost.trainer_share`)::
 
     x = (n - k) / (n² + k n - 2 k),   y = 2 (n - 1) / (n² + k n - 2 k),
-    t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B                      (:func:`communication_time`)
+    t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B      (:func:`~lightning_dp.comm.cost.dedicated_exchange_seconds`)
 
 ``k = 0`` is the sharded server on the trainers (the ring's ``2 (n - 1) / n · S / B``); from ``k = n`` on the
 trainers serve nothing and a step takes ``S / B``: each trainer sends its gradients once and receives the weights
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.cost import trainer_share
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
@@ -64,17 +65,6 @@ STORE_PREFIX = "lightning_dp/servers"
 
 
 # ---------------------------------------------------------------------------------------------------- the load split
-def trainer_share(num_trainers: int, num_servers: int) -> float:
-    """The fraction of the gradient bytes each trainer serves when ``num_servers`` dedicated servers take the rest,
-    the split that equalises every machine's traffic (see the module docstring); ``1 / n`` without servers."""
-    n, k = num_trainers, num_servers
-    if n == 1:
-        return 1.0  # its own share costs no traffic at all
-    if k == 0:
-        return 1.0 / n
-    return max(0.0, (n - k) / (n * n + k * n - 2 * k))
-
-
 def member_shares(num_trainers: int, num_servers: int, trainers_serve: bool) -> list[float]:
     """The fraction of the gradient bytes each member serves, trainers first: the optimal split
     (:func:`trainer_share`) when ``trainers_serve``, else ``1 / k`` per server and nothing on the trainers."""
@@ -85,18 +75,6 @@ def member_shares(num_trainers: int, num_servers: int, trainers_serve: bool) -> 
         return [0.0] * n + [1.0 / k] * k
     x = trainer_share(n, k)
     return [x] * n + ([(1.0 - n * x) / k] * k if k else [])
-
-
-def communication_time(num_trainers: int, num_servers: int, nbytes: float, bandwidth: float) -> float:
-    """Seconds a step's exchange takes on links of ``bandwidth`` bytes/s per machine with ``nbytes`` of gradients,
-    trainers serving the optimal share: ``t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B``, ``S / B`` for
-    ``k >= n`` (bandwidth term only: no latency, no compute)."""
-    n, k = num_trainers, num_servers
-    if n <= 1:
-        return 0.0
-    if k >= n:
-        return nbytes / bandwidth
-    return 2 * n * (n - 1) / (n * n + k * n - 2 * k) * nbytes / bandwidth
 
 
 def member_segments(

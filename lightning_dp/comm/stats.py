@@ -48,6 +48,10 @@ class SyncStats(CommStats):
     #: rest ran hidden behind backward)
     comm_seconds: float = 0.0
     exposed_comm_seconds: float = 0.0
+    #: seconds of backward computation so far (without the wait for the gradient exchange at its end)
+    backward_seconds: float = 0.0
+    #: optimizer steps closed so far
+    steps: int = 0
 
     def end_step(self, comm_seconds: float = 0.0, waited_seconds: float = 0.0) -> None:
         """Close a step: its bytes become :attr:`last_step_bytes`; ``comm_seconds`` of communication ran, of which
@@ -55,3 +59,4 @@ class SyncStats(CommStats):
         self.last_step_bytes = self.reset()
         self.comm_seconds += comm_seconds
         self.exposed_comm_seconds += waited_seconds
+        self.steps += 1

@@ -54,6 +54,9 @@ def byte_balanced_shards(buckets: Sequence[GradientBucket], size: int) -> list[l
 class Transport(ABC):
     """One way of averaging and distributing buckets over the ranks of ``group``."""
 
+    #: whether the ranks of a node exchange through shared memory
+    shared_memory: ClassVar[bool] = False
+
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
         self.ring = Ring(group)
         self.group = self.ring.group
@@ -198,6 +201,7 @@ class _SharedMemoryTransport(Transport):
         assert self._exchange is not None, "bind() the buckets first"
         return self._exchange
 
+    shared_memory = True
     #: the socket transport to use across nodes, for one that runs on a single node only
     _across_nodes: ClassVar[str | None] = None
 

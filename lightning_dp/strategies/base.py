@@ -34,7 +34,8 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
 from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
-from lightning_dp.comm.codecs import CODEC_NAMES, Codec, check_compressible, make_codec
+from lightning_dp.comm.codecs import CODEC_NAMES, Codec, PowerSGDCodec, check_compressible, make_codec
+from lightning_dp.comm.cost import Scheme, Wire, rank_traffic
 from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
 from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.nonfinite import first_nonfinite
@@ -294,7 +295,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.pre_backward(closure_loss)
         assert self.lightning_module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        start = time.perf_counter()
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        self.sync_stats.backward_seconds += time.perf_counter() - start
         self._finish_gradient_sync()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -366,6 +369,41 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """Book-keeping after an optimizer step; ``blocking_seconds`` of communication ran on the main thread."""
         comm, waited = self.reducer.take_timing() if self.reducer is not None else (0.0, 0.0)
         self.sync_stats.end_step(comm + blocking_seconds, waited + blocking_seconds)
+
+    # ------------------------------------------------------------------ the cost model's view of this run
+    def cost_scheme(self) -> Scheme:
+        """This run as the cost model (:mod:`lightning_dp.comm.cost`) sees it: the options that change what it
+        moves, as set up (a node that could not share memory runs ``intra_node="ring"``)."""
+        shared = self.transport is not None and self.transport.shared_memory
+        return Scheme(self.strategy_name, "shm" if shared else "ring", self._running_compression(),
+                      full_gradients=self.full_gradients)  # fmt: skip
+
+    def _running_compression(self) -> str:
+        """The codec that runs (``"none"`` where nothing crosses a network, see :meth:`_make_codec`)."""
+        return self.codec.name if type(self.codec) is not Codec else "none"
+
+    def wire(self) -> tuple[Wire, Wire]:
+        """``(compressed, plain)``: the buckets as they travel between machines and as they are (cost model)."""
+        assert self.reducer is not None, "call it while fitting"
+        buckets = self.reducer.buckets
+        plain = Wire(tuple(b.nbytes for b in buckets))
+        passes = 2 if isinstance(self.codec, PowerSGDCodec) else 1
+        compressed = Wire(tuple(self.codec.wire_bytes(b) for b in buckets), passes,
+                          weights_compressed=not isinstance(self.codec, PowerSGDCodec))  # fmt: skip
+        return compressed, plain
+
+    def predicted_step_bytes(self) -> tuple[float, float] | None:
+        """``(sent, received)`` bytes this rank's counters (:attr:`sync_stats`) should show for a synchronized step
+        (:func:`~lightning_dp.comm.cost.rank_traffic`, up to rounding to whole elements), where the model counts
+        per rank: one machine or sockets everywhere, uncompressed; ``None`` elsewhere."""
+        scheme = self.cost_scheme()
+        if self.reducer is None or scheme.compression != "none" or scheme.staleness != 0 or scheme.num_servers:
+            return None
+        if scheme.intra_node == "shm" and self.num_nodes > 1:
+            return None
+        flags = sum(b.flags.numel() * b.flags.element_size() for b in self.reducer.buckets)
+        server = getattr(self, "server_rank", 0)
+        return rank_traffic(scheme, self.world_size, self.sync_stats.bucket_bytes, self.global_rank, flags, server)
 
     def measure_exchange_seconds(self, repeats: int = 3) -> float:
         """Seconds one synchronization takes (the gradient exchange of every bucket, and for the parameter servers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -37,6 +38,7 @@ from lightning_dp.comm.consistency import (
     StalenessServer,
     check_staleness,
 )
+from lightning_dp.comm.cost import Scheme
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.ring import Ring, any_rank
@@ -230,6 +232,13 @@ class ParameterServerBase(DataParallelStrategy):
         self._end_step(blocking_seconds=time.perf_counter() - start)
         self.staleness_seen.add(0)
         return result
+
+    @override
+    def cost_scheme(self) -> Scheme:
+        scheme = super().cost_scheme()
+        if self._dedicated is not None:
+            scheme = dataclasses.replace(scheme, intra_node="ring")
+        return dataclasses.replace(scheme, staleness=self.staleness, num_servers=self.num_servers)
 
     def _gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """Hand the averaged gradients to the servers' update before ``on_before_optimizer_step`` (subclasses)."""

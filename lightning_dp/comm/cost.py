@@ -1,0 +1,366 @@
+"""The cost model: what one synchronized step of each scheme moves, and how long that takes on a given network.
+
+The one place the per-scheme formulas live: :func:`rank_traffic` is what each transport's byte counters add up to
+(the tests hold the counters to it), :func:`step_cost` the time the :class:`~lightning_dp.CommMonitor` and
+:func:`lightning_dp.advise` predict.
+
+The network (:class:`Link`) is the classic latency-bandwidth model: a message round costs the one-way latency
+``α``, and every machine sends and receives ``B`` bytes/s at once (full duplex); ranks of one machine exchange at
+``C`` bytes/s (shared memory or loopback). A step is a sequence of :class:`Phase` s; a phase of ``r`` rounds that
+puts ``W`` bytes through the busiest machine's link (one direction) and copies ``Q`` bytes inside a machine takes
+``r α + W / B + Q / C``. For ``N = M L`` ranks (``M`` machines of ``L`` ranks) and ``S`` bytes of gradient buckets
+(travelling as ``S_w`` after compression), per bucket:
+
+=================================  =============  ===========================================
+exchange                           rounds         bytes through the busiest link
+=================================  =============  ===========================================
+ring all-reduce (flat)             ``2 (N - 1)``  ``2 (N - 1) / N · S_w``
+hierarchical (shared memory)       ``2 (M - 1)``  ``2 (M - 1) / M · S_w``
+central server: push, pull         1 each         ``(N - L) S_w`` each (the server's machine)
+sharded servers: push, pull        1 each         ``L (N - L) / N · S_w`` each
+dedicated servers (``k``)          see below      ``t(n, k) B`` (:func:`dedicated_exchange_seconds`)
+=================================  =============  ===========================================
+
+The parameter servers add one round per step for their vote on non-finite gradients, and pull the new weights
+after the optimizer step, which therefore never overlaps backward. With ``full_gradients`` (something reads the
+averaged gradients before the step) they also send the averaged gradients back: one more push-sized phase.
+PowerSGD all-reduces two factors per bucket (twice the rounds; a server transport pushes and pulls each).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: the schemes the model knows: this project's strategies and Lightning's ``ddp`` (a ring all-reduce in NCCL/gloo)
+SCHEMES = ("ring_allreduce", "parameter_server", "sharded_ps", "ddp")
+
+
+@dataclass(frozen=True)
+class Link:
+    """The network between machines and the copies inside one.
+
+    Attributes:
+        latency: seconds of one message round between two machines (one way, software included).
+        bandwidth: bytes/s a machine sends, and at the same time receives.
+        local_bandwidth: bytes/s of copies between ranks of one machine (shared memory, loopback).
+        local_latency: seconds of one synchronization between the ranks of one machine (a shared-memory barrier).
+    """
+
+    latency: float
+    bandwidth: float
+    local_bandwidth: float = 4e9
+    local_latency: float = 2e-5
+
+    def __post_init__(self) -> None:
+        if self.latency < 0 or self.bandwidth <= 0 or self.local_bandwidth <= 0:
+            raise ValueError(f"a link needs latency >= 0 and bandwidths > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``num_nodes`` machines of ``ranks_per_node`` training ranks each."""
+
+    num_nodes: int = 1
+    ranks_per_node: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"a topology needs at least one node of one rank, got {self}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A strategy and the options that change what it moves (see the strategies' arguments)."""
+
+    strategy: str
+    intra_node: str = "shm"
+    compression: str = "none"
+    staleness: int | None = 0
+    num_servers: int = 0
+    #: the parameter servers also send the averaged gradients back (a hook or clipping reads them)
+    full_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in SCHEMES:
+            raise ValueError(f"strategy={self.strategy!r} is not modelled; allowed values: {', '.join(SCHEMES)}")
+
+    @property
+    def is_server(self) -> bool:
+        return self.strategy in ("parameter_server", "sharded_ps")
+
+    def label(self) -> str:
+        """The scheme as a user writes it: the strategy and its options that differ from the defaults."""
+        options = []
+        if self.strategy != "ddp" and self.intra_node != "shm":
+            options.append(f"intra_node={self.intra_node}")
+        if self.compression != "none":
+            options.append(f"compression={self.compression}")
+        if self.staleness != 0:
+            options.append(f"staleness={'null' if self.staleness is None else self.staleness}")
+        if self.num_servers:
+            options.append(f"num_servers={self.num_servers}")
+        return " ".join([self.strategy, *options])
+
+    def uses_shared_memory(self, topology: Topology) -> bool:
+        """Whether the ranks of a node exchange through shared memory (as the strategies decide at set-up)."""
+        if self.strategy == "ddp" or self.intra_node != "shm" or topology.ranks_per_node == 1 or self.num_servers:
+            return False
+        return self.strategy == "ring_allreduce" or topology.num_nodes == 1
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How the buckets travel between machines: the bytes of one rank's contribution per bucket after
+    compression, and how many exchanges of them a reduction takes (PowerSGD: two factors)."""
+
+    bucket_bytes: tuple[int, ...]
+    passes: int = 1
+    #: whether the weights the servers send back travel compressed too (16-bit codecs) or in full precision
+    weights_compressed: bool = True
+
+    @property
+    def total(self) -> int:
+        return sum(self.bucket_bytes)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One part of a step's communication."""
+
+    name: str
+    rounds: int
+    #: bytes through the busiest machine's link, one direction
+    network_bytes: float
+    #: bytes the busiest rank copies inside its machine
+    local_bytes: float = 0.0
+    #: whether it runs on the communication thread while backward computes (the gradient exchange)
+    overlaps_backward: bool = False
+    #: synchronizations among the ranks of one machine (shared-memory barriers)
+    local_rounds: int = 0
+
+    def seconds(self, link: Link) -> float:
+        network = self.rounds * link.latency + self.network_bytes / link.bandwidth
+        return network + self.local_rounds * link.local_latency + self.local_bytes / link.local_bandwidth
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The predicted communication of one optimizer step of ``scheme``."""
+
+    scheme: Scheme
+    phases: tuple[Phase, ...]
+    link: Link
+    num_buckets: int
+
+    @property
+    def seconds(self) -> float:
+        """Communication time of a step, all phases end to end."""
+        return sum(p.seconds(self.link) for p in self.phases)
+
+    @property
+    def rounds(self) -> int:
+        return sum(p.rounds for p in self.phases)
+
+    @property
+    def network_bytes(self) -> float:
+        return sum(p.network_bytes for p in self.phases)
+
+    def exposed_seconds(self, backward_seconds: float) -> float:
+        """The part of :attr:`seconds` the step waits for: the gradient exchange runs bucket by bucket while
+        backward computes the rest, so at most ``(K - 1) / K`` of the backward time hides it, never the last
+        bucket's share; every other phase is waited for."""
+        overlapping = sum(p.seconds(self.link) for p in self.phases if p.overlaps_backward)
+        waited = self.seconds - overlapping
+        if overlapping == 0.0:
+            return waited
+        k = max(1, self.num_buckets)
+        hidden_window = backward_seconds * (k - 1) / k
+        return waited + max(overlapping / k, overlapping - hidden_window)
+
+
+# ---------------------------------------------------------------------------------------------------- dedicated servers
+def trainer_share(num_trainers: int, num_servers: int) -> float:
+    """The fraction of the gradient bytes each trainer serves when ``num_servers`` dedicated servers take the rest,
+    the split that equalises every machine's traffic; ``1 / n`` without servers (see :mod:`.dedicated`)."""
+    n, k = num_trainers, num_servers
+    if n == 1:
+        return 1.0  # its own share costs no traffic at all
+    if k == 0:
+        return 1.0 / n
+    return max(0.0, (n - k) / (n * n + k * n - 2 * k))
+
+
+def dedicated_exchange_seconds(num_trainers: int, num_servers: int, nbytes: float, bandwidth: float) -> float:
+    """Seconds a step's exchange takes on links of ``bandwidth`` bytes/s per machine with ``nbytes`` of gradients,
+    trainers serving the optimal share: ``t(n, k) = 2 n (n - 1) / (n² + k n - 2 k) · S / B``, ``S / B`` for
+    ``k >= n`` (bandwidth term only: no latency, no compute)."""
+    n, k = num_trainers, num_servers
+    if n <= 1:
+        return 0.0
+    if k >= n:
+        return nbytes / bandwidth
+    return 2 * n * (n - 1) / (n * n + k * n - 2 * k) * nbytes / bandwidth
+
+
+# ---------------------------------------------------------------------------------------------------- the phases
+def _ring(n: int, nbytes: float, buckets: int) -> tuple[int, float]:
+    return 2 * (n - 1) * buckets, 2 * (n - 1) / n * nbytes
+
+
+def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | None = None) -> tuple[Phase, ...]:
+    """The phases of one synchronized step. ``wire``: the buckets as they travel between machines (compressed);
+    ``plain``: as they are (default ``wire``), what shared memory copies and what servers send back uncompressed."""
+    plain = plain or wire
+    n, m, local = topology.world_size, topology.num_nodes, topology.ranks_per_node
+    k = len(wire.bucket_bytes)
+    s_w, s = wire.total, plain.total
+    if n == 1:
+        return ()
+    if scheme.strategy in ("ring_allreduce", "ddp"):
+        if scheme.uses_shared_memory(topology):  # hierarchical: local rank i of every node on a ring of its own
+            rounds, network = _ring(m, s_w, k * wire.passes) if m > 1 else (0, 0.0)
+            copies = 2 * (local - 1) / local * s
+            return (Phase("gradients", rounds, network, copies, overlaps_backward=True, local_rounds=2 * k),)
+        rounds, network = _ring(n, s_w, k * wire.passes)
+        return (Phase("gradients", rounds, network if m > 1 else 0.0, network if local > 1 else 0.0, True),)
+    if scheme.num_servers:
+        return _dedicated_phases(scheme, topology, s)
+    if scheme.uses_shared_memory(topology):  # one node: every exchange is a copy
+        copied_back = s if scheme.strategy == "parameter_server" else (local - 1) / local * s
+        phases = [Phase("gradients", 0, 0.0, 2 * (local - 1) / local * s, overlaps_backward=True, local_rounds=2 * k)]
+        if scheme.full_gradients:
+            phases.append(Phase("averaged gradients", 0, 0.0, copied_back, overlaps_backward=True, local_rounds=k))
+        return (*phases, Phase("vote", 1, 0.0), Phase("weights", 0, 0.0, copied_back, local_rounds=k))
+    if scheme.strategy == "parameter_server":  # the server's machine receives from (and sends to) every other rank
+        per_link, per_copy = (float(n - local) if m > 1 else 0.0), float(local - 1)
+    else:  # each rank exchanges 1 / N of the buckets with every other rank
+        per_link, per_copy = (local * (n - local) / n if m > 1 else 0.0), (local - 1) / n
+    weights = s_w if wire.weights_compressed else s
+    if scheme.staleness != 0:  # each worker pushes all its buckets in one message after backward, then pulls
+        return (Phase("gradients", 1, per_link * s, per_copy * s), Phase("weights", 1, per_link * s, per_copy * s))
+    # a low-rank codec averages each factor with a push and a pull, and every rank then holds the result
+    low_rank = wire.passes > 1
+    trips = 2 if low_rank else 1
+    phases = [Phase("gradients", k * wire.passes * trips, per_link * s_w * trips, per_copy * s_w * trips, True)]
+    if scheme.full_gradients and not low_rank:
+        phases.append(Phase("averaged gradients", k, per_link * s_w, per_copy * s_w, overlaps_backward=True))
+    phases.append(Phase("vote", 1, 0.0))
+    phases.append(Phase("weights", k, per_link * weights, per_copy * weights))
+    return tuple(phases)
+
+
+def _dedicated_phases(scheme: Scheme, topology: Topology, s: float) -> tuple[Phase, ...]:
+    """Trainers on machines of their own (one rank each), ``k`` servers: the push and the pull each move half of
+    :func:`dedicated_exchange_seconds`' bytes; trainer 0's control message and the members' tiny all-reduce (norm,
+    vote) are rounds of their own."""
+    n, k = topology.world_size, scheme.num_servers
+    if scheme.strategy == "sharded_ps":
+        per_phase = dedicated_exchange_seconds(n, k, s, 1.0) / 2
+    else:  # whole parameters on the servers only: a server's machine receives n S / k, a trainer's sends S
+        per_phase = max(1.0, n / k) * s
+    members = n + k
+    return (
+        Phase("gradients", 1, per_phase, overlaps_backward=True),
+        Phase("control and vote", 1 + 2 * (members - 1), 0.0),
+        Phase("weights", 1, per_phase),
+    )
+
+
+def step_cost(scheme: Scheme, topology: Topology, link: Link, wire: Wire, plain: Wire | None = None) -> StepCost:
+    """The predicted communication of one step of ``scheme`` (see the module docstring)."""
+    return StepCost(scheme, step_phases(scheme, topology, wire, plain), link, len(wire.bucket_bytes))
+
+
+# ---------------------------------------------------------------------------------------------------- per rank
+def rank_traffic(
+    scheme: Scheme, world_size: int, bucket_bytes: float, rank: int, flag_bytes: float = 0.0, server: int = 0
+) -> tuple[float, float]:
+    """``(sent, received)`` bytes rank ``rank`` counts for one synchronized step on one machine's sockets or
+    shared memory (``scheme.intra_node``), uncompressed, with ``bucket_bytes`` of buckets of which ``flag_bytes``
+    are used-flags. Shared memory counts as received the bytes a rank copies out of memory a peer wrote, and as
+    sent the bytes of its own writes that peers copy. Up to the rounding of chunks and shards to whole elements."""
+    n, s = world_size, bucket_bytes
+    if n == 1:
+        return 0.0, 0.0
+    shared = scheme.intra_node == "shm" and scheme.strategy != "ddp"
+    if scheme.strategy in ("ring_allreduce", "ddp"):
+        return 2 * (n - 1) / n * s, 2 * (n - 1) / n * s
+    back = 1 if scheme.full_gradients else 0
+    if scheme.strategy == "sharded_ps":
+        if shared:  # reduce-scatter, every rank reads every flag, then the weights (and gradients) copied back
+            return 2 * (n - 1) / n * s + back * (n - 1) / n * s, 2 * (n - 1) / n * s + back * (n - 1) / n * s
+        grads = s - flag_bytes
+        one_way = (n - 1) / n * grads
+        flags = (n - 1) * flag_bytes
+        return (2 + back) * one_way + flags, (2 + back) * one_way + flags
+    # central server
+    if not shared:
+        if rank == server:
+            return (1 + back) * (n - 1) * s, (n - 1) * s
+        return s, (1 + back) * s
+    if rank == server:  # reduce-scatter, reads every other slice, everyone copies its weights (and gradients)
+        return (n - 1) / n * s + (1 + back) * (n - 1) * s, 2 * (n - 1) / n * s
+    return (n - 1) / n * s + s / n, (n - 1) / n * s + (1 + back) * s
+
+
+def optimizer_state_peak(scheme: Scheme, world_size: int, state_bytes: float) -> float:
+    """Bytes of optimizer state the most loaded rank (trainer or server) holds, for a model whose optimizer holds
+    ``state_bytes`` in one process: all of it on every rank (ring, ``ddp``), on the server (central), ``1 / N``
+    each (sharded), or split with dedicated servers by :func:`trainer_share`."""
+    n, k = world_size, scheme.num_servers
+    if scheme.strategy in ("ring_allreduce", "ddp") or n == 1:
+        return float(state_bytes)
+    if scheme.strategy == "parameter_server":
+        return state_bytes / k if k else float(state_bytes)
+    if k:
+        x = trainer_share(n, k)
+        return state_bytes * max(x, (1.0 - n * x) / k)
+    return float(math.ceil(state_bytes / n))
+
+
+@dataclass
+class Prediction:
+    """One scheme's row of :func:`lightning_dp.advise`: its cost, and the step time it implies."""
+
+    scheme: Scheme
+    cost: StepCost
+    compute_seconds: float
+    backward_seconds: float
+    optimizer_state_bytes: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return self.cost.exposed_seconds(self.backward_seconds)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_seconds
+
+
+def predict(
+    schemes: Sequence[Scheme],
+    topology: Topology,
+    link: Link,
+    wires: dict[str, Wire],
+    plain: Wire,
+    compute_seconds: float,
+    backward_seconds: float,
+    state_bytes: float,
+) -> list[Prediction]:
+    """A :class:`Prediction` per scheme, fastest predicted step first. ``wires`` maps a compression name to how
+    the buckets travel with it (``"none"``: ``plain``)."""
+    rows = []
+    for scheme in schemes:
+        wire = wires.get(scheme.compression, plain)
+        cost = step_cost(scheme, topology, link, wire, plain)
+        state = optimizer_state_peak(scheme, topology.world_size, state_bytes)
+        rows.append(Prediction(scheme, cost, compute_seconds, backward_seconds, state))
+    rows.sort(key=lambda p: (p.step_seconds, p.optimizer_state_bytes))
+    return rows

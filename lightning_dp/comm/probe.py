@@ -1,0 +1,77 @@
+"""Measuring the link a run uses: a short ping-pong over its process group (for the cost model's :class:`Link`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm.cost import Link
+
+#: the large message of the bandwidth probe
+PROBE_BYTES = 4 * 2**20
+
+
+def _round_trip(rank: int, peer: int, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    """Seconds for ``tensor`` to go from group rank 0 to ``peer`` and back (measured on rank 0)."""
+    start = time.perf_counter()
+    if rank == 0:
+        dist.send(tensor, group=group, group_dst=peer)
+        dist.recv(tensor, group=group, group_src=peer)
+    elif rank == peer:
+        dist.recv(tensor, group=group, group_src=0)
+        dist.send(tensor, group=group, group_dst=0)
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - start
+
+
+def copy_bandwidth(nbytes: int = 32 * 2**20, repeats: int = 3, device: torch.device | str = "cpu") -> float:
+    """Bytes/s of a memory copy on ``device`` (what shared-memory exchanges run at), the fastest of ``repeats``."""
+    source = torch.empty(nbytes // 4, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy faults the pages in
+        start = time.perf_counter()
+        target.copy_(source)
+        if target.device.type == "cuda":
+            torch.cuda.synchronize(target.device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def measure_link(
+    group: dist.ProcessGroup | None = None,
+    peer: int | None = None,
+    device: torch.device | str = "cpu",
+    repeats: int = 20,
+    nbytes: int = PROBE_BYTES,
+    one_machine: bool = False,
+) -> Link:
+    """Collective over ``group``: group rank 0 and ``peer`` (default the last rank: on another machine whenever
+    the ranks span several, as they are numbered machine by machine) ping-pong a 4-byte message ``repeats`` times
+    (latency: half the median round trip) and an ``nbytes`` message three times (bandwidth: ``nbytes`` over half
+    the fastest round trip less the latency); rank 0 also times a memory copy. Every rank returns the same
+    :class:`Link`. A group of one rank measures only the copy (latency 0, bandwidth that of the copy). With
+    ``one_machine`` (every rank on this machine) the latency measured is also the local one."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    local = copy_bandwidth(device=device) if rank == 0 else 0.0
+    if size == 1:
+        return Link(0.0, local, local)
+    peer = size - 1 if peer is None else peer
+    if not 0 < peer < size:
+        raise ValueError(f"peer={peer} must be another rank of the group, in [1, {size})")
+    small = torch.zeros(1, device=device)
+    trips = [_round_trip(rank, peer, small, group) for _ in range(repeats + 1)][1:]
+    latency = statistics.median(trips) / 2
+    large = torch.zeros(nbytes // 4, device=device)
+    one_way = min(_round_trip(rank, peer, large, group) for _ in range(3)) / 2
+    bandwidth = nbytes / max(one_way - latency, 1e-9)
+    values = torch.tensor([latency, bandwidth, local], dtype=torch.float64, device=device)
+    dist.broadcast(values, group=group, group_src=0)
+    latency, bandwidth, local = values.tolist()
+    if one_machine:
+        return Link(latency, bandwidth, local, local_latency=latency)
+    return Link(latency, bandwidth, local)

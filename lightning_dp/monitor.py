@@ -1,0 +1,199 @@
+"""``CommMonitor``: what each optimizer step's synchronization moved and cost, beside what the cost model predicts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_dp.comm.buckets import assign_buckets
+from lightning_dp.comm.cost import Link, Scheme, StepCost, Topology, Wire, rank_traffic, step_cost
+from lightning_dp.comm.probe import measure_link
+from lightning_dp.strategies.base import DataParallelStrategy
+
+#: the metrics logged per optimizer step, under the monitor's prefix
+METRICS = ("bytes_sent", "bytes_received", "seconds", "exposed_seconds", "bandwidth_MBps")
+
+
+@dataclass
+class CommSummary:
+    """Means per optimizer step over a fit (this rank), and the prediction for the same step."""
+
+    strategy: str
+    steps: int = 0
+    link: Link | None = None
+    link_measured: bool = True
+    #: mean measured values per step; ``None`` where the strategy does not measure them (``ddp``'s seconds)
+    measured: dict[str, float | None] = field(default_factory=dict)
+    predicted: dict[str, float | None] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """The summary as a plain-text table."""
+        link = self.link
+        where = "measured" if self.link_measured else "given"
+        lines = [f"CommMonitor: {self.strategy}, {self.steps} optimizer steps (means per step, this rank)"]
+        if link is not None:
+            lines.append(f"link ({where}): latency {link.latency * 1e3:.3f} ms, bandwidth {link.bandwidth / 1e6:.1f} "
+                         f"MB/s, inside a machine {link.local_bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+        lines.append(f"{'':<22}{'measured':>14}{'predicted':>14}")
+        for name in METRICS:
+            lines.append(f"{name:<22}{_fmt(self.measured.get(name)):>14}{_fmt(self.predicted.get(name)):>14}")
+        return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}"
+
+
+class CommMonitor(Callback):
+    """Logs, per optimizer step, what synchronization did on this rank, and summarises a fit beside the cost
+    model's prediction (:mod:`lightning_dp.comm.cost`).
+
+    Per step, through the Trainer's loggers (every ``log_every_n_steps``, as ``self.log`` does): ``comm/bytes_sent``
+    and ``comm/bytes_received`` (gradient and weight traffic of this rank: the strategy's own counters), and for
+    this project's strategies ``comm/seconds`` (communication time, hidden or not), ``comm/exposed_seconds`` (the
+    part the step waited for) and ``comm/bandwidth_MBps`` (bytes sent per second of communication). Under
+    Lightning's ``ddp`` the bytes come from the model's size (the ring all-reduce's ``2 (N - 1) / N`` of the
+    gradients); its communication runs inside ``DistributedDataParallel`` and is not timed.
+
+    At the start of training the ranks measure their link with a short ping-pong (:func:`measure_link`) unless
+    ``link`` is given; at the end rank 0 prints :class:`CommSummary` (also in :attr:`summary` on every rank).
+
+    Args:
+        link: the network to predict for, instead of measuring it.
+        prefix: the metrics' name prefix.
+        print_summary: print the summary table at the end of ``fit`` (rank 0).
+    """
+
+    def __init__(self, link: Link | None = None, prefix: str = "comm/", print_summary: bool = True) -> None:
+        self.link = link
+        self.prefix = prefix
+        self.print_summary = print_summary
+        self.summary: CommSummary | None = None
+        self._cost: StepCost | None = None
+        self._predicted_bytes: tuple[float, float] | None = None
+        self._steps_seen = 0
+        self._steps = 0
+        self._last_global_step = 0
+        self._totals: dict[str, float] = {}
+        self._baseline: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._backward_start = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        scheme, wire, plain = self._model_of(trainer, pl_module)
+        measured = self.link is None
+        link = self.link if self.link is not None else self._measure(trainer)
+        topology = Topology(trainer.num_nodes, max(1, trainer.world_size // max(1, trainer.num_nodes)))
+        self._cost = step_cost(scheme, topology, link, wire, plain)
+        if isinstance(strategy, DataParallelStrategy):
+            self._predicted_bytes = strategy.predicted_step_bytes()
+            stats = strategy.sync_stats
+            self._baseline = (stats.comm_seconds, stats.exposed_comm_seconds, stats.backward_seconds)
+            self._steps_seen = stats.steps
+        else:
+            self._predicted_bytes = rank_traffic(scheme, trainer.world_size, plain.total, trainer.global_rank)
+        self._last_global_step = trainer.global_step
+        self._totals = {name: 0.0 for name in (*METRICS, "backward")}
+        self._steps = 0
+        self.summary = CommSummary(scheme.label(), link=link, link_measured=measured)
+
+    def _model_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Scheme, Wire, Wire]:
+        strategy = trainer.strategy
+        if isinstance(strategy, DataParallelStrategy):
+            wire, plain = strategy.wire()
+            return strategy.cost_scheme(), wire, plain
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        cap = getattr(strategy, "_ddp_kwargs", {}).get("bucket_cap_mb", 25.0)
+        buckets = assign_buckets(params, int(cap * 2**20))
+        plain = Wire(tuple(sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets))
+        return Scheme("ddp"), plain, plain
+
+    def _measure(self, trainer: pl.Trainer) -> Link:
+        strategy = trainer.strategy
+        group = strategy.gradient_group if isinstance(strategy, DataParallelStrategy) else None
+        return measure_link(group, device=strategy.root_device, one_machine=trainer.num_nodes == 1)
+
+    # ------------------------------------------------------------------ per step
+    # no gradient hook here (on_after_backward, ...): the parameter servers would send the averaged gradients back
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if not isinstance(trainer.strategy, DataParallelStrategy):  # those time their own backward
+            self._backward_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        metrics = self._step_metrics(trainer)
+        if metrics is None:
+            return
+        self._steps += 1
+        for name, value in metrics.items():
+            self._totals[name] += value
+        logged = {f"{self.prefix}{name}": value for name, value in metrics.items() if name in METRICS}
+        pl_module.log_dict(logged, on_step=True, on_epoch=False)
+
+    def _step_metrics(self, trainer: pl.Trainer) -> dict[str, float] | None:
+        """This step's values, or ``None`` when no optimizer step closed since the last call (accumulation)."""
+        strategy = trainer.strategy
+        if isinstance(strategy, DataParallelStrategy):
+            stats = strategy.sync_stats
+            if stats.steps == self._steps_seen:
+                return None
+            self._steps_seen = stats.steps
+            comm, exposed, backward = self._baseline
+            self._baseline = (stats.comm_seconds, stats.exposed_comm_seconds, stats.backward_seconds)
+            sent, received = stats.last_step_bytes
+            seconds = stats.comm_seconds - comm
+            metrics = {
+                "bytes_sent": float(sent),
+                "bytes_received": float(received),
+                "seconds": seconds,
+                "exposed_seconds": stats.exposed_comm_seconds - exposed,
+                "bandwidth_MBps": sent / seconds / 1e6 if seconds > 0 else 0.0,
+                "backward": stats.backward_seconds - backward,
+            }
+        else:
+            if trainer.global_step == self._last_global_step:
+                return None
+            assert self._predicted_bytes is not None
+            # backward and the optimizer step: an upper bound of the time backward could hide communication in
+            metrics = {"bytes_sent": self._predicted_bytes[0], "bytes_received": self._predicted_bytes[1],
+                       "backward": time.perf_counter() - self._backward_start}  # fmt: skip
+        self._last_global_step = trainer.global_step
+        return metrics
+
+    # ------------------------------------------------------------------ the summary
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary, cost = self.summary, self._cost
+        if summary is None or cost is None:
+            return
+        timed = isinstance(trainer.strategy, DataParallelStrategy)
+        summary.steps = self._steps
+        mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}
+        summary.measured = {name: (mean[name] if timed or name.startswith("bytes") else None) for name in METRICS}
+        backward = mean["backward"]
+        predicted_bytes = self._predicted_bytes or (None, None)
+        summary.predicted = {
+            "bytes_sent": predicted_bytes[0],
+            "bytes_received": predicted_bytes[1],
+            "seconds": cost.seconds,
+            "exposed_seconds": cost.exposed_seconds(backward),
+            "bandwidth_MBps": predicted_bytes[0] / cost.seconds / 1e6
+            if predicted_bytes[0] is not None and cost.seconds > 0
+            else None,
+        }
+        if self.print_summary:
+            rank_zero_info(summary.table())
