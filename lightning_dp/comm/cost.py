@@ -109,7 +109,9 @@ class Scheme:
 
     def uses_shared_memory(self, topology: Topology) -> bool:
         """Whether the ranks of a node exchange through shared memory (as the strategies decide at set-up)."""
-        if self.strategy == "ddp" or self.intra_node != "shm" or topology.ranks_per_node == 1 or self.num_servers:
+        if self.strategy == "ddp" or self.intra_node != "shm" or topology.ranks_per_node == 1:
+            return False
+        if self.num_servers or self.staleness != 0:  # process groups of their own, over sockets
             return False
         return self.strategy == "ring_allreduce" or topology.num_nodes == 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,3 +76,39 @@ def measure_link(
     if one_machine:
         return Link(latency, bandwidth, local, local_latency=latency)
     return Link(latency, bandwidth, local)
+
+
+def _probe_worker(rank: int, port: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        link = measure_link(one_machine=True)
+        if rank == 0:
+            results.put((link.latency, link.bandwidth, link.local_bandwidth))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_this_machine(timeout: float = 60.0) -> Link:
+    """:func:`measure_link` between two processes this function starts on this machine (gloo over loopback): the
+    link its ranks would use among themselves, without a process group of the caller's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_probe_worker, args=(rank, port, results), daemon=True) for rank in (0, 1)]
+    for p in processes:
+        p.start()
+    try:
+        latency, bandwidth, local = results.get(timeout=timeout)
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return Link(latency, bandwidth, local, local_latency=latency)

@@ -1,8 +1,8 @@
 """An optimizer sharded over the ranks of a group: each rank runs the user's optimizer on its shard only.
 
-The idea of torch's ``ZeroRedundancyOptimizer``, cut at element granularity: the gradient buckets, laid end to
-end, are split into N shards of equal bytes (:func:`~lightning_dp.comm.parameter_server.shard_segments`), and
-rank ``i`` holds the optimizer state of shard ``i`` only. A :class:`ShardLayout` maps the shard onto the
+The idea of torch's ``ZeroRedundancyOptimizer``, cut at element granularity: the gradient buckets are split into
+N shards (e.g. :func:`~lightning_dp.comm.transports.balanced_shards`), and rank ``i`` holds the optimizer state of
+shard ``i`` only. A :class:`ShardLayout` maps the shard onto the
 parameters once at set-up; a :class:`ShardedOptimizer` runs one user optimizer's class and hyperparameters over
 views of this rank's pieces (updates land in the parameters), clips by the global norm, and converts its state
 to and from torch's standard, unsharded ``state_dict`` layout.

@@ -38,17 +38,19 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.hierarchical import HierarchicalAllReduce, overlap
-from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
+from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards
 from lightning_dp.comm.ring import ReduceOpName, Ring, chunk_bounds, ring_allreduce
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
 
 
-def byte_balanced_shards(buckets: Sequence[GradientBucket], size: int) -> list[list[Segment]]:
-    """``[b][r]``: the range of bucket ``b``'s gradient region that rank ``r`` owns when the buckets laid end to end
-    are cut into ``size`` shards of equal bytes."""
-    return shard_segments([b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], size)
+def balanced_shards(buckets: Sequence[GradientBucket], size: int) -> list[list[Segment]]:
+    """``[b][r]``: the range of bucket ``b``'s gradient region that rank ``r`` owns when every bucket is cut into
+    ``size`` shards of equal length (at element granularity, so one huge tensor cannot unbalance them). Every
+    bucket's exchange is then balanced (each rank sends and receives ``(N - 1) / N`` of it, so no rank's link
+    finishes last), and so is the whole: each rank owns ``1 / N`` of every bucket."""
+    return [chunk_bounds(b.grad_numel, size) for b in buckets]
 
 
 class Transport(ABC):
@@ -144,8 +146,8 @@ class CentralServerTransport(Transport):
 
 
 class ShardedServerTransport(Transport):
-    """N servers, one per rank: the buckets laid end to end are cut into N shards of equal bytes (element
-    granularity, so one huge tensor cannot unbalance them) and rank ``i`` owns shard ``i``. :meth:`reduce` pushes
+    """N servers, one per rank: every bucket is cut into N shards of equal length (:func:`balanced_shards`) and
+    rank ``i`` owns shard ``i``. :meth:`reduce` pushes
     each shard to its owner, which averages it, and sums the used-flags everywhere (the P flags travel to every
     peer in the push's own message round); :meth:`share` sends every owner's shard to all. Each
     moves ``(N - 1) / N S`` bytes each way (plus ``(N - 1)`` times the flags); one message round per exchange."""
@@ -156,7 +158,7 @@ class ShardedServerTransport(Transport):
         self.segments: list[list[Segment]] = []
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
-        self.segments = byte_balanced_shards(buckets, self.size)
+        self.segments = balanced_shards(buckets, self.size)
 
     def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
@@ -296,8 +298,8 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
 
 
 class SharedMemoryShardedTransport(_SharedMemoryTransport):
-    """The sharded servers' contract on one node, with the shards of :class:`ShardedServerTransport` (byte-balanced
-    over the buckets laid end to end, ``segments`` alike): :meth:`reduce` sums the buckets in shared memory and each
+    """The sharded servers' contract on one node, with the shards of :class:`ShardedServerTransport`
+    (:func:`balanced_shards`, ``segments`` alike): :meth:`reduce` sums the buckets in shared memory and each
     owner takes its shard (and every rank all used-flags), :meth:`share` lets every rank copy the owners' shards."""
 
     _across_nodes = "ShardedServerTransport"
@@ -306,7 +308,7 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
 
     def bind(self, buckets: Sequence[GradientBucket]) -> None:
         super().bind(buckets)
-        self.segments = byte_balanced_shards(buckets, self.size)
+        self.segments = balanced_shards(buckets, self.size)
 
     def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         self._refuse_wire(wire)

@@ -17,7 +17,7 @@ from lightning_dp.comm.transports import (
     ShardedServerTransport,
     SharedMemoryShardedTransport,
     Transport,
-    byte_balanced_shards,
+    balanced_shards,
 )
 from lightning_dp.strategies.parameter_server_base import ParameterServerBase, Segment
 
@@ -25,8 +25,8 @@ from lightning_dp.strategies.parameter_server_base import ParameterServerBase, S
 class ShardedParameterServerStrategy(ParameterServerBase):
     """Parameter server sharded over all ranks.
 
-    The gradient buckets, laid end to end, are cut into N shards of equal bytes at element granularity, so
-    one huge tensor cannot unbalance them; rank ``i`` serves shard ``i``. During backward every rank pushes
+    Every gradient bucket is cut into N shards of equal length at element granularity, so one huge tensor
+    cannot unbalance them; rank ``i`` serves shard ``i`` of every bucket. During backward every rank pushes
     shard ``i`` of each finished bucket to rank ``i``, which averages it. At the step, rank ``i`` runs the
     user's optimizer on its shard only (a :class:`~lightning_dp.comm.sharded_optimizer.ShardedOptimizer`: the
     same class and hyperparameters over views of the parameters, so its state is 1/N of the total), then every
@@ -67,7 +67,7 @@ class ShardedParameterServerStrategy(ParameterServerBase):
 
     @override
     def _served_segments(self, buckets: list[GradientBucket]) -> list[list[Segment]]:
-        return byte_balanced_shards(buckets, self.world_size)
+        return balanced_shards(buckets, self.world_size)
 
     @override
     def _setup_gradient_sync(self) -> None:

@@ -85,6 +85,10 @@ class Record(L.Callback):
         self.result = {
             "last_step_bytes": stats.last_step_bytes if stats is not None else None,
             "sync_bytes": stats.bucket_bytes if stats is not None else None,
+            "flag_bytes": sum(b.flags.numel() * b.flags.element_size() for b in s.reducer.buckets)
+            if getattr(s, "reducer", None) is not None
+            else None,
+            "predicted_bytes": s.predicted_step_bytes() if hasattr(s, "predicted_step_bytes") else None,
             "optimizer_state_bytes": s.optimizer_state_bytes() if hasattr(s, "optimizer_state_bytes") else None,
             "sockets": self.sockets,
             "transport": type(s.transport).__name__ if hasattr(s, "transport") else None,

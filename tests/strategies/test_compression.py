@@ -38,11 +38,12 @@ def test_16_bit_follows_one_process_with_half_the_bytes(tmp_path, strategy, comp
         torch.testing.assert_close(got, want, rtol=0, atol=40 * eps * 0.1, msg=f"step {step + 1}")
     assert not torch.equal(stepped[0], stepped[-1])
     # over all ranks, S bytes of buckets in float32: the ring sends 2 (N - 1) S / 2 in 16 bits; the central server
-    # receives (N - 1) S / 2 and sends as much back; the sharded servers the same, plus their float32 flags summed
-    # on a ring (the gradients give (N - 1) (S - F), the flags 2 (N - 1) F)
+    # receives (N - 1) S / 2 and sends as much back; the sharded servers the same for the gradients ((N - 1) (S - F)),
+    # and every rank sends its float32 flags to every peer (N (N - 1) F)
     size = ranks[0]["sync_bytes"]
     flags = 4 * sum(p.requires_grad for p in RegressionModel().parameters())
-    expected = (DEVICES - 1) * (size + (flags if strategy == "sharded_ps" else 0))
+    n = DEVICES
+    expected = (n - 1) * (size - flags) + n * (n - 1) * flags if strategy == "sharded_ps" else (n - 1) * size
     assert sum(r["last_step_bytes"][0] for r in ranks) == expected
 
 

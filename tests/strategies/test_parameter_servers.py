@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lightning_dp.comm.cost import Scheme, rank_traffic
 from tests.helpers.launch import BATCH, STEPS, load_ranks, run_script
 from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import reference_training
@@ -29,17 +30,10 @@ TRANSPORTS = {
 }
 
 
-def expected_bytes(strategy, intra_node, n, s, rank, server):
-    """(sent, received) by ``rank`` per step: the reference post's bandwidth model for sockets; through shared
-    memory a rank receives what it copies out of peers' writes and sends what peers copy out of its own."""
-    if strategy != "parameter_server":
-        return 2 * (n - 1) / n * s, 2 * (n - 1) / n * s  # ring and sharded servers, both transports
-    if intra_node == "ring":
-        return ((n - 1) * s,) * 2 if rank == server else (s, s)
-    # reduce-scatter ((n - 1) / n S each way), the server reads every other slice, everyone copies its weights
-    if rank == server:
-        return (n - 1) / n * s + (n - 1) * s, 2 * (n - 1) / n * s
-    return (n - 1) / n * s + s / n, (n - 1) / n * s + s
+def expected_bytes(strategy, intra_node, n, s, rank, server, flags):
+    """(sent, received) by ``rank`` per step: the cost model's per-rank amounts (what the strategies' monitor and
+    advisor predict)."""
+    return rank_traffic(Scheme(strategy, intra_node), n, s, rank, flags, server)
 
 
 @pytest.mark.parametrize(
@@ -62,10 +56,12 @@ def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, opt
     assert s > 0 and all(r["sync_bytes"] == s for r in ranks)
     assert {r["transport"] for r in ranks} == {TRANSPORTS[strategy, intra_node]}
     server = int(extra[1]) if extra else 0
-    # up to the rounding of chunks and shard boundaries to whole elements (4 bytes each), and used-flags
-    slack = 4 * 4 * n * n + 4 * 8 * n
+    # up to the rounding of chunks and shard boundaries to whole elements (4 bytes each, per bucket)
+    slack = 4 * 4 * n * n
     for rank, r in enumerate(ranks):
-        for moved, want in zip(r["last_step_bytes"], expected_bytes(strategy, intra_node, n, s, rank, server)):
+        want_bytes = expected_bytes(strategy, intra_node, n, s, rank, server, r["flag_bytes"])
+        assert tuple(r["predicted_bytes"]) == pytest.approx(want_bytes)  # what the strategy tells CommMonitor
+        for moved, want in zip(r["last_step_bytes"], want_bytes):
             assert abs(moved - want) <= slack, (rank, moved, want)
 
     # optimizer state: SGD with momentum holds one buffer per element, AdamW two (plus a step counter)

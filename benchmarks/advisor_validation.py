@@ -1,0 +1,284 @@
+"""Does the cost model predict the measured communication, and does it pick the fastest scheme?
+
+A grid of emulated clusters (one rank per host, hosts in network namespaces joined by a switch in user space that
+gives every link its rate and delay, benchmarks.netns.DelaySwitch: this kernel has no netem qdisc): N hosts, link
+rate, one-way latency between two hosts, and S bytes of gradients. On each, the ranks first measure
+their link as ``lightning_dp.advise`` and ``CommMonitor`` do (:func:`lightning_dp.comm.probe.measure_link`, a
+ping-pong), then time one synchronized step's exchange of every scheme with the transports the strategies use
+(gradient buckets of the strategies' default 25 MB cap: reduce every bucket; the parameter servers also vote and
+pull the weights), and the model predicts the same from the measured link (:mod:`lightning_dp.comm.cost`).
+
+    sudo python -m benchmarks.advisor_validation                # N = 2,3,4 × 100M/1G × 0/1/10/50 ms × 1/4/16 MB
+    sudo python -m benchmarks.advisor_validation --quick        # N = 3, 1 Gbit/s, 0 and 10 ms, 4 MB
+    python -m benchmarks.advisor_validation --report            # tables and plot from results/advisor_validation.json
+
+Hosts get TCP settings for long fat links (benchmarks.netns.LONG_FAT_TCP: 32 MB socket buffers, no slow start
+after idle), as a cluster tuned for such links would. Needs root and iproute2; writes
+results/advisor_validation.{json,md} and results/advisor_map.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.netns import IFNAME, LONG_FAT_TCP, SUBNET, delayed_hosts
+from benchmarks.report import command_line, pyplot
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+SCHEMES = ("ring_allreduce", "parameter_server", "sharded_ps")
+MB = 2**20
+
+
+def worker(rank: int, world_size: int, sizes_mb: list[float], repeats: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_dp.comm.buckets import GradientBucket, assign_buckets
+    from lightning_dp.comm.cost import Scheme, Topology, Wire, step_cost
+    from lightning_dp.comm.probe import measure_link
+    from lightning_dp.comm.ring import any_rank
+    from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{port}", rank=rank, world_size=world_size)
+    link = measure_link()
+    rows = []
+    for size_mb in sizes_mb:
+        # a model of S bytes: four weight matrices' worth of parameters, laid into buckets as the strategies do
+        numel = int(size_mb * MB) // 4
+        params = [torch.nn.Parameter(torch.randn(numel // 4 + (i < numel % 4))) for i in range(4)]
+        buckets = [GradientBucket(i, [params[j] for j in idx]) for i, idx in enumerate(assign_buckets(params, 25 * MB))]
+        for name in SCHEMES:
+            if name == "ring_allreduce":
+                transport = RingTransport()
+            elif name == "parameter_server":
+                transport = CentralServerTransport(server=0)
+            else:
+                transport = ShardedServerTransport()
+            transport.bind(buckets)
+
+            def step(transport=transport, name=name, buckets=buckets) -> None:
+                for bucket in buckets:
+                    transport.reduce(bucket)
+                if name != "ring_allreduce":
+                    any_rank(False, transport.ring)  # the servers' vote on non-finite gradients
+                    for bucket in buckets:
+                        transport.share(bucket)  # the new weights
+
+            step()  # warm-up: connections, TCP windows
+            samples = []
+            for _ in range(repeats):
+                for b in buckets:
+                    b.buffer.normal_()
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                samples.append(float(elapsed))
+            wire = Wire(tuple(b.nbytes for b in buckets))
+            cost = step_cost(Scheme(name, intra_node="ring"), Topology(world_size, 1), link, wire)
+            rows.append({"scheme": name, "size_mb": size_mb, "measured_s": statistics.median(samples),
+                         "predicted_s": cost.seconds, "rounds": cost.rounds, "buckets": len(buckets)})  # fmt: skip
+    if rank == 0:
+        measured_link = {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}
+        Path(out).write_text(json.dumps({"link": measured_link, "rows": rows}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(n: int, rate_mbit: float, latency_ms: float, sizes_mb: list[float], repeats: int, tmp: Path) -> list[dict]:
+    """One emulated cluster: ``n`` hosts, links of ``rate_mbit``, ``latency_ms`` added one way host to host."""
+    out = tmp / f"n{n}-{rate_mbit}-{latency_ms}.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    port = 29600 + n
+    with delayed_hosts(n, rate_mbit, latency_ms, tcp=LONG_FAT_TCP) as hosts:
+        procs = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "benchmarks.advisor_validation",
+                    "--worker",
+                    str(rank),
+                    str(n),
+                    ",".join(map(str, sizes_mb)),
+                    str(repeats),
+                    str(port),
+                    str(out),
+                ],
+                env=env,
+            )  # fmt: skip
+            for rank, ns in enumerate(hosts)
+        ]
+        try:
+            for p in procs:
+                p.wait(timeout=1200)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+    result = json.loads(out.read_text())
+    base = {"hosts": n, "rate_mbit": rate_mbit, "latency_ms": latency_ms, **result["link"]}
+    return [{**base, **row} for row in result["rows"]]
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+def _points(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    points: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        points.setdefault((r["hosts"], r["rate_mbit"], r["latency_ms"], r["size_mb"]), {})[r["scheme"]] = r
+    return points
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The targets: prediction error of the communication time, and whether the predicted best is the measured
+    best (or within 5 % of it)."""
+    errors = sorted(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows)
+    points = _points(rows)
+    hits = 0
+    for schemes in points.values():
+        predicted = min(schemes.values(), key=lambda r: r["predicted_s"])
+        fastest = min(r["measured_s"] for r in schemes.values())
+        hits += predicted["measured_s"] <= 1.05 * fastest
+    return {
+        "median_error": statistics.median(errors),
+        "p90_error": errors[min(len(errors) - 1, int(0.9 * len(errors)))],
+        "best_hits": hits,
+        "points": len(points),
+    }
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    s = summarize(rows)
+    lines = [
+        f"Machine: {os.cpu_count()} CPUs; one rank per emulated host (network namespace), hosts joined by a switch in "
+        "user space that gives each link its rate and delay (benchmarks/netns.py: DelaySwitch), TCP tuned for long "
+        "fat links. `latency` is the one-way delay between two hosts; `link` what the ping-pong measured. Times are "
+        "the median of the repeats of one step's exchange, slowest rank; predictions (in parentheses) from the "
+        "measured link.",
+        "",
+        f"Prediction error |predicted − measured| / measured over {len(rows)} measurements: median "
+        f"{100 * s['median_error']:.0f} % (target ≤ 25 %), 90th percentile {100 * s['p90_error']:.0f} % (target ≤ "
+        f"50 %). Predicted best scheme measured best or within 5 % of it: {s['best_hits']} of {s['points']} grid "
+        f"points ({100 * s['best_hits'] / s['points']:.0f} %, target ≥ 90 %).",
+        "",
+        "| N | rate | latency | link measured | S | ring s (pred.) | central s (pred.) | sharded s (pred.) | "
+        "best measured | best predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (n, rate, latency, size), schemes in sorted(_points(rows).items()):
+        any_row = next(iter(schemes.values()))
+        cells = [f"{schemes[k]['measured_s']:.3f} ({schemes[k]['predicted_s']:.3f})" for k in SCHEMES]
+        best_m = min(schemes, key=lambda k: schemes[k]["measured_s"])
+        best_p = min(schemes, key=lambda k: schemes[k]["predicted_s"])
+        link = f"{any_row['latency_s'] * 1e3:.2f} ms, {any_row['bandwidth_Bps'] * 8 / 1e6:.0f} Mbit/s"
+        lines.append(f"| {n} | {rate:g} Mbit/s | {latency:g} ms | {link} | {size:g} MB | {' | '.join(cells)} | "
+                     f"{best_m} | {best_p} |")  # fmt: skip
+    return lines
+
+
+def plot_map(rows: list[dict], out: Path, hosts: int = 4, size_mb: float = 16.0) -> None:
+    """Which scheme the model predicts fastest over bandwidth × latency (N = ``hosts``, S = ``size_mb``), with the
+    measured winners of the grid overlaid."""
+    plt = pyplot()
+    if plt is None:
+        return
+    import numpy as np
+
+    from lightning_dp.comm.cost import Link, Scheme, Topology, Wire, step_cost
+
+    rates = np.logspace(1, 5, 120)  # Mbit/s
+    latencies = np.logspace(-5, -0.7, 120)  # s
+    nbytes = int(size_mb * MB) + 16
+    wire = Wire((min(nbytes, 25 * MB), *([nbytes - 25 * MB] if nbytes > 25 * MB else [])))
+    winner = np.zeros((len(latencies), len(rates)))
+    for i, latency in enumerate(latencies):
+        for j, rate in enumerate(rates):
+            link = Link(latency, rate * 1e6 / 8)
+            times = [step_cost(Scheme(s, "ring"), Topology(hosts, 1), link, wire).seconds for s in SCHEMES]
+            winner[i, j] = int(np.argmin(times))
+    colors = ["#4c72b0", "#dd8452", "#55a868"]
+    from matplotlib.colors import ListedColormap
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ax.pcolormesh(rates, latencies * 1e3, winner, cmap=ListedColormap(colors), vmin=-0.5, vmax=2.5, shading="auto",
+                  alpha=0.55)  # fmt: skip
+    for (n, rate, latency, size), schemes in _points(rows).items():
+        if n != hosts or size != size_mb:
+            continue
+        best = min(schemes, key=lambda k: schemes[k]["measured_s"])
+        y = max(latency, 0.012)  # the 0 ms points sit at the link's own latency
+        ax.scatter([rate], [y], s=120, color=colors[SCHEMES.index(best)], edgecolor="black", zorder=3)
+    for k, name in enumerate(SCHEMES):
+        ax.scatter([], [], color=colors[k], edgecolor="black", label=f"{name} (measured best: dots)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bandwidth per host (Mbit/s)")
+    ax.set_ylabel("one-way latency (ms)")
+    ax.set_title(f"Predicted fastest exchange, N = {hosts}, S = {size_mb:g} MB (areas); measured (dots)")
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "advisor_map.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        rank, n, sizes, repeats, port, out = sys.argv[2:8]
+        worker(int(rank), int(n), [float(s) for s in sizes.split(",")], int(repeats), int(port), out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--rates-mbit", type=float, nargs="+", default=[100.0, 1000.0])
+    parser.add_argument("--latencies-ms", type=float, nargs="+", default=[0.0, 1.0, 10.0, 50.0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0, 16.0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--report", action="store_true", help="only rewrite the tables and plot from the JSON")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.report:
+        saved = json.loads((out / "advisor_validation.json").read_text())
+        rows, command = saved["rows"], saved["command"]
+    else:
+        if os.geteuid() != 0:
+            sys.exit("benchmarks.advisor_validation needs root (network namespaces and tc)")
+        if args.quick:
+            args.hosts, args.rates_mbit, args.latencies_ms, args.sizes_mb = [3], [1000.0], [0.0, 10.0], [4.0]
+        rows = []
+        command = command_line()
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in args.hosts:
+                for rate in args.rates_mbit:
+                    for latency in args.latencies_ms:
+                        measured = measure(n, rate, latency, args.sizes_mb, args.repeats, Path(tmp))
+                        print(json.dumps(measured), flush=True)
+                        rows += measured
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "advisor_validation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    text = "\n".join([f"Command: `{command}`  ", *report_lines(rows)]) + "\n"
+    (out / "advisor_validation.md").write_text(text)
+    print(text, end="")
+    plot_map(rows, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Train a small model with ``CommMonitor`` and a CSV logger; rank 0 saves, per step, the strategy's own byte
+counters and the monitor's summary (run by tests/test_monitor.py as a subprocess)."""
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+import lightning_dp
+from lightning_dp import CommMonitor
+from tests.scripts.models import RegressionModel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--strategy", default="ring_allreduce")
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--intra-node", choices=["shm", "ring"], default=None)
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+
+class CounterRecord(L.Callback):
+    """The strategy's counters after each optimizer step (after CommMonitor's hook: it comes later in the list)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = getattr(trainer.strategy, "sync_stats", None)
+        if stats is not None:
+            self.steps.append(list(stats.last_step_bytes))
+
+
+strategy = args.strategy
+if strategy == "ddp":  # the model has a branch that only some batches use
+    strategy = "ddp_find_unused_parameters_true"
+if args.intra_node is not None:
+    classes = {"ring_allreduce": lightning_dp.RingAllReduceStrategy,
+               "parameter_server": lightning_dp.ParameterServerStrategy,
+               "sharded_ps": lightning_dp.ShardedParameterServerStrategy}  # fmt: skip
+    strategy = classes[strategy](intra_node=args.intra_node)
+monitor, record = CommMonitor(), CounterRecord()
+torch.manual_seed(0)
+trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                    logger=CSVLogger(args.out, name="csv"), callbacks=[monitor, record], log_every_n_steps=1,
+                    enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                    limit_val_batches=0)  # fmt: skip
+trainer.fit(RegressionModel(8, "sgd"))
+if trainer.global_rank == 0:
+    assert monitor.summary is not None
+    summary = dataclasses.asdict(monitor.summary)
+    Path(args.out, "result.json").write_text(json.dumps({
+        "counters": record.steps, "summary": summary, "log_dir": trainer.logger.log_dir,
+        "full_gradients": getattr(trainer.strategy, "full_gradients", None),
+    }))  # fmt: skip

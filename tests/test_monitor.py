@@ -1,0 +1,49 @@
+"""``CommMonitor``: its values are the strategies' own counters, they reach the CSV logger, and the summary puts
+the cost model's prediction beside them."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import run_script
+
+pytestmark = pytest.mark.multiprocess
+
+CASES = [("ring_allreduce", "shm"), ("parameter_server", "ring"), ("sharded_ps", "ring"), ("ddp", None)]
+
+
+def _csv_rows(log_dir: str) -> list[dict]:
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row.get("comm/bytes_sent")]
+
+
+@pytest.mark.parametrize("strategy, intra_node", CASES, ids=[c[0] for c in CASES])
+def test_monitor_logs_the_strategys_counters_and_the_prediction(tmp_path, strategy, intra_node):
+    steps = 4
+    args = ["--strategy", strategy, "--steps", str(steps), "--out", str(tmp_path)]
+    run_script("monitor", *args, *(["--intra-node", intra_node] if intra_node else []), timeout=240)
+    result = json.loads((tmp_path / "result.json").read_text())
+    rows = _csv_rows(result["log_dir"])
+    assert [int(r["step"]) for r in rows] == list(range(steps))
+    summary = result["summary"]
+    assert summary["steps"] == steps
+    logged = [(float(r["comm/bytes_sent"]), float(r["comm/bytes_received"])) for r in rows]
+    if strategy == "ddp":  # bytes from the model's size: the ring's 2 (N - 1) / N of the gradients
+        assert all(sent == received > 0 for sent, received in logged)
+        assert summary["measured"]["seconds"] is None and summary["predicted"]["seconds"] > 0
+        return
+    # the monitor reads the counters, not the model; and adds nothing that reads gradients (the servers would send
+    # the averaged gradients back)
+    assert logged == [tuple(map(float, c)) for c in result["counters"]]
+    assert result["full_gradients"] is False or strategy == "ring_allreduce"
+    for r in rows:
+        assert float(r["comm/seconds"]) > 0 and float(r["comm/exposed_seconds"]) >= 0
+        assert float(r["comm/bandwidth_MBps"]) > 0
+    predicted = summary["predicted"]
+    measured = summary["measured"]
+    # the model's per-rank bytes: exact up to whole elements per chunk
+    assert predicted["bytes_sent"] == pytest.approx(measured["bytes_sent"], abs=64)
+    assert predicted["bytes_received"] == pytest.approx(measured["bytes_received"], abs=64)
+    assert predicted["seconds"] > 0 and summary["link"]["bandwidth"] > 0
