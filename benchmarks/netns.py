@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 from contextlib import contextmanager
+from pathlib import Path
 
 SUBNET = "10.77.0"
 PREFIX = "lddp"
@@ -101,80 +102,38 @@ def emulated_hosts(
 # ---------------------------------------------------------------------------------------------------- delayed links
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
-#: a large MTU keeps the packet rate (and the switch's per-packet work) low at 1 Gbit/s
-TUN_MTU = 65000
+#: jumbo frames, as clusters use; larger ones (up to 64 KB) made several concurrent flows slower through the switch
+TUN_MTU = 9000
 
 
-class DelaySwitch:
-    """A switch in user space between ``n`` hosts' TUN devices: every packet waits for its sender's uplink and its
-    receiver's downlink (each ``rate`` bytes/s, one packet at a time), then ``delay`` seconds on the wire, and is
-    dropped when it would wait more than ``queue`` seconds for a link (a switch port's buffer). For kernels without
-    the netem qdisc; the hosts' address ``SUBNET.(i + 1)`` goes to host ``i``."""
+SWITCH_SOURCE = Path(__file__).with_name("delay_switch.c")
 
-    def __init__(self, fds: list[int], rate: float, delay: float, queue: float = 0.2) -> None:
-        self.fds, self.rate, self.delay, self.queue = fds, rate, delay, queue
-        self.stopped = False
-        self.dropped = 0
 
-    def run(self) -> None:
-        import heapq
-        import select
-        import time
-
-        uplink_free = [0.0] * len(self.fds)
-        downlink_free = [0.0] * len(self.fds)
-        pending: list[tuple[float, int, int, bytes]] = []  # (deliver at, sequence, host, packet)
-        sequence = 0
-        index = {fd: i for i, fd in enumerate(self.fds)}
-        while not self.stopped:
-            now = time.monotonic()
-            while pending and pending[0][0] <= now:
-                _, _, host, packet = heapq.heappop(pending)
-                try:
-                    os.write(self.fds[host], packet)
-                except OSError:
-                    self.dropped += 1
-            wait = min(0.05, max(0.0, pending[0][0] - now)) if pending else 0.05
-            readable, _, _ = select.select(self.fds, [], [], wait)
-            now = time.monotonic()
-            for fd in readable:
-                source = index[fd]
-                for _ in range(64):
-                    try:
-                        packet = os.read(fd, TUN_MTU + 64)
-                    except BlockingIOError:
-                        break
-                    if len(packet) < 20 or packet[0] >> 4 != 4:
-                        continue  # IPv4 only
-                    target = packet[19] - 1
-                    if not 0 <= target < len(self.fds) or target == source:
-                        continue
-                    seconds = len(packet) / self.rate
-                    up_done = max(now, uplink_free[source]) + seconds
-                    down_start = max(up_done, downlink_free[target])
-                    if up_done - now > self.queue or down_start - up_done > self.queue:
-                        self.dropped += 1
-                        continue
-                    uplink_free[source] = up_done
-                    downlink_free[target] = down_start + seconds
-                    sequence += 1
-                    heapq.heappush(pending, (down_start + seconds + self.delay, sequence, target, packet))
+def _switch_binary(directory: str) -> str:
+    """Compile the delay switch (benchmarks/delay_switch.c) into ``directory``."""
+    binary = os.path.join(directory, "delay_switch")
+    sh("gcc", "-O2", "-o", binary, str(SWITCH_SOURCE))
+    return binary
 
 
 @contextmanager
-def delayed_hosts(n: int, rate_mbit: float, latency_ms: float, tcp: dict[str, str] | None = None):
-    """``n`` hosts like :func:`emulated_hosts`, joined by a :class:`DelaySwitch` instead of a bridge: every link
-    carries ``rate_mbit`` each way and a packet takes ``latency_ms`` one way from host to host (plus its time on
-    the two links). Works without the netem qdisc."""
+def delayed_hosts(
+    n: int, rate_mbit: float, latency_ms: float, tcp: dict[str, str] | None = None, queue_ms: float = 200.0
+):
+    """``n`` hosts like :func:`emulated_hosts`, joined by a switch process (benchmarks/delay_switch.c, compiled
+    with gcc) instead of a bridge: every link carries ``rate_mbit`` each way, a packet takes ``latency_ms`` one way
+    from host to host (plus its time on the two links) and waits at most ``queue_ms`` for a link. Works without the
+    netem qdisc."""
     import fcntl
     import struct
-    import threading
+    import tempfile
 
     _remove_leftovers()
     created, fds = [], []
     switch = None
-    thread = None
+    build = tempfile.TemporaryDirectory()
     try:
+        binary = _switch_binary(build.name)
         for i in range(n):
             ns = host_ns(i)
             sh("ip", "netns", "add", ns)
@@ -191,16 +150,15 @@ def delayed_hosts(n: int, rate_mbit: float, latency_ms: float, tcp: dict[str, st
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             for key, value in (tcp or {}).items():
                 sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
-        switch = DelaySwitch(fds, rate_mbit * 1e6 / 8, latency_ms / 1e3)
-        thread = threading.Thread(target=switch.run, name="delay-switch", daemon=True)
-        thread.start()
+        args = [str(rate_mbit * 1e6 / 8), str(latency_ms / 1e3), str(queue_ms / 1e3), *map(str, fds)]
+        switch = subprocess.Popen([binary, *args], pass_fds=fds)
         yield [host_ns(i) for i in range(n)]
     finally:
         if switch is not None:
-            switch.stopped = True
-        if thread is not None:
-            thread.join(timeout=5)
+            switch.kill()
+            switch.wait()
         for fd in fds:
             os.close(fd)
         for ns in reversed(created):
             sh("ip", "netns", "del", ns, check=False)
+        build.cleanup()

@@ -90,6 +90,10 @@ class CommMonitor(Callback):
     # ------------------------------------------------------------------ set-up
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._cost = None
+        if trainer.world_size == 1:  # one process synchronizes nothing
+            self.summary = None
+            return
         strategy = trainer.strategy
         scheme, wire, plain = self._model_of(trainer, pl_module)
         measured = self.link is None
@@ -135,7 +139,7 @@ class CommMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        metrics = self._step_metrics(trainer)
+        metrics = self._step_metrics(trainer) if self._cost is not None else None
         if metrics is None:
             return
         self._steps += 1

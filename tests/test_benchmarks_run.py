@@ -3,6 +3,7 @@ asserted here)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -98,3 +99,22 @@ def test_straggler_benchmark_runs_one_setting(tmp_path):
     assert row["expected_step_s"] == pytest.approx(0.01 + 0.2 * 0.04)
     assert expected_step("sync", "transient", 0.01, 0.04, 2) == pytest.approx(0.01 + (1 - 0.8**2) * 0.04)
     assert "| mlp | 2 | transient | async |" in "\n".join(throughput_report([row]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@skip_without_netns
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the delay switch of the emulated hosts is compiled with gcc")
+def test_advisor_validation_runs_on_delayed_links_and_cleans_up(tmp_path):
+    out = run(["-m", "benchmarks.advisor_validation", "--hosts", "2", "--rates-mbit", "1000", "--latencies-ms", "5",
+               "--sizes-mb", "1", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "advisor_validation.json").read_text())["rows"]
+    assert {r["scheme"] for r in rows} == {"ring_allreduce", "parameter_server", "sharded_ps"}
+    # the switch delays every packet: the ping-pong measures the 5 ms (plus the software's own fraction of a ms)
+    assert 0.005 <= rows[0]["latency_s"] < 0.007
+    # a ring of two ranks: two message rounds at least, so never under 10 ms
+    assert next(r for r in rows if r["scheme"] == "ring_allreduce")["measured_s"] >= 0.01
+    assert "| N | rate | latency |" in (tmp_path / "advisor_validation.md").read_text()
+    assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                .splitlines() if line.startswith("lddp-")]  # fmt: skip
