@@ -51,10 +51,12 @@ class Measured:
     optimizer_state_bytes: int
     link: Link
     link_source: str
+    #: forward-backward passes per optimizer step (``accumulate_grad_batches``)
+    micro_batches: int = 1
 
     @property
     def compute_seconds(self) -> float:
-        return self.forward_seconds + self.backward_seconds + self.optimizer_seconds
+        return self.micro_batches * (self.forward_seconds + self.backward_seconds) + self.optimizer_seconds
 
 
 @dataclass
@@ -162,10 +164,11 @@ def _options(scheme: Scheme) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- what runs
 def candidate_schemes(topology: Topology, cpu: bool = True) -> list[Scheme]:
-    """Every strategy with every option setting that changes its cost on ``topology``."""
+    """Every strategy with every option setting that changes its cost on ``topology``; on GPUs (``cpu=False``)
+    without shared memory and staleness, which run on CPUs only."""
     several_per_node = topology.ranks_per_node > 1
     several_nodes = topology.num_nodes > 1
-    intra = ["shm", "ring"] if several_per_node else ["shm"]
+    intra = ["shm", "ring"] if several_per_node and cpu else ["ring"] if several_per_node else ["shm"]
     schemes = [Scheme("ddp")]
     for strategy in ("ring_allreduce", "parameter_server", "sharded_ps"):
         for intra_node in intra:
@@ -173,8 +176,8 @@ def candidate_schemes(topology: Topology, cpu: bool = True) -> list[Scheme]:
                 scheme = Scheme(strategy, intra_node, compression)
                 if compression != "none" and scheme.uses_shared_memory(topology) and not several_nodes:
                     continue  # nothing crosses a network: the strategy runs uncompressed
-                if strategy != "ring_allreduce" and scheme.uses_shared_memory(topology) and several_nodes:
-                    continue  # the servers use shared memory on one machine only (sockets otherwise: "ring")
+                if strategy != "ring_allreduce" and intra_node == "ring" and several_nodes:
+                    continue  # across machines the servers use sockets whatever intra_node says: the same run
                 schemes.append(scheme)
         if strategy != "ring_allreduce" and cpu:
             schemes += [Scheme(strategy, staleness=1), Scheme(strategy, staleness=None)]
@@ -276,6 +279,9 @@ def measure_compute(module: nn.Module, batch: Any, repeats: int = 3) -> tuple[fl
     whose output's mean is the loss. Works on a copy: ``module`` is left as it was."""
     import copy
 
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ValueError("advise measures compute from training_step's loss, which a module with manual optimization "
+                         "does not return: pass measured=Measured(...) with its times instead")  # fmt: skip
     model = copy.deepcopy(module)
     model.train()
     step = getattr(model, "training_step", None)
@@ -317,15 +323,19 @@ def advise(
     schemes: Iterable[Scheme] | None = None,
     cpu: bool = True,
     measured: Measured | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> Advice:
     """Predict every scheme for ``module`` trained on batches like ``batch`` (one rank's) by ``num_nodes`` machines
     of ``ranks_per_node`` ranks, and rank them by predicted step time (compute plus the communication the step
     waits for). ``link``: the network between machines; default: measured (inside a process group: over it,
-    between rank 0 and the last rank; otherwise by two processes of this machine). ``measured``: skip every
-    measurement (a prediction from known numbers)."""
+    between rank 0 and the last rank, so every rank must call ``advise``; otherwise by two processes of this
+    machine). Compute is measured on the CPU. ``cpu=False``: the ranks train on GPUs (no shared-memory transports,
+    no staleness). ``measured``: skip every measurement (a prediction from known numbers)."""
     topology = Topology(num_nodes, ranks_per_node)
     buckets = _buckets(module, bucket_cap_mb)
     notes = []
+    if not cpu:
+        notes.append("compute was measured on this machine's CPU: the step times use CPU compute")
     if measured is None:
         forward, backward, step, state = measure_compute(module, batch)
         source = "given"
@@ -334,7 +344,8 @@ def advise(
             if num_nodes > 1 and source != "measured over the process group":
                 notes.append("the link was measured between two processes of this machine; between machines pass "
                              "latency_ms and bandwidth_mbit")  # fmt: skip
-        measured = Measured([b.nbytes for b in buckets], forward, backward, step, state, link, source)
+        measured = Measured([b.nbytes for b in buckets], forward, backward, step, state, link, source,
+                            accumulate_grad_batches)  # fmt: skip
     compressed, plain = wires(buckets)
     candidates = list(schemes) if schemes is not None else candidate_schemes(topology, cpu)
     predictions = predict(candidates, topology, measured.link, compressed, plain, measured.compute_seconds,
@@ -352,7 +363,8 @@ def _measure_link() -> tuple[Link, str]:
     from lightning_dp.comm.probe import measure_link, measure_this_machine
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return measure_link(), "measured over the process group"
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        return measure_link(device=device), "measured over the process group"
     return measure_this_machine(), "measured between two processes of this machine"
 
 
@@ -385,7 +397,10 @@ def _main(argv: list[str]) -> None:
             if cfg.latency_ms is None or cfg.bandwidth_mbit is None:
                 raise SystemExit("give both latency_ms and bandwidth_mbit (or neither: measured)")
             link = Link(float(cfg.latency_ms) / 1e3, float(cfg.bandwidth_mbit) * 1e6 / 8)
-        advice = advise(module, batch, nodes, devices, link, cpu=cfg.trainer.accelerator == "cpu")
+        cpu = cfg.trainer.accelerator == "cpu" or (cfg.trainer.accelerator == "auto" and not torch.cuda.is_available())
+        advice = advise(module, batch, nodes, devices, link, cpu=cpu,
+                        bucket_cap_mb=float(cfg.strategy.get("bucket_cap_mb", BUCKET_CAP_MB)),
+                        accumulate_grad_batches=int(cfg.trainer.get("accumulate_grad_batches", 1)))  # fmt: skip
         print(advice.to_json() if as_json else advice.table())
 
     run()

@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_dp.comm.buckets import assign_buckets
 from lightning_dp.comm.cost import Link, Scheme, StepCost, Topology, Wire, rank_traffic, step_cost
 from lightning_dp.comm.probe import measure_link
+from lightning_dp.comm.stats import SyncStats
 from lightning_dp.strategies.base import DataParallelStrategy
 
 #: the metrics logged per optimizer step, under the monitor's prefix
@@ -64,8 +65,10 @@ class CommMonitor(Callback):
     Lightning's ``ddp`` the bytes come from the model's size (the ring all-reduce's ``2 (N - 1) / N`` of the
     gradients); its communication runs inside ``DistributedDataParallel`` and is not timed.
 
-    At the start of training the ranks measure their link with a short ping-pong (:func:`measure_link`) unless
-    ``link`` is given; at the end rank 0 prints :class:`CommSummary` (also in :attr:`summary` on every rank).
+    Values are means per optimizer step over the steps a batch closed (several with several optimizers). At the start
+    of training the ranks measure their link with a short ping-pong (:func:`measure_link`, a collective: give every
+    rank the callback) unless ``link`` is given; at the end rank 0 prints :class:`CommSummary` (also in
+    :attr:`summary` on every rank).
 
     Args:
         link: the network to predict for, instead of measuring it.
@@ -84,7 +87,7 @@ class CommMonitor(Callback):
         self._steps = 0
         self._last_global_step = 0
         self._totals: dict[str, float] = {}
-        self._baseline: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._baseline: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)
         self._backward_start = 0.0
 
     # ------------------------------------------------------------------ set-up
@@ -103,7 +106,7 @@ class CommMonitor(Callback):
         if isinstance(strategy, DataParallelStrategy):
             self._predicted_bytes = strategy.predicted_step_bytes()
             stats = strategy.sync_stats
-            self._baseline = (stats.comm_seconds, stats.exposed_comm_seconds, stats.backward_seconds)
+            self._baseline = self._totals_of(stats)
             self._steps_seen = stats.steps
         else:
             self._predicted_bytes = rank_traffic(scheme, trainer.world_size, plain.total, trainer.global_rank)
@@ -126,7 +129,7 @@ class CommMonitor(Callback):
     def _measure(self, trainer: pl.Trainer) -> Link:
         strategy = trainer.strategy
         group = strategy.gradient_group if isinstance(strategy, DataParallelStrategy) else None
-        return measure_link(group, device=strategy.root_device, one_machine=trainer.num_nodes == 1)
+        return measure_link(group, device=strategy.root_device)
 
     # ------------------------------------------------------------------ per step
     # no gradient hook here (on_after_backward, ...): the parameter servers would send the averaged gradients back
@@ -142,41 +145,48 @@ class CommMonitor(Callback):
         metrics = self._step_metrics(trainer) if self._cost is not None else None
         if metrics is None:
             return
-        self._steps += 1
+        steps = int(metrics.pop("steps"))
+        self._steps += steps
         for name, value in metrics.items():
-            self._totals[name] += value
+            self._totals[name] += value * steps
         logged = {f"{self.prefix}{name}": value for name, value in metrics.items() if name in METRICS}
         pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
+    @staticmethod
+    def _totals_of(stats: SyncStats) -> tuple[float, ...]:
+        return (*stats.steps_bytes, stats.comm_seconds, stats.exposed_comm_seconds, stats.backward_seconds)
+
     def _step_metrics(self, trainer: pl.Trainer) -> dict[str, float] | None:
-        """This step's values, or ``None`` when no optimizer step closed since the last call (accumulation)."""
+        """The mean per optimizer step of the steps this batch closed (several with several optimizers; none while
+        gradients accumulate, then ``None``), and their number under ``"steps"``."""
         strategy = trainer.strategy
         if isinstance(strategy, DataParallelStrategy):
             stats = strategy.sync_stats
-            if stats.steps == self._steps_seen:
+            steps = stats.steps - self._steps_seen
+            if steps <= 0:
                 return None
             self._steps_seen = stats.steps
-            comm, exposed, backward = self._baseline
-            self._baseline = (stats.comm_seconds, stats.exposed_comm_seconds, stats.backward_seconds)
-            sent, received = stats.last_step_bytes
-            seconds = stats.comm_seconds - comm
+            now = self._totals_of(stats)
+            sent, received, seconds, exposed, backward = (b - a for a, b in zip(self._baseline, now))
+            self._baseline = now
             metrics = {
-                "bytes_sent": float(sent),
-                "bytes_received": float(received),
-                "seconds": seconds,
-                "exposed_seconds": stats.exposed_comm_seconds - exposed,
+                "bytes_sent": sent / steps,
+                "bytes_received": received / steps,
+                "seconds": seconds / steps,
+                "exposed_seconds": exposed / steps,
                 "bandwidth_MBps": sent / seconds / 1e6 if seconds > 0 else 0.0,
-                "backward": stats.backward_seconds - backward,
+                "backward": backward / steps,
             }
         else:
-            if trainer.global_step == self._last_global_step:
+            steps = trainer.global_step - self._last_global_step
+            if steps <= 0:
                 return None
             assert self._predicted_bytes is not None
             # backward and the optimizer step: an upper bound of the time backward could hide communication in
             metrics = {"bytes_sent": self._predicted_bytes[0], "bytes_received": self._predicted_bytes[1],
-                       "backward": time.perf_counter() - self._backward_start}  # fmt: skip
+                       "backward": (time.perf_counter() - self._backward_start) / steps}  # fmt: skip
         self._last_global_step = trainer.global_step
-        return metrics
+        return {**metrics, "steps": float(steps)}
 
     # ------------------------------------------------------------------ the summary
     @override

@@ -89,7 +89,7 @@ def _shape(value):
 @pytest.mark.multiprocess
 def test_the_command_runs_offline_in_well_under_a_minute_with_stable_json():
     measured, seconds = _advise("model=reference_cnn", "trainer.devices=4", "trainer.num_nodes=2")
-    assert seconds < 45
+    assert seconds < 50
     assert measured["measured"]["link"]["source"].startswith("measured between two processes")
     assert measured["notes"]  # a link measured on one machine for two machines is said to be so
     given, _ = _advise("model=reference_cnn", "trainer.devices=4", "trainer.num_nodes=2", "latency_ms=10",

@@ -112,7 +112,7 @@ def test_advisor_validation_runs_on_delayed_links_and_cleans_up(tmp_path):
     rows = json.loads((tmp_path / "advisor_validation.json").read_text())["rows"]
     assert {r["scheme"] for r in rows} == {"ring_allreduce", "parameter_server", "sharded_ps"}
     # the switch delays every packet: the ping-pong measures the 5 ms (plus the software's own fraction of a ms)
-    assert 0.005 <= rows[0]["latency_s"] < 0.007
+    assert 0.005 <= rows[0]["latency_s"] < 0.010
     # a ring of two ranks: two message rounds at least, so never under 10 ms
     assert next(r for r in rows if r["scheme"] == "ring_allreduce")["measured_s"] >= 0.01
     assert "| N | rate | latency |" in (tmp_path / "advisor_validation.md").read_text()

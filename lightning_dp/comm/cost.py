@@ -229,8 +229,9 @@ def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | No
             rounds, network = _ring(m, s_w, k * wire.passes) if m > 1 else (0, 0.0)
             copies = 2 * (local - 1) / local * s
             return (Phase("gradients", rounds, network, copies, overlaps_backward=True, local_rounds=2 * k),)
+        # over sockets; on one machine the "link" is its loopback (as a ping-pong there measures it)
         rounds, network = _ring(n, s_w, k * wire.passes)
-        return (Phase("gradients", rounds, network if m > 1 else 0.0, network if local > 1 else 0.0, True),)
+        return (Phase("gradients", rounds, network, overlaps_backward=True),)
     if scheme.num_servers:
         return _dedicated_phases(scheme, topology, s)
     if scheme.uses_shared_memory(topology):  # one node: every exchange is a copy
@@ -239,10 +240,12 @@ def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | No
         if scheme.full_gradients:
             phases.append(Phase("averaged gradients", 0, 0.0, copied_back, overlaps_backward=True, local_rounds=k))
         return (*phases, Phase("vote", 1, 0.0), Phase("weights", 0, 0.0, copied_back, local_rounds=k))
+    # sockets; on one machine every exchange goes over its loopback, priced as the link; across machines the hops
+    # inside a machine run beside the network's, at the copy rate
     if scheme.strategy == "parameter_server":  # the server's machine receives from (and sends to) every other rank
-        per_link, per_copy = (float(n - local) if m > 1 else 0.0), float(local - 1)
+        per_link, per_copy = (float(n - local), float(local - 1)) if m > 1 else (float(n - 1), 0.0)
     else:  # each rank exchanges 1 / N of the buckets with every other rank
-        per_link, per_copy = (local * (n - local) / n if m > 1 else 0.0), (local - 1) / n
+        per_link, per_copy = (local * (n - local) / n, (local - 1) / n) if m > 1 else ((n - 1) / n, 0.0)
     weights = s_w if wire.weights_compressed else s
     if scheme.staleness != 0:  # each worker pushes all its buckets in one message after backward, then pulls
         return (Phase("gradients", 1, per_link * s, per_copy * s), Phase("weights", 1, per_link * s, per_copy * s))
@@ -286,7 +289,9 @@ def rank_traffic(
     """``(sent, received)`` bytes rank ``rank`` counts for one synchronized step on one machine's sockets or
     shared memory (``scheme.intra_node``), uncompressed, with ``bucket_bytes`` of buckets of which ``flag_bytes``
     are used-flags. Shared memory counts as received the bytes a rank copies out of memory a peer wrote, and as
-    sent the bytes of its own writes that peers copy. Up to the rounding of chunks and shards to whole elements."""
+    sent the bytes of its own writes that peers copy. Up to the rounding of chunks and shards to whole elements,
+    and for ``sharded_ps`` through shared memory up to ``(N - 1) F`` more sent by the ranks whose slice of the
+    buffer holds the flags (every rank reads every flag)."""
     n, s = world_size, bucket_bytes
     if n == 1:
         return 0.0, 0.0

@@ -49,14 +49,13 @@ def measure_link(
     device: torch.device | str = "cpu",
     repeats: int = 20,
     nbytes: int = PROBE_BYTES,
-    one_machine: bool = False,
 ) -> Link:
     """Collective over ``group``: group rank 0 and ``peer`` (default the last rank: on another machine whenever
     the ranks span several, as they are numbered machine by machine) ping-pong a 4-byte message ``repeats`` times
     (latency: half the median round trip) and an ``nbytes`` message three times (bandwidth: ``nbytes`` over half
     the fastest round trip less the latency); rank 0 also times a memory copy. Every rank returns the same
-    :class:`Link`. A group of one rank measures only the copy (latency 0, bandwidth that of the copy). With
-    ``one_machine`` (every rank on this machine) the latency measured is also the local one."""
+    :class:`Link`. A group of one rank measures only the copy (latency 0, bandwidth that of the copy). On one
+    machine the link measured is its loopback."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     local = copy_bandwidth(device=device) if rank == 0 else 0.0
     if size == 1:
@@ -73,8 +72,6 @@ def measure_link(
     values = torch.tensor([latency, bandwidth, local], dtype=torch.float64, device=device)
     dist.broadcast(values, group=group, group_src=0)
     latency, bandwidth, local = values.tolist()
-    if one_machine:
-        return Link(latency, bandwidth, local, local_latency=latency)
     return Link(latency, bandwidth, local)
 
 
@@ -82,7 +79,7 @@ def _probe_worker(rank: int, port: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        link = measure_link(one_machine=True)
+        link = measure_link()
         if rank == 0:
             results.put((link.latency, link.bandwidth, link.local_bandwidth))
     finally:
@@ -92,6 +89,7 @@ def _probe_worker(rank: int, port: int, results: Any) -> None:
 def measure_this_machine(timeout: float = 60.0) -> Link:
     """:func:`measure_link` between two processes this function starts on this machine (gloo over loopback): the
     link its ranks would use among themselves, without a process group of the caller's."""
+    import queue
     import socket
 
     import torch.multiprocessing as mp
@@ -106,9 +104,15 @@ def measure_this_machine(timeout: float = 60.0) -> Link:
         p.start()
     try:
         latency, bandwidth, local = results.get(timeout=timeout)
+    except queue.Empty:
+        codes = [p.exitcode for p in processes]
+        raise RuntimeError(
+            f"the link probe's two processes on this machine gave no answer within {timeout:g} s "
+            f"(exit codes {codes}); pass the link instead (latency and bandwidth)"
+        ) from None
     finally:
         for p in processes:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return Link(latency, bandwidth, local, local_latency=latency)
+    return Link(latency, bandwidth, local)

@@ -44,6 +44,8 @@ class SyncStats(CommStats):
     bucket_bytes: int = 0
     #: ``(sent, received)`` bytes of gradient and weight traffic this rank moved for the last optimizer step
     last_step_bytes: tuple[int, int] = (0, 0)
+    #: ``(sent, received)`` bytes of every closed step so far
+    steps_bytes: tuple[int, int] = (0, 0)
     #: seconds of gradient / weight communication so far, and the part of it the training loop waited for (the
     #: rest ran hidden behind backward)
     comm_seconds: float = 0.0
@@ -57,6 +59,10 @@ class SyncStats(CommStats):
         """Close a step: its bytes become :attr:`last_step_bytes`; ``comm_seconds`` of communication ran, of which
         the training loop waited ``waited_seconds``."""
         self.last_step_bytes = self.reset()
+        self.steps_bytes = (
+            self.steps_bytes[0] + self.last_step_bytes[0],
+            self.steps_bytes[1] + self.last_step_bytes[1],
+        )
         self.comm_seconds += comm_seconds
         self.exposed_comm_seconds += waited_seconds
         self.steps += 1

@@ -382,10 +382,14 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """The codec that runs (``"none"`` where nothing crosses a network, see :meth:`_make_codec`)."""
         return self.codec.name if type(self.codec) is not Codec else "none"
 
+    def _synchronized_buckets(self) -> list[GradientBucket]:
+        """The gradient buckets this run synchronizes (set up by ``fit``)."""
+        assert self.reducer is not None, "call it while fitting"
+        return self.reducer.buckets
+
     def wire(self) -> tuple[Wire, Wire]:
         """``(compressed, plain)``: the buckets as they travel between machines and as they are (cost model)."""
-        assert self.reducer is not None, "call it while fitting"
-        buckets = self.reducer.buckets
+        buckets = self._synchronized_buckets()
         plain = Wire(tuple(b.nbytes for b in buckets))
         passes = 2 if isinstance(self.codec, PowerSGDCodec) else 1
         compressed = Wire(tuple(self.codec.wire_bytes(b) for b in buckets), passes,

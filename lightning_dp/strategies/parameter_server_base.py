@@ -234,6 +234,12 @@ class ParameterServerBase(DataParallelStrategy):
         return result
 
     @override
+    def _synchronized_buckets(self) -> list[GradientBucket]:
+        if self._stale is not None:  # the reducer is closed: each worker pushes these buckets itself
+            return self._stale.buckets
+        return super()._synchronized_buckets()
+
+    @override
     def cost_scheme(self) -> Scheme:
         scheme = super().cost_scheme()
         if self._dedicated is not None:

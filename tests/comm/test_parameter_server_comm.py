@@ -82,3 +82,30 @@ def test_push_pull_exact_and_byte_counts(world_size):
         mine = (segments[rank][1] - segments[rank][0]) * 4
         assert r["push_shards"] == (numel * 4 - mine, mine * (world_size - 1))
         assert r["pull_shards"] == (mine * (world_size - 1), numel * 4 - mine)
+
+
+def _one_round_sums(rank, world_size):
+    from lightning_dp.comm.parameter_server import sum_everywhere
+    from lightning_dp.comm.ring import Ring, any_rank
+
+    stats = CommStats()
+    votes = torch.tensor([float(rank), 1.0])
+    sum_everywhere(votes, stats=stats)
+    assert votes.tolist() == [sum(range(world_size)), world_size]
+    assert (stats.bytes_sent, stats.bytes_received) == ((world_size - 1) * 8,) * 2
+    ring = Ring()
+    assert any_rank(rank == world_size - 1, ring) and not any_rank(False, ring)
+    # a bucket with fewer elements than ranks (empty shards) still sums its flags on every rank
+    gradients = torch.full((2,), float(rank))
+    flags = torch.tensor([1.0 if rank == 0 else 0.0, 1.0])
+    segments = shard_segments([2], [4], world_size)[0]
+    push_shards(gradients, segments, everywhere=flags)
+    assert flags.tolist() == [1.0, float(world_size)]
+    start, end = segments[rank]
+    assert torch.equal(gradients[start:end], torch.full((end - start,), (world_size - 1) / 2))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sums_everywhere_in_one_round_and_flags_ride_with_the_shards(world_size):
+    run_distributed(_one_round_sums, world_size, timeout=120)

@@ -18,6 +18,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None)
+parser.add_argument("--staleness", type=int, default=None)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -38,11 +39,13 @@ class CounterRecord(L.Callback):
 strategy = args.strategy
 if strategy == "ddp":  # the model has a branch that only some batches use
     strategy = "ddp_find_unused_parameters_true"
-if args.intra_node is not None:
+options = {"intra_node": args.intra_node, "staleness": args.staleness}
+options = {k: v for k, v in options.items() if v is not None}
+if options:
     classes = {"ring_allreduce": lightning_dp.RingAllReduceStrategy,
                "parameter_server": lightning_dp.ParameterServerStrategy,
                "sharded_ps": lightning_dp.ShardedParameterServerStrategy}  # fmt: skip
-    strategy = classes[strategy](intra_node=args.intra_node)
+    strategy = classes[strategy](**options)
 monitor, record = CommMonitor(), CounterRecord()
 torch.manual_seed(0)
 trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,

@@ -31,9 +31,19 @@ TRANSPORTS = {
 
 
 def expected_bytes(strategy, intra_node, n, s, rank, server, flags):
-    """(sent, received) by ``rank`` per step: the cost model's per-rank amounts (what the strategies' monitor and
-    advisor predict)."""
-    return rank_traffic(Scheme(strategy, intra_node), n, s, rank, flags, server)
+    """(sent, received) by ``rank`` per step: the reference post's bandwidth model for sockets (the sharded servers'
+    used-flags go to every peer); through shared memory a rank receives what it copies out of peers' writes and
+    sends what peers copy out of its own."""
+    if strategy == "sharded_ps" and intra_node == "ring":
+        return (2 * (n - 1) / n * (s - flags) + (n - 1) * flags,) * 2
+    if strategy != "parameter_server":
+        return 2 * (n - 1) / n * s, 2 * (n - 1) / n * s  # the ring, and the sharded servers in shared memory
+    if intra_node == "ring":
+        return ((n - 1) * s,) * 2 if rank == server else (s, s)
+    # reduce-scatter ((n - 1) / n S each way), the server reads every other slice, everyone copies its weights
+    if rank == server:
+        return (n - 1) / n * s + (n - 1) * s, 2 * (n - 1) / n * s
+    return (n - 1) / n * s + s / n, (n - 1) / n * s + s
 
 
 @pytest.mark.parametrize(
@@ -56,11 +66,15 @@ def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, opt
     assert s > 0 and all(r["sync_bytes"] == s for r in ranks)
     assert {r["transport"] for r in ranks} == {TRANSPORTS[strategy, intra_node]}
     server = int(extra[1]) if extra else 0
-    # up to the rounding of chunks and shard boundaries to whole elements (4 bytes each, per bucket)
-    slack = 4 * 4 * n * n
+    # up to the rounding of chunks and shard boundaries to whole elements (4 bytes each, per bucket), and in shared
+    # memory the flags the ranks whose slice holds them send to every peer
+    slack = 4 * 4 * n * n + (n - 1) * ranks[0]["flag_bytes"]
     for rank, r in enumerate(ranks):
         want_bytes = expected_bytes(strategy, intra_node, n, s, rank, server, r["flag_bytes"])
-        assert tuple(r["predicted_bytes"]) == pytest.approx(want_bytes)  # what the strategy tells CommMonitor
+        # the cost model (what the strategy tells CommMonitor and advise) is the same model
+        model = rank_traffic(Scheme(strategy, intra_node), n, s, rank, r["flag_bytes"], server)
+        assert tuple(r["predicted_bytes"]) == pytest.approx(model)
+        assert model == pytest.approx(want_bytes)
         for moved, want in zip(r["last_step_bytes"], want_bytes):
             assert abs(moved - want) <= slack, (rank, moved, want)
 
