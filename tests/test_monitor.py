@@ -56,3 +56,17 @@ def test_monitor_logs_the_strategys_counters_and_the_prediction(tmp_path, strate
     # the model's per-rank bytes: exact up to whole elements per chunk
     assert predicted["bytes_sent"] == pytest.approx(measured["bytes_sent"], abs=64)
     assert predicted["bytes_received"] == pytest.approx(measured["bytes_received"], abs=64)
+
+
+def test_several_optimizer_steps_per_batch_are_all_counted(tmp_path):
+    batches = 3
+    run_script("monitor", "--strategy", "ring_allreduce", "--steps", str(2 * batches), "--two-steps-per-batch",
+               "--out", str(tmp_path), timeout=240)  # fmt: skip
+    result = json.loads((tmp_path / "result.json").read_text())
+    summary = result["summary"]
+    assert summary["steps"] == 2 * batches  # max_steps counts optimizer steps
+    rows = _csv_rows(result["log_dir"])
+    assert len(rows) == batches  # one row per batch: the mean of its two steps
+    # every byte of every step, the second steps' none included
+    assert summary["measured"]["bytes_sent"] * summary["steps"] == pytest.approx(result["steps_bytes"][0])
+    assert sum(float(r["comm/bytes_sent"]) for r in rows) * 2 == pytest.approx(result["steps_bytes"][0])

@@ -20,6 +20,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None)
 parser.add_argument("--staleness", type=int, default=None)
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--two-steps-per-batch", action="store_true", help="manual optimization: two optimizer steps")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -52,11 +53,31 @@ trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, 
                     logger=CSVLogger(args.out, name="csv"), callbacks=[monitor, record], log_every_n_steps=1,
                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                     limit_val_batches=0)  # fmt: skip
-trainer.fit(RegressionModel(8, "sgd"))
+
+
+class TwoStepsPerBatch(RegressionModel):
+    """Manual optimization: one backward, then two optimizer steps (the second one moves nothing for the ring)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, "sgd")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.loss(batch))
+        optimizer.step()
+        optimizer.step()
+
+
+trainer.fit(TwoStepsPerBatch() if args.two_steps_per_batch else RegressionModel(8, "sgd"))
 if trainer.global_rank == 0:
     assert monitor.summary is not None
     summary = dataclasses.asdict(monitor.summary)
     Path(args.out, "result.json").write_text(json.dumps({
         "counters": record.steps, "summary": summary, "log_dir": trainer.logger.log_dir,
         "full_gradients": getattr(trainer.strategy, "full_gradients", None),
+        "steps_bytes": list(getattr(trainer.strategy, "sync_stats", None).steps_bytes)
+        if hasattr(trainer.strategy, "sync_stats")
+        else None,
     }))  # fmt: skip
