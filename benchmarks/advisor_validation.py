@@ -23,13 +23,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.netns import IFNAME, LONG_FAT_TCP, SUBNET, delayed_hosts
+from benchmarks.netns import IFNAME, LONG_FAT_TCP, SUBNET, delayed_hosts, run_in_hosts
 from benchmarks.report import command_line, pyplot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +40,7 @@ def worker(rank: int, world_size: int, sizes_mb: list[float], repeats: int, port
     import torch
     import torch.distributed as dist
 
+    from benchmarks.collectives import timed
     from lightning_dp.comm.buckets import GradientBucket, assign_buckets
     from lightning_dp.comm.cost import Scheme, Topology, Wire, step_cost
     from lightning_dp.comm.probe import measure_link
@@ -75,20 +74,10 @@ def worker(rank: int, world_size: int, sizes_mb: list[float], repeats: int, port
                     for bucket in buckets:
                         transport.share(bucket)  # the new weights
 
-            step()  # warm-up: connections, TCP windows
-            samples = []
-            for _ in range(repeats):
-                for b in buckets:
-                    b.buffer.normal_()
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                samples.append(float(elapsed))
+            seconds = timed(step, repeats)  # after a warm-up (connections, TCP windows): the slowest rank's median
             wire = Wire(tuple(b.nbytes for b in buckets))
             cost = step_cost(Scheme(name, intra_node="ring"), Topology(world_size, 1), link, wire)
-            rows.append({"scheme": name, "size_mb": size_mb, "measured_s": statistics.median(samples),
+            rows.append({"scheme": name, "size_mb": size_mb, "measured_s": seconds,
                          "predicted_s": cost.seconds, "rounds": cost.rounds, "buckets": len(buckets)})  # fmt: skip
     if rank == 0:
         measured_link = {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}
@@ -103,37 +92,10 @@ def measure(n: int, rate_mbit: float, latency_ms: float, sizes_mb: list[float], 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     port = 29600 + n
     with delayed_hosts(n, rate_mbit, latency_ms, tcp=LONG_FAT_TCP) as hosts:
-        procs = [
-            subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    sys.executable,
-                    "-m",
-                    "benchmarks.advisor_validation",
-                    "--worker",
-                    str(rank),
-                    str(n),
-                    ",".join(map(str, sizes_mb)),
-                    str(repeats),
-                    str(port),
-                    str(out),
-                ],
-                env=env,
-            )  # fmt: skip
-            for rank, ns in enumerate(hosts)
-        ]
-        try:
-            for p in procs:
-                p.wait(timeout=1200)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+        worker = [sys.executable, "-m", "benchmarks.advisor_validation", "--worker"]
+        sizes = ",".join(map(str, sizes_mb))
+        run_in_hosts([(ns, [*worker, str(rank), str(n), sizes, str(repeats), str(port), str(out)])
+                      for rank, ns in enumerate(hosts)], env, timeout=1200)  # fmt: skip
     result = json.loads(out.read_text())
     base = {"hosts": n, "rate_mbit": rate_mbit, "latency_ms": latency_ms, **result["link"]}
     return [{**base, **row} for row in result["rows"]]

@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, run_in_hosts
 from benchmarks.report import save
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,39 +90,10 @@ def measure(
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the workers import benchmarks.* from any working directory
     world = n * per_host
     with emulated_hosts(n, rate_mbit, delay_ms) as hosts:
-        procs = [
-            subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    sys.executable,
-                    "-m",
-                    "benchmarks.emulated_cluster",
-                    "--worker",
-                    str(host * per_host + local),
-                    str(world),
-                    str(size_mb),
-                    str(repeats),
-                    str(port),
-                    str(out),
-                    str(per_host),
-                ],
-                env=env,
-            )  # fmt: skip
-            for host, ns in enumerate(hosts)
-            for local in range(per_host)
-        ]
-        try:
-            for p in procs:
-                p.wait(timeout=600)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+        worker = [sys.executable, "-m", "benchmarks.emulated_cluster", "--worker"]
+        run_in_hosts([(ns, [*worker, str(host * per_host + local), str(world), str(size_mb), str(repeats), str(port),
+                            str(out), str(per_host)])
+                      for host, ns in enumerate(hosts) for local in range(per_host)], env, timeout=600)  # fmt: skip
     measured = json.loads(out.read_text())
     s, b, d = size_mb * 2**20, rate_mbit * 1e6 / 8, delay_ms / 1e3
     if per_host > 1:

@@ -162,3 +162,18 @@ def delayed_hosts(
         for ns in reversed(created):
             sh("ip", "netns", "del", ns, check=False)
         build.cleanup()
+
+
+def run_in_hosts(commands: list[tuple[str, list[str]]], env: dict[str, str], timeout: float) -> None:
+    """Run each ``(namespace, argv)`` inside its namespace at once and wait for all (at most ``timeout`` seconds
+    each); kill what is left on any failure, and raise naming the exit codes if any command failed."""
+    procs = [subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env) for ns, argv in commands]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
