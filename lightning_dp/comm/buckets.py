@@ -23,6 +23,7 @@ buckets before anything reads them (the ordering DDP's reducer uses).
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -103,6 +104,16 @@ class GradientBucket:
         buffer.copy_(self.buffer)
         self.buffer = buffer
         self.flags = buffer[self.grad_numel :]
+
+    def mirrored(self, buffer: Tensor) -> GradientBucket:
+        """This bucket's layout (index, parameters, slices, flags) over ``buffer`` instead of its own buffer (same
+        length and dtype, e.g. a host copy of a device bucket); this bucket is left as it is."""
+        if buffer.shape != self.buffer.shape or buffer.dtype != self.buffer.dtype:
+            raise ValueError(f"a bucket of {self.buffer.numel()} {self.buffer.dtype} cannot mirror into {buffer.shape}")
+        mirror = copy.copy(self)
+        mirror.buffer = buffer
+        mirror.flags = buffer[self.grad_numel :]
+        return mirror
 
     def holds(self, i: int, grad: Tensor) -> bool:
         """Whether ``grad`` is parameter ``i``'s view into this bucket (a gradient that lives in the bucket)."""

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import NonFiniteGradientError, PeerUnreachableError
+from lightning_dp.comm.peers import is_transport_error
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
 from lightning_dp.comm.stats import CommStats
 
@@ -474,6 +475,8 @@ class StalenessClient:
             if work is not None:
                 work.wait() if timeout is None else work.wait(timeout)
         except Exception as error:
+            if not is_transport_error(error):
+                raise
             raise PeerUnreachableError(
                 f"rank {self.rank} could not {action} its server rank {server} at step {self.clock}: the peer is "
                 "unreachable (it may have died, its link may be down, or it did not answer within the strategy's "

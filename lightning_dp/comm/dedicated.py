@@ -49,10 +49,11 @@ from lightning_dp.comm.cost import trainer_share
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
-from lightning_dp.comm.peers import PeerDirectory
+from lightning_dp.comm.peers import PeerDirectory, is_transport_error
 from lightning_dp.comm.rendezvous import JOB_ID_VARIABLE, JobRecord
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, ShardPiece, hyperparameters
 from lightning_dp.comm.sockets import tcp_sockets
+from lightning_dp.comm.staging import Staging
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports import Transport
 
@@ -177,6 +178,8 @@ class MemberGroup:
         try:
             work.wait(timeout) if timeout is not None else work.wait()
         except Exception as error:
+            if not is_transport_error(error):
+                raise
             raise PeerUnreachableError(
                 f"{self.name(self.rank)} could not {action} {self.name(member)}: the peer is unreachable (it may have "
                 "died, its link may be down, or it did not answer within the timeout). Transport error: "
@@ -189,6 +192,8 @@ class MemberGroup:
         try:
             work.wait(timeout) if timeout is not None else work.wait()
         except Exception as error:
+            if not is_transport_error(error):
+                raise
             lost = self.directory.rank_in(str(error), exclude=self.rank)
             who = self.name(lost) if lost is not None else "a member (the transport error below gives its address)"
             raise PeerUnreachableError(
@@ -333,13 +338,18 @@ class DedicatedServerTransport(Transport):
         self._arriving = {}
         self._pending: list[tuple[dist.Work | None, int, GradientBucket, Segment, Tensor | None]] = []
 
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+    def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         self._buckets = list(buckets)
         self.segments = member_segments(buckets, self.shares, self.whole_parameters)
         self._num_buckets = len(buckets)
         for b in buckets:
             if b.buffer.is_cuda:
                 self._staging[b.index] = torch.empty(b.buffer.shape, dtype=b.buffer.dtype, pin_memory=True)
+
+    def _default_staging(self, buckets: Sequence[GradientBucket]) -> Staging:
+        # the exchanges run on the member group and outlive one call (an armed backward's weights arrive later):
+        # the transport keeps its own pinned host copies (``_staging``)
+        return Staging()
 
     @property
     def crosses_network(self) -> bool:
@@ -377,7 +387,7 @@ class DedicatedServerTransport(Transport):
     def disarm(self) -> None:
         self._eager = None
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         if wire is not None:
             raise ValueError("dedicated servers carry full-precision buckets: use no codec")
         if bucket.index == 0:
@@ -436,14 +446,14 @@ class DedicatedServerTransport(Transport):
                     received[t] = (grads, their_flags)
         return works, received
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         """The owners' averaged gradients (and the combined used-flags, from the bucket's first owner)."""
-        self._share(bucket, TAG_AVERAGED, with_flags=True)
+        self._receive_shares(bucket, TAG_AVERAGED, with_flags=True)
 
     def share_weights(self, bucket: GradientBucket, from_servers: bool = True) -> None:
         """The owners' new weights of ``bucket`` into its gradient region (this trainer packed its own share); only
         the trainers' shares without ``from_servers`` (the servers' came during an armed backward)."""
-        self._share(bucket, TAG_WEIGHTS, with_flags=False, from_servers=from_servers)
+        self._receive_shares(bucket, TAG_WEIGHTS, with_flags=False, from_servers=from_servers)
 
     def share_weights_all(self, buckets: Sequence[GradientBucket], from_servers: bool = True) -> None:
         """:meth:`share_weights` of every bucket at once (all messages in flight together)."""
@@ -457,7 +467,7 @@ class DedicatedServerTransport(Transport):
                 self.members.wait(work, member, action, self.timeout)
             self._from_host(bucket, ranges)
 
-    def _share(self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool = True) -> None:
+    def _receive_shares(self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool = True) -> None:
         self.wait_sent()
         works, ranges = self._start_share(bucket, tag, with_flags, from_servers)
         for work, member, action in works:
@@ -517,7 +527,7 @@ class DedicatedServerTransport(Transport):
                 self._from_host(bucket, [(s, e)])
         return bad
 
-    def all_reduce(self, tensor: Tensor, bucket: GradientBucket) -> None:
+    def _all_reduce(self, tensor: Tensor, bucket: GradientBucket) -> None:
         raise ConfigurationError("dedicated servers run without compression: codecs have no all-reduce there")
 
     # ------------------------------------------------------------------ trainer 0's control messages

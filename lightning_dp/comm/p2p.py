@@ -2,39 +2,68 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import PeerUnreachableError
+from lightning_dp.comm.peers import is_transport_error
+from lightning_dp.comm.staging import moves_host_memory_only
 
 
-def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup | None) -> list[dist.Work | None]:
+class _ThroughHost:
+    """A message of a device tensor over a group that moves host memory only, carried by a host copy: a send's copy
+    is made before it is posted; a receive lands in a host buffer and is copied into the tensor by :meth:`wait`."""
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor | None) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.work.wait() if timeout is None else self.work.wait(timeout)
+        if self.target is not None:
+            self.target.copy_(self.host)
+        return True
+
+
+def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup | None) -> list[Any]:
     """Start ``(kind, tensor, group_peer, tag)`` sends/receives (kind ``"send"`` or ``"recv"``) as one batch and
     return their works in the same order (``None`` for empty tensors, which are skipped on both ends).
 
     One batch lets NCCL run a send and a receive to the same peer together instead of deadlocking on the pair;
-    with gloo it is the same as posting them one by one.
+    with gloo it is the same as posting them one by one. Over gloo, which reads host memory only, a tensor on a
+    device travels through a host copy (its work's ``wait`` copies a received one into place): meant for the few
+    small messages outside the buckets (votes, norms, the link probe); buckets are staged by their transport
+    (:mod:`lightning_dp.comm.staging`).
     """
-    batch, index = [], []
+    host_only = moves_host_memory_only(dist.get_backend(group))
+    batch, index, staged = [], [], {}
     for i, (kind, tensor, peer, tag) in enumerate(ops):
         if tensor.numel():
+            if host_only and tensor.device.type != "cpu":
+                host = tensor.to("cpu") if kind == "send" else torch.empty(tensor.shape, dtype=tensor.dtype)
+                staged[i] = (host, tensor if kind == "recv" else None)
+                tensor = host
             op = dist.irecv if kind == "recv" else dist.isend
             batch.append(dist.P2POp(op, tensor, group=group, tag=tag, group_peer=peer))
             index.append(i)
-    works: list[dist.Work | None] = [None] * len(ops)
+    works: list[Any] = [None] * len(ops)
     if batch:
         for i, work in zip(index, dist.batch_isend_irecv(batch)):
-            works[i] = work
+            works[i] = _ThroughHost(work, *staged[i]) if i in staged else work
     return works
 
 
-def wait_for(work: dist.Work | None, group: dist.ProcessGroup | None, peer: int, action: str) -> None:
-    """Wait for ``work`` (a send to / receive from group rank ``peer``); re-raise failures naming both ranks."""
+def wait_for(work: Any, group: dist.ProcessGroup | None, peer: int, action: str) -> None:
+    """Wait for ``work`` (a send to / receive from group rank ``peer``, from :func:`post`); a lost peer or link is
+    re-raised as :class:`PeerUnreachableError` naming both ranks, any other failure as it is."""
     if work is None:
         return
     try:
         work.wait()
     except Exception as error:  # gloo and NCCL raise RuntimeError subclasses with transport details
+        if not is_transport_error(error):
+            raise
         me = dist.get_rank()
         them = dist.get_global_rank(group, peer) if group is not None else peer  # the default group's ranks are global
         raise PeerUnreachableError(

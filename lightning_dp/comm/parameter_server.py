@@ -29,6 +29,7 @@ values to it, its own copy included, so every rank ends with the same bits.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ def _round_to(tensor: torch.Tensor, wire: torch.dtype | None, residual: torch.Te
         tensor.copy_(rounded)
 
 
-def _wait(works: list[tuple[dist.Work | None, int, str]], group: dist.ProcessGroup | None) -> None:
+def _wait(works: list[tuple[Any, int, str]], group: dist.ProcessGroup | None) -> None:
     for work, peer, action in works:
         wait_for(work, group, peer, action)
 
@@ -111,14 +112,14 @@ def push_gradients(
         return
     if rank != server:
         outgoing = _on_wire(buffer, wire)
-        wait_for(dist.isend(outgoing, group=group, group_dst=server), group, server, "push gradients to")
+        wait_for(post([("send", outgoing, server, 0)], group)[0], group, server, "push gradients to")
         if stats is not None:
             stats.add(sent=_nbytes(outgoing))
         return
     peers = [r for r in range(size) if r != server]
     if scratch is None:
         scratch = [torch.empty_like(buffer, dtype=wire or buffer.dtype) for _ in peers]
-    works = [dist.irecv(scratch[k], group=group, group_src=peer) for k, peer in enumerate(peers)]
+    works = post([("recv", scratch[k], peer, 0) for k, peer in enumerate(peers)], group)
 
     def arriving() -> Iterator[torch.Tensor]:  # in rank order; each add waits only for its own message
         for peer_rank in range(size):
@@ -151,12 +152,13 @@ def pull_weights(
         _round_to(buffer, wire, residual)
         outgoing = _on_wire(buffer, wire)
         peers = [p for p in range(size) if p != server]
-        _wait([(dist.isend(outgoing, group=group, group_dst=p), p, "send weights to") for p in peers], group)
+        sends = post([("send", outgoing, p, 0) for p in peers], group)
+        _wait([(work, p, "send weights to") for work, p in zip(sends, peers)], group)
         if stats is not None:
             stats.add(sent=_nbytes(outgoing) * (size - 1))
     else:
         incoming = _on_wire(buffer, wire)
-        wait_for(dist.irecv(incoming, group=group, group_src=server), group, server, "pull weights from")
+        wait_for(post([("recv", incoming, server, 0)], group)[0], group, server, "pull weights from")
         if incoming is not buffer:
             buffer.copy_(incoming)
         if stats is not None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.cost import Link
+from lightning_dp.comm.p2p import post, wait_for
 
 #: the large message of the bandwidth probe
 PROBE_BYTES = 4 * 2**20
@@ -18,12 +19,11 @@ PROBE_BYTES = 4 * 2**20
 def _round_trip(rank: int, peer: int, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> float:
     """Seconds for ``tensor`` to go from group rank 0 to ``peer`` and back (measured on rank 0)."""
     start = time.perf_counter()
-    if rank == 0:
-        dist.send(tensor, group=group, group_dst=peer)
-        dist.recv(tensor, group=group, group_src=peer)
-    elif rank == peer:
-        dist.recv(tensor, group=group, group_src=0)
-        dist.send(tensor, group=group, group_dst=0)
+    if rank in (0, peer):
+        other = peer if rank == 0 else 0
+        for kind in ("send", "recv") if rank == 0 else ("recv", "send"):
+            action = "send the link probe to" if kind == "send" else "receive the link probe from"
+            wait_for(post([(kind, tensor, other, 0)], group)[0], group, other, action)
     if tensor.device.type == "cuda":
         torch.cuda.synchronize(tensor.device)
     return time.perf_counter() - start

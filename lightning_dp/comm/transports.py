@@ -23,7 +23,8 @@ included. Both take an optional ``residual`` (the bucket's shape) that gains wha
 :meth:`Transport.all_reduce` averages any tensor no larger than a bucket (a low-rank codec's factors).
 
 Every exchange counts its bytes in the :class:`~lightning_dp.comm.stats.CommStats` given at construction, and
-every reduction is bit-identical on all ranks that hold its result.
+every reduction is bit-identical on all ranks that hold its result. Buckets on a CUDA device travel over a gloo
+group through pinned host copies (:mod:`lightning_dp.comm.staging`), chosen once by :meth:`Transport.bind`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.hierarchical import HierarchicalAllReduce, overlap
 from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards
 from lightning_dp.comm.ring import ReduceOpName, Ring, chunk_bounds, ring_allreduce
+from lightning_dp.comm.staging import Staging, staging_for
 from lightning_dp.comm.stats import CommStats
 
 Segment = tuple[int, int]
@@ -54,7 +56,11 @@ def balanced_shards(buckets: Sequence[GradientBucket], size: int) -> list[list[S
 
 
 class Transport(ABC):
-    """One way of averaging and distributing buckets over the ranks of ``group``."""
+    """One way of averaging and distributing buckets over the ranks of ``group``.
+
+    The public exchanges stage each bucket where the group's messages can read it (:mod:`.staging`: in place, or
+    through pinned host memory for device buckets over gloo) and run the kind's own ``_reduce``, ``_share`` and
+    ``_all_reduce`` on it; a kind implements those."""
 
     #: whether the ranks of a node exchange through shared memory
     shared_memory: ClassVar[bool] = False
@@ -64,28 +70,55 @@ class Transport(ABC):
         self.group = self.ring.group
         self.rank, self.size = self.ring.rank, self.ring.size
         self.stats = stats if stats is not None else CommStats()
+        #: where the buckets' bytes are while they travel (chosen by :meth:`bind`)
+        self.staging: Staging = Staging()
 
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:  # noqa: B027 - most transports need no layout
-        """Lay out the ownership of ``buckets`` (every rank passes the same buckets); called once at set-up."""
+    def bind(self, buckets: Sequence[GradientBucket], staging: Staging | None = None) -> None:
+        """Lay out the ownership of ``buckets`` (every rank passes the same buckets) and choose their ``staging``
+        (by default :func:`~lightning_dp.comm.staging.staging_for` the group's backend); called once at set-up."""
+        self._bind(buckets)
+        self.staging = staging if staging is not None else self._default_staging(buckets)
+        self.staging.bind(buckets)
 
-    @abstractmethod
+    def _bind(self, buckets: Sequence[GradientBucket]) -> None:  # noqa: B027 - most transports need no layout
+        """The kind's own layout of ``buckets`` (see :meth:`bind`)."""
+
+    def _default_staging(self, buckets: Sequence[GradientBucket]) -> Staging:
+        return staging_for(dist.get_backend(self.group), buckets)
+
     def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
         """Average ``bucket.buffer`` over all ranks, at least on the elements this rank owns (with ``wire``: sum
         values already divided by the group size, see the module docstring)."""
+        with self.staging.bucket(bucket, residual) as (staged, staged_residual):
+            self._reduce(staged, wire, staged_residual)
+
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank), rounded to
+        ``wire`` if given."""
+        with self.staging.bucket(bucket, residual) as (staged, staged_residual):
+            self._share(staged, wire, staged_residual)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        """Average the 1-D contiguous ``tensor`` (of ``bucket``'s dtype and at most its length) over all ranks, in
+        place and bit-identical everywhere. May use ``bucket``'s memory: its contents are undefined afterwards."""
+        with self.staging.tensor(tensor, bucket) as (staged, staged_bucket):
+            self._all_reduce(staged, staged_bucket)
+
+    @abstractmethod
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+        """:meth:`reduce` on the staged bucket."""
+
+    @abstractmethod
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+        """:meth:`share` on the staged bucket."""
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        """:meth:`all_reduce` on the staged tensor and bucket."""
 
     @abstractmethod
     def owned(self, bucket: GradientBucket) -> Segment:
         """The ``(start, end)`` range of ``bucket``'s gradient region this rank holds averaged after :meth:`reduce`."""
-
-    @abstractmethod
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
-        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank), rounded to
-        ``wire`` if given."""
-
-    @abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
-        """Average the 1-D contiguous ``tensor`` (of ``bucket``'s dtype and at most its length) over all ranks, in
-        place and bit-identical everywhere. May use ``bucket``'s memory: its contents are undefined afterwards."""
 
     @property
     def crosses_network(self) -> bool:
@@ -105,17 +138,17 @@ class RingTransport(Transport):
     """Ring all-reduce: every rank holds the whole average after :meth:`reduce`; :meth:`share` has nothing to do.
     Each rank moves ``2 (N - 1) / N S`` bytes per bucket of ``S`` bytes."""
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         op: ReduceOpName = "avg" if wire is None else "sum"
         ring_allreduce(bucket.buffer, op=op, stats=self.stats, ring=self.ring, wire=wire, residual=residual)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         pass
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         ring_allreduce(tensor, op="avg", stats=self.stats, ring=self.ring)
 
 
@@ -131,16 +164,16 @@ class CentralServerTransport(Transport):
     def is_server(self) -> bool:
         return self.rank == self.server
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         push_gradients(bucket.buffer, self.server, self.group, self.stats, wire=wire)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         pull_weights(bucket.buffer, self.server, self.group, self.stats, wire=wire, residual=residual)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         push_gradients(tensor, self.server, self.group, self.stats)
         pull_weights(tensor, self.server, self.group, self.stats)
 
@@ -157,10 +190,10 @@ class ShardedServerTransport(Transport):
         #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns
         self.segments: list[list[Segment]] = []
 
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+    def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         self.segments = balanced_shards(buckets, self.size)
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
         push_shards(gradients, segments, self.group, self.stats, wire, everywhere=bucket.flags)
 
@@ -168,11 +201,11 @@ class ShardedServerTransport(Transport):
         start, end = self.segments[bucket.index][self.rank]
         return (start, end)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         lost = residual[: bucket.grad_numel] if residual is not None else None
         pull_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats, wire, lost)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         segments = chunk_bounds(tensor.numel(), self.size)
         push_shards(tensor, segments, self.group, self.stats)
         pull_shards(tensor, segments, self.group, self.stats)
@@ -207,7 +240,7 @@ class _SharedMemoryTransport(Transport):
     #: the socket transport to use across nodes, for one that runs on a single node only
     _across_nodes: ClassVar[str | None] = None
 
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:
+    def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         self._exchange = HierarchicalAllReduce(
             [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats
         )
@@ -220,7 +253,7 @@ class _SharedMemoryTransport(Transport):
     def crosses_network(self) -> bool:
         return self.exchange.layout.num_nodes > 1
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         self.exchange.all_reduce(tensor, bucket.index, "avg")
 
     @staticmethod
@@ -240,7 +273,7 @@ class SharedMemoryTransport(_SharedMemoryTransport):
     Across nodes (hierarchical) local rank ``i`` of every node all-reduces its slice on a ring of its own, so a
     rank moves ``2 (M - 1) / M S / L`` bytes over the network for ``M`` nodes. Nodes must have equal rank counts."""
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         op: ReduceOpName = "avg" if wire is None else "sum"
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, op, wire, residual)
         self.exchange.gather(bucket.buffer, bucket.index, result)
@@ -248,7 +281,7 @@ class SharedMemoryTransport(_SharedMemoryTransport):
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         pass
 
 
@@ -274,7 +307,7 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def is_server(self) -> bool:
         return self.rank == self.server
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         self._refuse_wire(wire)
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         if self.is_server:  # it reads every slice; each other rank's slice is read by the server alone
@@ -286,7 +319,7 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         self._refuse_wire(wire)
         region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
         everything = (0, bucket.buffer.numel())
@@ -306,11 +339,11 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
     #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns (set by bind)
     segments: list[list[Segment]]
 
-    def bind(self, buckets: Sequence[GradientBucket]) -> None:
-        super().bind(buckets)
+    def _bind(self, buckets: Sequence[GradientBucket]) -> None:
+        super()._bind(buckets)
         self.segments = balanced_shards(buckets, self.size)
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         self._refuse_wire(wire)
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         numel = bucket.buffer.numel()
@@ -324,7 +357,7 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
         start, end = self.segments[bucket.index][self.rank]
         return (start, end)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         self._refuse_wire(wire)
         region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
         start, end = self.owned(bucket)

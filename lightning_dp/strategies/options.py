@@ -6,6 +6,8 @@ import numbers
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from lightning_dp.comm.errors import ConfigurationError
 
 
@@ -47,3 +49,15 @@ def check_count(option: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
         raise ConfigurationError(f"{option} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_backend_for_devices(backend: str | None, devices: list[torch.device]) -> None:
+    """Refuse ``process_group_backend="nccl"`` on devices other than CUDA GPUs (NCCL moves GPU memory only); gloo
+    runs on every device (on CUDA its buckets travel through pinned host memory)."""
+    if backend == "nccl":
+        other = sorted({str(d) for d in devices if d.type != "cuda"})
+        if other:
+            raise ConfigurationError(
+                f"process_group_backend='nccl' needs CUDA devices, but this run trains on {other[0]}: NCCL moves GPU "
+                "memory only. Use process_group_backend='gloo' (the default on CPU), or accelerator='gpu'."
+            )

@@ -56,7 +56,7 @@ from lightning_dp.comm.rendezvous import (
     this_launch,
 )
 from lightning_dp.comm.shm import NodeLayout
-from lightning_dp.strategies.options import check_choice, check_timeout
+from lightning_dp.strategies.options import check_backend_for_devices, check_choice, check_timeout
 from lightning_dp.strategies.resume import resume_mid_epoch, stop_silencing
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -72,7 +72,9 @@ class ProcessGroupStrategy(DDPStrategy):
     """Launching, ranks, devices, the process groups and Lightning's collectives (see the module docstring).
 
     Args:
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA devices and gloo otherwise.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default NCCL on CUDA devices and gloo otherwise. NCCL
+            needs CUDA devices (refused otherwise when the Trainer is built); gloo runs on CUDA devices too, its
+            buckets staged through pinned host memory, and lets several ranks share one GPU, which NCCL refuses.
         timeout: how long any collective or message may wait for a peer (``timedelta`` or seconds, default 5
             minutes) before the run fails with an error instead of hanging. Raise it when nodes start minutes
             apart or one rank works alone for long while the others wait (a long ``prepare_data`` download on
@@ -195,6 +197,7 @@ class ProcessGroupStrategy(DDPStrategy):
         # called in every process once the world size is known: check options that depend on it now
         env = self.cluster_environment
         assert env is not None
+        check_backend_for_devices(self._process_group_backend, self.parallel_devices or [])
         if self._launched_externally():
             # the cluster's rules as `ddp` applies them (SLURM: --ntasks-per-node must equal devices, torchrun:
             # devices x num_nodes the world size), unless one device is given (each rank then uses it: Ray's

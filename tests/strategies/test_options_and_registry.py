@@ -4,6 +4,7 @@ from datetime import timedelta
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dp
@@ -102,3 +103,25 @@ def test_import_orders(code, expected):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cls", [RingAllReduceStrategy, ParameterServerStrategy, ShardedParameterServerStrategy])
+def test_nccl_on_cpu_devices_is_refused_when_the_trainer_is_built(cls):
+    with pytest.raises(
+        lightning_dp.ConfigurationError, match=r"process_group_backend='nccl' needs CUDA devices.*'gloo'"
+    ):
+        L.Trainer(strategy=cls(process_group_backend="nccl"), accelerator="cpu", devices=2, logger=False)
+    trainer = L.Trainer(strategy=cls(process_group_backend="gloo"), accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.process_group_backend == "gloo"
+
+
+@pytest.mark.unit
+def test_gloo_is_accepted_on_cuda_devices_and_nccl_only_there():
+    from lightning_dp.strategies.options import check_backend_for_devices
+
+    cuda, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
+    for backend, devices in (("gloo", cuda), ("nccl", cuda), ("gloo", cpu), (None, cpu), (None, cuda)):
+        check_backend_for_devices(backend, devices)
+    with pytest.raises(lightning_dp.ConfigurationError, match="trains on cpu"):
+        check_backend_for_devices("nccl", cpu)
