@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,36 +48,72 @@ def subprocess_env(extra: dict | None = None) -> dict:
 def run_script(
     script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout.
+    """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout. With
+    ``LIGHTNING_DP_TEST_NODES=N`` in ``env``, start ``N`` processes, each a single-device node (``NODE_RANK``).
 
     With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way.
     """
     full_env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}  # a single-node run on loopback
     full_env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS})
     full_env.update(env or {})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", f"tests.scripts.{script}", *args],
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
+    nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
+    if nodes:  # Lightning's general-purpose cluster recipe: one single-device node per process, on loopback
+        port = str(_free_port())
+        envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nodes),
+                 "NODE_RANK": str(node), "LOCAL_RANK": "0"} for node in range(nodes)]  # fmt: skip
+    else:
+        envs = [full_env]
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]  # files, not pipes: no rank blocks on a full pipe
+    procs = [
+        subprocess.Popen(
+            command, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )  # fmt: skip
+        for e, log in zip(envs, logs)
+    ]
+    timed_out = False
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}") from None
+        timed_out = True
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # leave no rank behind
-        except ProcessLookupError:
-            pass
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} exited with {proc.returncode}:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+        for proc in procs:
+            _kill_group(proc)  # leave no rank behind
+            proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    out = _joined(outputs)
+    if timed_out:
+        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
+    returncode = next((p.returncode for p in procs if p.returncode), 0)
+    if check and returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(command, returncode, out, None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _joined(outputs: list[str]) -> str:
+    """One process's output as it is; several under a header each (one per node)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return "".join(f"--- node {node} ---\n{out}" for node, out in enumerate(outputs))
 
 
 #: per-rank batch and optimizer steps of the equivalence runs of ``tests.scripts.fit`` (96 samples: every case stays

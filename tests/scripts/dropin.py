@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from tests.scripts import placement
 
 CASES = ("hooks", "add_group", "compiled", "reentrant", "fp16", "bf16", "syncbn", "resume")
 parser = argparse.ArgumentParser()
@@ -41,8 +42,6 @@ parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 STEPS = 5
-#: "cpu" (gloo), or "gpu" for the NCCL run of tests/test_gpu.py
-ACCELERATOR = os.environ.get("LIGHTNING_DP_TEST_ACCELERATOR", "cpu")
 FEATURES = 8
 
 
@@ -158,14 +157,12 @@ class LargeGradients(Base):
 
 def strategy(name: str, reentrant: bool = False):
     if name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
         # DDP marks each parameter ready once per backward unless told the graph is static
-        return DDPStrategy(static_graph=True) if reentrant else "ddp"
+        return placement.ddp(static_graph=True) if reentrant else placement.ddp()
     from lightning.pytorch.strategies import StrategyRegistry
 
     entry = StrategyRegistry[name]
-    return entry["strategy"](**entry["init_params"], timeout=60)
+    return entry["strategy"](**entry["init_params"], timeout=60, **placement.backend_options())
 
 
 class Record(L.Callback):
@@ -212,7 +209,7 @@ class SaveAfterStep(L.Callback):
 
 def fit(case, model, callbacks=(), reentrant=False, fit_model=None, ckpt_path=None, **kwargs) -> L.Trainer:
     options = dict(
-        strategy=strategy(args.strategy, reentrant), accelerator=ACCELERATOR, devices=2, logger=False,
+        strategy=strategy(args.strategy, reentrant), **placement.trainer_placement(2), logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=STEPS,
     )  # fmt: skip
     options.update(kwargs)
@@ -252,7 +249,7 @@ def main() -> None:
         fit("fp16", LargeGradients(), precision="16-true")
     if "bf16" in args.cases:
         fit("bf16", Base(), precision="bf16-true")
-    if "syncbn" in args.cases and ACCELERATOR == "gpu":
+    if "syncbn" in args.cases and placement.ACCELERATOR == "gpu":
         fit("syncbn", WithBatchNorm(), sync_batchnorm=True)
     if "resume" in args.cases:
         if args.save_checkpoint:  # ddp: six steps, the checkpoint everyone resumes from after the third

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from lightning_dp.comm.sockets import tcp_sockets
+from tests.scripts import placement
 from tests.scripts.models import IN_FEATURES, RegressionModel, TwoOptimizerModel, flat_weights
 
 parser = argparse.ArgumentParser()
@@ -39,8 +40,6 @@ parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 DEVICES = args.devices
-#: "cpu" (gloo), or "gpu" for the NCCL run of tests/test_gpu.py
-ACCELERATOR = os.environ.get("LIGHTNING_DP_TEST_ACCELERATOR", "cpu")
 MAX_EPOCHS = 5
 
 
@@ -130,11 +129,11 @@ class KillRank(L.Callback):
 
 def strategy(unused_parameters: bool = True):
     if args.strategy == "ddp":  # Lightning's reference; the module has parameters some steps do not use
-        return "ddp_find_unused_parameters_true" if unused_parameters else "ddp"
+        return placement.ddp(find_unused_parameters=unused_parameters)
     from lightning.pytorch.strategies import StrategyRegistry
 
     entry = StrategyRegistry[args.strategy]
-    options = {}
+    options = placement.backend_options()
     if args.staleness is not None:
         options["staleness"] = None if args.staleness == "none" else int(args.staleness)
     if args.num_servers is not None:
@@ -144,7 +143,7 @@ def strategy(unused_parameters: bool = True):
 
 def trainer(callbacks, **kwargs) -> L.Trainer:
     options = dict(
-        strategy=strategy(), accelerator=ACCELERATOR, devices=DEVICES, logger=False, enable_progress_bar=False,
+        strategy=strategy(), **placement.trainer_placement(DEVICES), logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     options.update(kwargs)

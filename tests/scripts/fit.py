@@ -11,6 +11,7 @@ import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from lightning_dp.comm.sockets import tcp_sockets
+from tests.scripts import placement
 from tests.scripts.models import RegressionModel, flat_weights
 
 parser = argparse.ArgumentParser()
@@ -46,6 +47,7 @@ if args.staleness is not None:
     args.staleness = None if args.staleness == "none" else int(args.staleness)
 
 options = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
+options.update(placement.backend_options())
 # strategy options given on the command line: argument name -> option name
 for arg, option in (("server_rank", "server_rank"), ("num_servers", "num_servers"), ("timeout", "timeout"),
                     ("intra_node", "intra_node"),
@@ -104,9 +106,11 @@ record = Record()
 model = RegressionModel(args.batch_size, args.optimizer, batchnorm=args.batchnorm)
 trainer = L.Trainer(
     strategy=strategy,
-    accelerator="cpu",
-    devices=args.devices,
-    num_nodes=args.num_nodes,
+    **(
+        placement.trainer_placement(args.devices)
+        if placement.NODES
+        else {"accelerator": placement.ACCELERATOR, "devices": args.devices, "num_nodes": args.num_nodes}
+    ),
     max_steps=args.steps,
     accumulate_grad_batches=args.accumulate,
     gradient_clip_val=args.clip_val if args.clip else None,

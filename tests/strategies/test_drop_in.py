@@ -96,3 +96,20 @@ def test_a_ddp_checkpoint_resumes_as_ddp_itself_continues(runs, strategy):
     trains steps 4 to 6 exactly as ``ddp`` did uninterrupted (ddp's own resume would replay the epoch's start)."""
     ranks = assert_follows_ddp(runs, strategy, "resume")
     assert len(ranks[0]["weights"]) == 3
+
+
+def test_ranks_started_as_single_device_nodes_follow_ddp(tmp_path):
+    """The one-GPU tier's launch (``tests/test_gpu.py``: two single-device nodes sharing one GPU over gloo), on
+    CPUs: Lightning's general-purpose cluster recipe, one process per node, ``ddp`` and a strategy alike."""
+    from tests.helpers.launch import load_ranks, run_script
+
+    nodes = {"LIGHTNING_DP_TEST_NODES": "2", "LIGHTNING_DP_TEST_BACKEND": "gloo"}
+    for strategy in ("ddp", "ring_allreduce"):
+        run_script("dropin", "--strategy", strategy, "--cases", "hooks", "--out", str(tmp_path / strategy),
+                   timeout=200, env=nodes)  # fmt: skip
+    ddp, ring = (load_ranks(tmp_path / s / "hooks", 2) for s in ("ddp", "ring_allreduce"))
+    assert len(ring[0]["weights"]) == len(ddp[0]["weights"]) >= 3
+    for step, want in enumerate(ddp[0]["weights"]):
+        assert torch.equal(ring[0]["weights"][step], ring[1]["weights"][step]), f"ranks differ after step {step + 1}"
+        torch.testing.assert_close(ring[0]["weights"][step], want, **TOLERANCE, msg=prefixed(f"step {step + 1}"))
+    assert not torch.equal(ddp[0]["weights"][-1], ddp[0]["weights"][0])

@@ -1,0 +1,37 @@
+"""Where a test script's ranks run, from the variables a test sets for it (see ``tests/test_gpu.py``).
+
+- ``LIGHTNING_DP_TEST_ACCELERATOR``: ``"cpu"`` (default) or ``"gpu"``.
+- ``LIGHTNING_DP_TEST_BACKEND``: the process-group backend of every strategy, ``ddp`` included (default: each
+  strategy's own, NCCL on GPUs, gloo on CPUs).
+- ``LIGHTNING_DP_TEST_NODES``: the ranks are that many single-device nodes, each process started by the test with
+  ``NODE_RANK`` (two ranks sharing one GPU), instead of one node whose ranks Lightning's launcher starts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ACCELERATOR = os.environ.get("LIGHTNING_DP_TEST_ACCELERATOR", "cpu")
+BACKEND = os.environ.get("LIGHTNING_DP_TEST_BACKEND") or None
+NODES = int(os.environ.get("LIGHTNING_DP_TEST_NODES") or 0)
+
+
+def trainer_placement(devices: int) -> dict[str, Any]:
+    """The Trainer's ``accelerator``, ``devices`` and ``num_nodes`` for ``devices`` ranks in all."""
+    if NODES:
+        assert devices == NODES, f"{devices} ranks asked for, {NODES} single-device nodes started"
+        return {"accelerator": ACCELERATOR, "devices": 1, "num_nodes": NODES}
+    return {"accelerator": ACCELERATOR, "devices": devices}
+
+
+def backend_options() -> dict[str, Any]:
+    """Strategy options that set the backend (none: the strategy's default)."""
+    return {"process_group_backend": BACKEND} if BACKEND else {}
+
+
+def ddp(**options: Any) -> Any:
+    """Lightning's ``DDPStrategy`` with ``options`` on the chosen backend."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(**options, **backend_options())
