@@ -90,12 +90,13 @@ DDP_HOOKS = ("fp16_hook", "bf16_hook", "powersgd_hook")
 POWERSGD_RANK, POWERSGD_START = 4, 2
 
 
-def build_strategy(spec: str, external_servers: bool = False):
+def build_strategy(spec: str, external_servers: bool = False, backend: str | None = None):
     """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME#K`` (``num_servers=K`` dedicated
     servers, started elsewhere with ``external_servers``), ``NAME@ring`` (``intra_node="ring"``),
     ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), or ``ddp+HOOK`` (Lightning's
     ``ddp`` with one of torch's communication hooks, :data:`DDP_HOOKS`, registered on the DDP module at the start of
-    training: Lightning registers hooks itself only on CUDA)."""
+    training: Lightning registers hooks itself only on CUDA). ``backend``: every strategy's process-group backend
+    (``ddp``'s included; default each one's own)."""
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -130,9 +131,13 @@ def build_strategy(spec: str, external_servers: bool = False):
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(bucket_cap_mb_list=[1024]), [RegisterHook()]
+    if name == "ddp" and backend:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend=backend), []
     name, _, intra_node = name.partition("@")
     name, _, servers = name.partition("#")
-    options: dict = {}
+    options: dict = {"process_group_backend": backend} if backend else {}
     if servers:
         options.update(num_servers=int(servers), start_servers=not external_servers)
     if intra_node:
@@ -164,6 +169,8 @@ def worker(args) -> None:
             self.isolated_exchange_seconds = None
 
         def on_train_batch_end(self, trainer, *_):
+            if trainer.strategy.root_device.type == "cuda":  # the step's kernels done, not only launched
+                torch.cuda.synchronize(trainer.strategy.root_device)
             self.times.append(time.perf_counter())
             if len(self.times) == args.warmup:
                 stats = getattr(trainer.strategy, "sync_stats", None)  # ddp has none
@@ -176,10 +183,10 @@ def worker(args) -> None:
             self.isolated_exchange_seconds = measure() if measure is not None else None
 
     timer = StepTimer()
-    strategy, callbacks = build_strategy(args.strategy, args.external_servers)
+    strategy, callbacks = build_strategy(args.strategy, args.external_servers, args.backend)
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=args.warmup + args.steps,
@@ -237,13 +244,15 @@ def hidden_fraction(ranks: list[dict]) -> float:
 
 
 def worker_command(
-    model: str, strategy: str, devices: int, steps: int, warmup: int, result_dir: Path, num_nodes: int = 1
-) -> list[str]:
+    model: str, strategy: str, devices: int, steps: int, warmup: int, result_dir: Path, num_nodes: int = 1,
+    accelerator: str = "cpu", backend: str | None = None,
+) -> list[str]:  # fmt: skip
     """The command that runs one measurement (Lightning starts the node's other ranks)."""
     return [
         sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
         "--num-nodes", str(num_nodes), "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
-        "--result-dir", str(result_dir), *(["--external-servers"] if "#" in strategy else []),
+        "--result-dir", str(result_dir), "--accelerator", accelerator, *(["--backend", backend] if backend else []),
+        *(["--external-servers"] if "#" in strategy else []),
     ]  # fmt: skip
 
 
@@ -361,6 +370,8 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--accelerator", default="cpu", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--emulated-hosts", type=int, default=0, help="run one node per emulated host (needs root)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate of the emulated hosts")
     parser.add_argument("--steps", type=int)

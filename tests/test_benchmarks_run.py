@@ -118,3 +118,24 @@ def test_advisor_validation_runs_on_delayed_links_and_cleans_up(tmp_path):
     assert "| N | rate | latency |" in (tmp_path / "advisor_validation.md").read_text()
     assert not [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
                 .splitlines() if line.startswith("lddp-")]  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_gpu_check_launches_run_on_cpus_and_it_refuses_without_cuda(tmp_path):
+    import torch
+
+    strategies = ["--strategies", "ddp", "ring_allreduce", "--steps", "2", "--warmup", "2"]
+    out = run(["-m", "benchmarks.gpu_check", "--accelerator", "cpu", "--skip-tests", "--model", "reference_cnn",
+               *strategies, "--out", str(tmp_path)])  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu_check_on_cpu.json").read_text())[0]
+    rows = record["end_to_end"]
+    assert [(r["world_size"], r["strategy"]) for r in rows] == [
+        (n, s) for n in (1, 2) for s in ("ddp", "ring_allreduce")
+    ]
+    assert all(r["steps_per_s"] > 0 and r["vs_ddp"] == r["steps_per_s"] / rows[2 * (r["world_size"] - 1)]["steps_per_s"]
+               for r in rows)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1].startswith("gpu_check: two ranks sharing the device, steps/s vs ddp:")
+    if not torch.cuda.is_available():
+        refused = run(["-m", "benchmarks.gpu_check", "--out", str(tmp_path)], timeout=60)
+        assert refused.returncode == 2 and "no CUDA device here" in refused.stdout
