@@ -1,4 +1,4 @@
-"""The GPU check: one command for a machine with CUDA, under 8 minutes, ending with one summary line.
+"""The GPU check: one command for a machine with CUDA, sized for 8 minutes, ending with one summary line.
 
     python -m benchmarks.gpu_check
 
@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from benchmarks.end_to_end import STRATEGIES, median, worker_command
 from benchmarks.report import save
+from tests.helpers.distributed import free_port
+from tests.helpers.launch import CLUSTER_VARIABLES, kill_process_tree, run_processes
 
 REPO = Path(__file__).resolve().parents[1]
 #: one test's outcome in pytest's ``-v`` output
@@ -65,7 +66,7 @@ def run_tests(budget_s: float) -> dict:
             proc.wait(timeout=budget_s)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            kill_process_tree(proc.pid)  # the ranks the tests started run in sessions of their own
             proc.wait()
             timed_out = True
         log.seek(0)
@@ -85,33 +86,23 @@ def run_tests(budget_s: float) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_placement(model: str, strategy: str, nodes: int, accelerator: str, steps: int, warmup: int, tmp: Path):
     """One measurement: one process (``nodes == 1``), or ``nodes`` single-device nodes on this machine over gloo."""
     result_dir = tmp / f"{model}-{nodes}-{strategy}"
     backend = "gloo" if nodes > 1 else None
     command = worker_command(model, strategy, 1, steps, warmup, result_dir, nodes, accelerator, backend)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update({"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)})
+    port = str(free_port())
     envs = [
         {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nodes), "NODE_RANK": str(n),
          "LOCAL_RANK": "0"} if nodes > 1 else env
         for n in range(nodes)
     ]  # fmt: skip
-    procs = [subprocess.Popen(command, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for e in envs]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise RuntimeError(f"{strategy} on {nodes} node(s) failed: exit codes {codes}")
+    codes, outputs, timed_out = run_processes(command, envs, timeout=300)
+    if timed_out or any(codes):
+        what = "timed out after 300 s" if timed_out else f"failed: exit codes {codes}"
+        raise RuntimeError(f"{strategy} on {nodes} node(s) {what}; last output:\n{outputs[0][-1500:]}")
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(nodes)]
 
 
@@ -124,7 +115,7 @@ def run_end_to_end(model: str, strategies: list[str], accelerator: str, steps: i
                 row = {"model": model, "placement": placement, "world_size": nodes, "strategy": strategy}
                 try:
                     ranks = run_placement(model, strategy, nodes, accelerator, steps, warmup, Path(tmp))
-                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                except RuntimeError as error:
                     row["error"] = str(error)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -168,14 +159,21 @@ def report(info: dict, tests: dict | None, rows: list[dict], steps: int, warmup:
     return lines
 
 
+def _ratio(row: dict) -> str:
+    if "error" in row:
+        return f"{row['strategy']} failed"
+    if "vs_ddp" not in row:
+        return f"{row['strategy']} {row['steps_per_s']:.2f} steps/s (no ddp baseline: it failed)"
+    return f"{row['strategy']} {row['vs_ddp']:.2f}x"
+
+
 def summary(tests: dict | None, rows: list[dict], seconds: float) -> str:
     parts = []
     if tests is not None:
         counts = ", ".join(f"{n} {k.lower()}" for k, n in sorted(tests["counts"].items())) or "no test ran"
         parts.append(f"tests: {counts}{' (stopped: over budget)' if tests['timed_out'] else ''}")
     shared = [r for r in rows if r["world_size"] == 2 and r["strategy"] != "ddp"]
-    ratios = ", ".join(f"{r['strategy']} {r['vs_ddp']:.2f}x" if "vs_ddp" in r else f"{r['strategy']} failed"
-                       for r in shared)  # fmt: skip
+    ratios = ", ".join(_ratio(r) for r in shared)
     if shared:
         parts.append(f"two ranks sharing the device, steps/s vs ddp: {ratios}")
     return f"gpu_check: {'; '.join(parts)}; {seconds:.0f} s"

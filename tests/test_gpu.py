@@ -12,6 +12,8 @@ stream behind events recorded on the streams that produced the gradients, and Li
 second NCCL communicator.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,18 +39,53 @@ NCCL = {"LIGHTNING_DP_TEST_ACCELERATOR": "gpu"}
 #: cuBLAS kernels are not bitwise reproducible across processes' streams, and NCCL sums in its own order
 GPU_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 TIERS = {"shared_gpu": (SHARED_GPU, ONE_GPU), "nccl": (NCCL, TWO_GPUS)}
+#: the codecs under Lightning, two ranks sharing one GPU: (strategy, compression)
+CODEC_RUNS = [("ring_allreduce", "bf16"), ("parameter_server", "fp16"), ("sharded_ps", "powersgd")]
+POWERSGD_WARMUP = 2
 
 
 def _tiers():
     return [pytest.param(name, marks=mark) for name, (_, mark) in TIERS.items()]
 
 
+def _runnable(tier: str) -> bool:
+    return torch.cuda.device_count() >= (1 if tier == "shared_gpu" else 2)
+
+
+def _fit_with_codec(out, strategy: str, compression: str) -> list[dict]:
+    # PowerSGD of rank 1: at its default rank 4 no matrix of the model would be compressed
+    run_script("fit", "--strategy", strategy, "--devices", "2", "--batch-size", str(BATCH), "--steps", str(STEPS),
+               "--compression", compression, "--powersgd-rank", "1", "--powersgd-warmup", str(POWERSGD_WARMUP),
+               "--out", str(out), timeout=300, env=SHARED_GPU)  # fmt: skip
+    return load_ranks(out, 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launches(tmp_path_factory):
+    """Every Lightning launch of the tiers that can run here, started at once when the module begins (a GPU machine
+    has cores to spare; one after the other they would take many minutes); each test waits for the runs it reads."""
+    features, dropin = {}, {}
+    for name, (env, _) in TIERS.items():
+        features[name] = FeatureRuns(tmp_path_factory.mktemp(f"features-{name}"), env=env)
+        dropin[name] = DropInRuns(tmp_path_factory.mktemp(f"dropin-{name}"), env=env)
+        if _runnable(name):
+            features[name].start(["ddp", *STRATEGIES, WITH_SERVERS])
+            dropin[name].start(STRATEGIES)
+    codecs = {}
+    if _runnable("shared_gpu"):
+        pool = ThreadPoolExecutor(max_workers=len(CODEC_RUNS))
+        codecs = {run: pool.submit(_fit_with_codec, tmp_path_factory.mktemp("-".join(run)), *run) for run in CODEC_RUNS}
+        pool.shutdown(wait=False)
+    return {"features": features, "dropin": dropin, "codecs": codecs}
+
+
 # ---------------------------------------------------------------------------------------------------- collectives
 def _ring_on_cuda(rank, world_size):
     device = torch.device("cuda", torch.cuda.current_device())
+    generator = torch.Generator(device=device).manual_seed(rank)  # every rank adds something else
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for numel in (0, 1, 7, 1_000_003):
-            x = torch.randint(-8, 9, (numel,), device=device).to(dtype)
+            x = torch.randint(-8, 9, (numel,), device=device, generator=generator).to(dtype)
             expected = x.clone()
             dist.all_reduce(expected)
             ring_allreduce(x, op="sum")
@@ -118,13 +155,13 @@ def test_codecs_under_nccl_keep_replicas_identical():
 
 # ---------------------------------------------------------------------------------------------------- under Lightning
 @pytest.fixture(scope="module")
-def feature_runs(tmp_path_factory):
-    return {name: FeatureRuns(tmp_path_factory.mktemp(f"features-{name}"), env=env) for name, (env, _) in TIERS.items()}
+def feature_runs(launches):
+    return launches["features"]
 
 
 @pytest.fixture(scope="module")
-def dropin_runs(tmp_path_factory):
-    return {name: DropInRuns(tmp_path_factory.mktemp(f"dropin-{name}"), env=env) for name, (env, _) in TIERS.items()}
+def dropin_runs(launches):
+    return launches["dropin"]
 
 
 @pytest.mark.slow
@@ -160,24 +197,21 @@ def test_16_bit_cases_on_gpus_follow_ddp(dropin_runs, tier, strategy):
 
 @ONE_GPU
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "strategy, compression", [("ring_allreduce", "bf16"), ("parameter_server", "fp16"), ("sharded_ps", "powersgd")]
-)
-def test_compression_sharing_one_gpu_follows_one_process(tmp_path, strategy, compression):
+@pytest.mark.parametrize("strategy, compression", CODEC_RUNS)
+def test_compression_sharing_one_gpu_follows_one_process(launches, strategy, compression):
     """Each codec under Lightning, buckets staged through host memory: replicas bit-identical, and the weights
-    within the codec's error of one process on the global batch (PowerSGD: exact during its warm-up)."""
-    warmup = 2
-    run_script("fit", "--strategy", strategy, "--devices", "2", "--batch-size", str(BATCH), "--steps", str(STEPS),
-               "--compression", compression, "--powersgd-warmup", str(warmup), "--out", str(tmp_path),
-               timeout=300, env=SHARED_GPU)  # fmt: skip
-    ranks = load_ranks(tmp_path, 2)
+    within the codec's error of one process on the global batch (PowerSGD: exact during its warm-up, then not)."""
+    ranks = launches["codecs"][(strategy, compression)].result()
     assert ranks[0]["codec"] == compression and ranks[0]["world_size"] == 2
     replicas.assert_identical_replicas(ranks)
     reference = reference_training(BATCH * 2, STEPS, "sgd")
     assert len(ranks[0]["weights"]) == len(reference) == STEPS
     if compression == "powersgd":
-        for step in range(warmup):
+        for step in range(POWERSGD_WARMUP):
             torch.testing.assert_close(ranks[0]["weights"][step], reference[step], **GPU_TOLERANCE)
+        assert not torch.allclose(ranks[0]["weights"][-1], reference[-1], **GPU_TOLERANCE), (
+            "PowerSGD compressed nothing"
+        )
     else:
         # with error feedback a 16-bit run stays within a few roundings of one step (2^-8 of it for bf16): far below
         # a twentieth of what the last steps moved the weights, which a rank training on its own batch, or a step

@@ -13,10 +13,11 @@ from lightning_dp.comm.errors import PeerUnreachableError
 from lightning_dp.comm.sockets import tcp_sockets
 
 #: fragments of the messages gloo and NCCL raise when a peer or its link is gone (often as plain RuntimeErrors);
-#: other failures (out of memory, invalid usage) must keep their own message
+#: other failures (out of memory, invalid usage) must keep their own message; the last two are NCCL's watchdog's
 _TRANSPORT_MARKERS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
                       "timed out", "Socket Timeout", "pair closure",
-                      "ncclRemoteError", "ncclSystemError", "remote process exited")  # fmt: skip
+                      "ncclRemoteError", "ncclSystemError", "remote process exited",
+                      "before timing out", "communicator was aborted")  # fmt: skip
 
 
 def is_transport_error(error: BaseException) -> bool:

@@ -84,20 +84,21 @@ class HostStaging(Staging):
         self, bucket: GradientBucket, residual: Tensor | None = None
     ) -> Iterator[tuple[GradientBucket, Tensor | None]]:
         host, spare = self._buffers(bucket, spare=residual is not None)
-        host.copy_(bucket.buffer, non_blocking=True)
+        on_stream = _on_stream(bucket.buffer)
+        host.copy_(bucket.buffer, non_blocking=on_stream)
         staged_residual = None
         if residual is not None:
             assert spare is not None
             if residual.numel() != bucket.buffer.numel():
                 raise ValueError(f"a residual of {residual.numel()} elements for a bucket of {bucket.buffer.numel()}")
             staged_residual = spare.view_as(residual)
-            staged_residual.copy_(residual, non_blocking=True)
+            staged_residual.copy_(residual, non_blocking=on_stream)
         _wait_for_copies(bucket.buffer.device)
         yield bucket.mirrored(host), staged_residual
-        bucket.buffer.copy_(host, non_blocking=True)
+        bucket.buffer.copy_(host, non_blocking=on_stream)
         if residual is not None:
             assert staged_residual is not None
-            residual.copy_(staged_residual, non_blocking=True)
+            residual.copy_(staged_residual, non_blocking=on_stream)
         self._record_copy_back(bucket)
 
     @contextmanager
@@ -110,10 +111,10 @@ class HostStaging(Staging):
         host, spare = self._buffers(bucket, spare=True)
         assert spare is not None
         staged = spare[: tensor.numel()]
-        staged.copy_(tensor, non_blocking=True)
+        staged.copy_(tensor, non_blocking=_on_stream(tensor))
         _wait_for_copies(tensor.device)
         yield staged, bucket.mirrored(host)
-        tensor.copy_(staged, non_blocking=True)
+        tensor.copy_(staged, non_blocking=_on_stream(tensor))
         self._record_copy_back(bucket)
 
     def _record_copy_back(self, bucket: GradientBucket) -> None:
@@ -129,6 +130,12 @@ def staging_for(backend: str, buckets: Sequence[GradientBucket]) -> Staging:
     otherwise :class:`Staging`."""
     on_device = any(b.buffer.device.type != "cpu" for b in buckets)
     return HostStaging() if on_device and moves_host_memory_only(backend) else Staging()
+
+
+def _on_stream(tensor: Tensor) -> bool:
+    """Whether copies of ``tensor`` to and from the host run asynchronously on a CUDA stream (ordered by the events
+    here); on any other device they are blocking."""
+    return tensor.device.type == "cuda"
 
 
 def _host_buffer_like(tensor: Tensor) -> Tensor:

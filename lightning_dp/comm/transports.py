@@ -145,6 +145,9 @@ class RingTransport(Transport):
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
+    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+        pass  # nothing to stage either
+
     def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
         pass
 

@@ -34,3 +34,9 @@ def test_transport_errors_are_told_apart_from_bugs():
     )
     assert not is_transport_error(nccl_oom)
     assert is_transport_error(dist.DistNetworkError("failed to connect to 10.77.0.1:29500"))
+    # NCCL's watchdog ending a collective whose peer is gone
+    watchdog = (
+        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=SEND, "
+        "Timeout(ms)=600000) ran for 600012 milliseconds before timing out."
+    )
+    assert is_transport_error(dist.DistBackendError(watchdog))

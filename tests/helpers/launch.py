@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tests.helpers.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 #: set by cluster schedulers; a test run must not pick them up from the machine's environment
@@ -59,25 +60,47 @@ def run_script(
     command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
     nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
     if nodes:  # Lightning's general-purpose cluster recipe: one single-device node per process, on loopback
-        port = str(_free_port())
+        port = str(free_port())
         envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nodes),
                  "NODE_RANK": str(node), "LOCAL_RANK": "0"} for node in range(nodes)]  # fmt: skip
     else:
         envs = [full_env]
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]  # files, not pipes: no rank blocks on a full pipe
+    codes, outputs, timed_out = run_processes(command, envs, timeout)
+    out = _joined(outputs)
+    if timed_out:
+        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
+    returncode = next((code for code in codes if code), 0)
+    if check and returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(command, returncode, out, None)
+
+
+#: how long the other processes of a launch may take to fail on their own once one has failed (their errors tell
+#: more than a kill), before they are killed
+FAILURE_GRACE_SECONDS = 10.0
+
+
+def run_processes(command: list[str], envs: list[dict], timeout: float) -> tuple[list[int], list[str], bool]:
+    """Run ``command`` once per environment in ``envs`` (each in a session of its own, output to a file, not a
+    pipe that could fill) and wait for all: ``(exit codes, outputs, timed out)``. Once one exits non-zero the others
+    get :data:`FAILURE_GRACE_SECONDS`; at ``timeout`` all are killed, and nothing is left running either way."""
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]
     procs = [
         subprocess.Popen(
             command, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )  # fmt: skip
         for e, log in zip(envs, logs)
     ]
+    deadline = time.monotonic() + timeout
     timed_out = False
     try:
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if any(p.returncode for p in procs):
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_SECONDS)
+            time.sleep(0.05)
     finally:
         for proc in procs:
             _kill_group(proc)  # leave no rank behind
@@ -87,19 +110,7 @@ def run_script(
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    out = _joined(outputs)
-    if timed_out:
-        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
-    returncode = next((p.returncode for p in procs if p.returncode), 0)
-    if check and returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, returncode, out, None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return [p.returncode for p in procs], outputs, timed_out
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -1,10 +1,12 @@
 """One launch per strategy of a script that exercises many cases, started on first use and shared by a module's
 tests: ``tests.scripts.features`` (:class:`FeatureRuns`) and ``tests.scripts.dropin`` (:class:`DropInRuns`), on CPUs
-and, with ``env``, on GPUs."""
+and, with ``env``, on GPUs. ``start`` launches several at once in the background, for a machine with cores to spare
+(the GPU tiers); a test asking for a run waits for it and sees its failure."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,13 +33,24 @@ class FeatureRuns:
         self.root = root
         self.env = env
         self.results: dict[tuple[str, str], object] = {}
+        self._started: dict[str, Future] = {}
+
+    def start(self, strategies: list[str]) -> None:
+        """Launch the main phase of every one of ``strategies`` now, all at once."""
+        pool = ThreadPoolExecutor(max_workers=len(strategies))
+        self._started.update({s: pool.submit(self._run_main, s) for s in strategies})
+        pool.shutdown(wait=False)
+
+    def _run_main(self, strategy: str) -> list[dict]:
+        out = self.root / f"{strategy}-main"
+        run_script("features", *strategy_args(strategy), "--out", str(out), timeout=300, env=self.env)
+        return load_ranks(out, 2)
 
     def main(self, strategy: str) -> list[dict]:
         key = (strategy, "main")
         if key not in self.results:
-            out = self.root / f"{strategy}-main"
-            run_script("features", *strategy_args(strategy), "--out", str(out), timeout=300, env=self.env)
-            self.results[key] = load_ranks(out, 2)
+            started = self._started.pop(strategy, None)
+            self.results[key] = started.result() if started is not None else self._run_main(strategy)
         return self.results[key]
 
     def crash(self, strategy: str):
@@ -61,22 +74,40 @@ class DropInRuns:
         self.root = root
         self.env = env
         self.done: set[str] = set()
+        self._started: dict[str, Future] = {}
 
     @property
     def checkpoint(self) -> Path:
         return self.root / "ddp-step3.ckpt"
 
-    def case(self, strategy: str, case: str) -> list[dict]:
-        if "ddp" not in self.done:
+    def start(self, strategies: list[str]) -> None:
+        """Launch ``ddp`` now, then, once it wrote the checkpoint they resume from, every one of ``strategies`` at
+        once."""
+        pool = ThreadPoolExecutor(max_workers=len(strategies) + 1)
+        ddp = pool.submit(self._run, "ddp")
+        self._started["ddp"] = ddp
+        self._started.update({s: pool.submit(lambda s: (ddp.result(), self._run(s)), s) for s in strategies})
+        pool.shutdown(wait=False)
+
+    def _run(self, strategy: str) -> None:
+        if strategy == "ddp":
             run_script("dropin", "--strategy", "ddp", "--save-checkpoint", str(self.checkpoint),
                        "--out", str(self.root / "ddp"), timeout=400, env=self.env)  # fmt: skip
-            self.done.add("ddp")
+            return
+        args = ["--strategy", strategy, "--out", str(self.root / strategy)]
+        if strategy.endswith("_spawn"):
+            args += ["--cases", "hooks"]
+        run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400, env=self.env)
+
+    def _ensure(self, strategy: str) -> None:
         if strategy not in self.done:
-            args = ["--strategy", strategy, "--out", str(self.root / strategy)]
-            if strategy.endswith("_spawn"):
-                args += ["--cases", "hooks"]
-            run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400, env=self.env)
+            started = self._started.pop(strategy, None)
+            started.result() if started is not None else self._run(strategy)
             self.done.add(strategy)
+
+    def case(self, strategy: str, case: str) -> list[dict]:
+        self._ensure("ddp")
+        self._ensure(strategy)
         return load_ranks(self.root / strategy / case, 2)
 
 
