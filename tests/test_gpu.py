@@ -39,6 +39,8 @@ NCCL = {"LIGHTNING_DP_TEST_ACCELERATOR": "gpu"}
 #: cuBLAS kernels are not bitwise reproducible across processes' streams, and NCCL sums in its own order
 GPU_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 TIERS = {"shared_gpu": (SHARED_GPU, ONE_GPU), "nccl": (NCCL, TWO_GPUS)}
+#: the backend of each tier's collective tests (both ranks on GPU 0 under gloo, rank r on GPU r under NCCL)
+BACKENDS = {"shared_gpu": "gloo", "nccl": "nccl"}
 #: the codecs under Lightning, two ranks sharing one GPU: (strategy, compression)
 CODEC_RUNS = [("ring_allreduce", "bf16"), ("parameter_server", "fp16"), ("sharded_ps", "powersgd")]
 POWERSGD_WARMUP = 2
@@ -94,14 +96,9 @@ def _ring_on_cuda(rank, world_size):
     return True
 
 
-@ONE_GPU
-def test_ring_allreduce_of_cuda_tensors_over_gloo_on_one_gpu():
-    assert all(run_distributed(_ring_on_cuda, 2, backend="gloo", timeout=180))
-
-
-@TWO_GPUS
-def test_ring_allreduce_nccl():
-    assert all(run_distributed(_ring_on_cuda, 2, backend="nccl", timeout=180))
+@pytest.mark.parametrize("tier", _tiers())
+def test_ring_allreduce_of_cuda_tensors(tier):
+    assert all(run_distributed(_ring_on_cuda, 2, backend=BACKENDS[tier], timeout=180))
 
 
 def _codecs_on_cuda(rank, world_size):
@@ -143,14 +140,9 @@ def _codecs_on_cuda(rank, world_size):
     return True
 
 
-@ONE_GPU
-def test_codecs_over_gloo_on_one_gpu_keep_replicas_identical():
-    assert all(run_distributed(_codecs_on_cuda, 2, backend="gloo", timeout=180))
-
-
-@TWO_GPUS
-def test_codecs_under_nccl_keep_replicas_identical():
-    assert all(run_distributed(_codecs_on_cuda, 2, backend="nccl", timeout=180))
+@pytest.mark.parametrize("tier", _tiers())
+def test_codecs_on_cuda_tensors_keep_replicas_identical(tier):
+    assert all(run_distributed(_codecs_on_cuda, 2, backend=BACKENDS[tier], timeout=180))
 
 
 # ---------------------------------------------------------------------------------------------------- under Lightning
