@@ -58,7 +58,7 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import NonFiniteGradientError, PeerUnreachableError
-from lightning_dp.comm.peers import is_transport_error
+from lightning_dp.comm.peers import wait_naming_peer
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
 from lightning_dp.comm.stats import CommStats
 
@@ -471,17 +471,8 @@ class StalenessClient:
             ) from None
 
     def _wait(self, work: dist.Work | None, server: int, action: str, timeout: timedelta | None = None) -> None:
-        try:
-            if work is not None:
-                work.wait() if timeout is None else work.wait(timeout)
-        except Exception as error:
-            if not is_transport_error(error):
-                raise
-            raise PeerUnreachableError(
-                f"rank {self.rank} could not {action} its server rank {server} at step {self.clock}: the peer is "
-                "unreachable (it may have died, its link may be down, or it did not answer within the strategy's "
-                f"timeout). Transport error: {error}"
-            ) from error
+        me = f"rank {self.rank}"
+        wait_naming_peer(work, me, action, f"its server rank {server} at step {self.clock}", timeout)
 
     def _raise_failure(self, culprit: int, reason: int) -> None:
         if culprit == self.rank and self.server is not None and self.server.error is not None:

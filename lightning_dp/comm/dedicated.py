@@ -46,10 +46,10 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.cost import trainer_share
-from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
+from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.parameter_server import _average_in_rank_order, segments_at
-from lightning_dp.comm.peers import PeerDirectory, is_transport_error
+from lightning_dp.comm.peers import PeerDirectory, wait_naming_peer
 from lightning_dp.comm.rendezvous import JOB_ID_VARIABLE, JobRecord
 from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, ShardPiece, hyperparameters
 from lightning_dp.comm.sockets import tcp_sockets
@@ -172,34 +172,23 @@ class MemberGroup:
         return _AllWorks([op([tensor[i : i + step]], member, tag * 65536 + k) for k, i in enumerate(pieces)])
 
     def wait(self, work: dist.Work | None, member: int, action: str, timeout: timedelta | None = None) -> None:
-        """Wait for ``work`` (with ``member``); a failure names both ends."""
-        if work is None:
-            return
-        try:
-            work.wait(timeout) if timeout is not None else work.wait()
-        except Exception as error:
-            if not is_transport_error(error):
-                raise
-            raise PeerUnreachableError(
-                f"{self.name(self.rank)} could not {action} {self.name(member)}: the peer is unreachable (it may have "
-                "died, its link may be down, or it did not answer within the timeout). Transport error: "
-                f"{error}"
-            ) from error
+        """Wait for ``work`` (with ``member``); a lost member is named (see :func:`wait_naming_peer`)."""
+        wait_naming_peer(work, self.name(self.rank), action, self.name(member), timeout)
+
+    def wait_all(self, works: Sequence[tuple[Any, int, str]], timeout: timedelta | None = None) -> None:
+        """:meth:`wait` for every ``(work, member, action)`` of ``works``, in order."""
+        for work, member, action in works:
+            self.wait(work, member, action, timeout)
 
     def all_reduce_sum(self, tensor: Tensor, timeout: timedelta | None = None) -> None:
         """Sum ``tensor`` over every member, in place, the same bits everywhere."""
-        work = self.backend.allreduce([tensor])
-        try:
-            work.wait(timeout) if timeout is not None else work.wait()
-        except Exception as error:
-            if not is_transport_error(error):
-                raise
-            lost = self.directory.rank_in(str(error), exclude=self.rank)
-            who = self.name(lost) if lost is not None else "a member (the transport error below gives its address)"
-            raise PeerUnreachableError(
-                f"{self.name(self.rank)} could not reach {who} during the step's vote of the trainers and servers: the "
-                f"peer is unreachable (it may have died or its link is down). Transport error: {error}"
-            ) from error
+
+        def lost(error: BaseException) -> str:
+            member = self.directory.rank_in(str(error), exclude=self.rank)
+            who = self.name(member) if member is not None else "a member (the transport error below gives its address)"
+            return f"{who} during the step's vote of the trainers and servers"
+
+        wait_naming_peer(self.backend.allreduce([tensor]), self.name(self.rank), "reach", lost, timeout)
 
     def send_object(self, obj: Any, member: int, timeout: timedelta | None = None, tag: int = TAG_OBJECT) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -417,8 +406,7 @@ class DedicatedServerTransport(Transport):
                 for tensor in (host[s:e], flags_out):
                     self._sent.append((self.members.isend(tensor, owner, TAG_GRADIENTS), owner, "push gradients to"))
                 self.stats.add(sent=(e - s + flags.numel()) * host.element_size())
-        for work, member, action in works:
-            self.members.wait(work, member, action, self.timeout)
+        self.members.wait_all(works, self.timeout)
         if received:
             mine = host[start:end]
             parts = [mine if t == self.me else received[t][0] for t in self.members.trainers]
@@ -463,15 +451,13 @@ class DedicatedServerTransport(Transport):
         for bucket, works, _ in started:  # every receive announced before any send (see MemberGroup._pieces)
             works += self._start_share(bucket, TAG_WEIGHTS, False, from_servers, phase="send")[0]
         for bucket, works, ranges in started:
-            for work, member, action in works:
-                self.members.wait(work, member, action, self.timeout)
+            self.members.wait_all(works, self.timeout)
             self._from_host(bucket, ranges)
 
     def _receive_shares(self, bucket: GradientBucket, tag: int, with_flags: bool, from_servers: bool = True) -> None:
         self.wait_sent()
         works, ranges = self._start_share(bucket, tag, with_flags, from_servers)
-        for work, member, action in works:
-            self.members.wait(work, member, action, self.timeout)
+        self.members.wait_all(works, self.timeout)
         self._from_host(bucket, ranges)
 
     def _start_share(
@@ -508,8 +494,7 @@ class DedicatedServerTransport(Transport):
     def wait_sent(self) -> None:
         """Wait for the pushes still leaving (before anything rewrites the buckets)."""
         sent, self._sent = self._sent, []
-        for work, member, action in sent:
-            self.members.wait(work, member, action, self.timeout)
+        self.members.wait_all(sent, self.timeout)
 
     def finish_eager(self) -> list[int]:
         """After an armed backward: wait for the servers' new weights (into the buckets' gradient regions); the
@@ -554,8 +539,7 @@ class DedicatedServerTransport(Transport):
                     for tensor in (host[s:e], host[bucket.grad_numel :]):
                         works.append((self.members.isend(tensor, owner, TAG_EDITED), owner, "send gradients to"))
                         self.stats.add(sent=tensor.numel() * tensor.element_size())
-        for work, member, action in works:
-            self.members.wait(work, member, action, self.timeout)
+        self.members.wait_all(works, self.timeout)
 
     def send_weights(self, buckets: Sequence[GradientBucket]) -> None:
         """Trainer 0: every server's share of the current parameters (at the start of training, after a restore)."""
@@ -566,8 +550,7 @@ class DedicatedServerTransport(Transport):
                 if owner >= self.members.num_trainers:
                     values = bucket.read_params(s, e, torch.empty(e - s, dtype=host.dtype))
                     works.append((self.members.isend(values, owner, TAG_WEIGHTS), owner, "send weights to"))
-        for work, member, action in works:
-            self.members.wait(work, member, action, self.timeout)
+        self.members.wait_all(works, self.timeout)
 
     def vote(self, squares: float, bad: bool) -> tuple[float, bool]:
         """Every member: the sum of the squared gradient norms of every share, and whether any share is not finite."""

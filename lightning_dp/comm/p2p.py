@@ -7,8 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import PeerUnreachableError
-from lightning_dp.comm.peers import is_transport_error
+from lightning_dp.comm.peers import wait_naming_peer
 from lightning_dp.comm.staging import moves_host_memory_only
 
 
@@ -56,17 +55,9 @@ def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup
 
 def wait_for(work: Any, group: dist.ProcessGroup | None, peer: int, action: str) -> None:
     """Wait for ``work`` (a send to / receive from group rank ``peer``, from :func:`post`); a lost peer or link is
-    re-raised as :class:`PeerUnreachableError` naming both ranks, any other failure as it is."""
+    re-raised as :class:`~lightning_dp.comm.errors.PeerUnreachableError` naming both ranks, any other failure as it
+    is."""
     if work is None:
         return
-    try:
-        work.wait()
-    except Exception as error:  # gloo and NCCL raise RuntimeError subclasses with transport details
-        if not is_transport_error(error):
-            raise
-        me = dist.get_rank()
-        them = dist.get_global_rank(group, peer) if group is not None else peer  # the default group's ranks are global
-        raise PeerUnreachableError(
-            f"rank {me} could not {action} rank {them}: the peer is unreachable (it may have died, its link may be "
-            f"down, or it did not answer within the strategy's timeout). Transport error: {error}"
-        ) from error
+    them = dist.get_global_rank(group, peer) if group is not None else peer  # the default group's ranks are global
+    wait_naming_peer(work, f"rank {dist.get_rank()}", action, f"rank {them}")

@@ -4,8 +4,10 @@ lost peer or link into :class:`~lightning_dp.comm.errors.PeerUnreachableError` n
 from __future__ import annotations
 
 import re
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -66,6 +68,30 @@ class PeerDirectory:
         return None
 
 
+def lost_peer_error(me: str, action: str, peer: str, error: BaseException) -> PeerUnreachableError:
+    """The error for a transport failure ``error`` of ``me`` while it tried to ``action`` ``peer``: the one place
+    its text is built."""
+    return PeerUnreachableError(
+        f"{me} could not {action} {peer}: the peer is unreachable (it may have died, its link may be down, or it did "
+        f"not answer within the strategy's timeout). Transport error: {error}"
+    )
+
+
+def wait_naming_peer(work: Any, me: str, action: str, peer: str | Callable[[BaseException], str],
+                     timeout: timedelta | None = None) -> None:  # fmt: skip
+    """Wait for ``work`` (``None``: nothing to wait for). A transport failure is re-raised as
+    :func:`lost_peer_error` naming ``peer`` (or what ``peer(error)`` finds behind the error); any other failure as it
+    is."""
+    if work is None:
+        return
+    try:
+        work.wait() if timeout is None else work.wait(timeout)
+    except Exception as error:  # gloo and NCCL raise RuntimeError subclasses with transport details
+        if not is_transport_error(error):
+            raise
+        raise lost_peer_error(me, action, peer(error) if callable(peer) else peer, error) from error
+
+
 @contextmanager
 def naming_lost_peer(
     what: str, group: dist.ProcessGroup | None = None, directory: PeerDirectory | None = None
@@ -78,13 +104,9 @@ def naming_lost_peer(
     except Exception as error:
         if not is_transport_error(error):
             raise
-        group = group if group is not None else dist.group.WORLD
-        me, members = dist.get_rank(), dist.get_process_group_ranks(group)
+        me, members = dist.get_rank(), dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         lost = directory.rank_in(str(error), exclude=me) if directory is not None else None
         if len(members) == 2:
             lost = next(r for r in members if r != me)
         peer = f"rank {lost}" if lost is not None else "a peer (the transport error below gives its address)"
-        raise PeerUnreachableError(
-            f"rank {me} could not reach {peer} during {what}: the peer is unreachable (it may have died, its link "
-            f"may be down, or it did not answer within the strategy's timeout). Transport error: {error}"
-        ) from error
+        raise lost_peer_error(f"rank {me}", "reach", f"{peer} during {what}", error) from error
