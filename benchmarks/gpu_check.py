@@ -123,7 +123,7 @@ def run_end_to_end(model: str, strategies: list[str], accelerator: str, steps: i
                 row["steps_per_s"] = median([r["steps_per_s"] for r in ranks])
                 if strategy == "ddp":
                     baseline = row
-                if baseline is not None and "steps_per_s" in baseline:
+                if baseline is not None:
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -137,7 +137,7 @@ def report(info: dict, tests: dict | None, rows: list[dict], steps: int, warmup:
         "",
     ]
     if tests is not None:
-        counts = ", ".join(f"{n} {k.lower()}" for k, n in sorted(tests["counts"].items())) or "no test ran"
+        counts = _counts(tests)
         stopped = f", stopped after {TESTS_BUDGET_S} s" if tests["timed_out"] else ""
         lines += [f"Tests (`{tests['command']}`, {tests['seconds']:.0f} s{stopped}): {counts}", ""]
         lines += ["| test | outcome |", "|---|---|"]
@@ -159,6 +159,10 @@ def report(info: dict, tests: dict | None, rows: list[dict], steps: int, warmup:
     return lines
 
 
+def _counts(tests: dict) -> str:
+    return ", ".join(f"{n} {k.lower()}" for k, n in sorted(tests["counts"].items())) or "no test ran"
+
+
 def _ratio(row: dict) -> str:
     if "error" in row:
         return f"{row['strategy']} failed"
@@ -170,8 +174,7 @@ def _ratio(row: dict) -> str:
 def summary(tests: dict | None, rows: list[dict], seconds: float) -> str:
     parts = []
     if tests is not None:
-        counts = ", ".join(f"{n} {k.lower()}" for k, n in sorted(tests["counts"].items())) or "no test ran"
-        parts.append(f"tests: {counts}{' (stopped: over budget)' if tests['timed_out'] else ''}")
+        parts.append(f"tests: {_counts(tests)}{' (stopped: over budget)' if tests['timed_out'] else ''}")
     shared = [r for r in rows if r["world_size"] == 2 and r["strategy"] != "ddp"]
     ratios = ", ".join(_ratio(r) for r in shared)
     if shared:

@@ -86,8 +86,12 @@ class DropInRuns:
         pool = ThreadPoolExecutor(max_workers=len(strategies) + 1)
         ddp = pool.submit(self._run, "ddp")
         self._started["ddp"] = ddp
-        self._started.update({s: pool.submit(lambda s: (ddp.result(), self._run(s)), s) for s in strategies})
+        self._started.update({s: pool.submit(self._run_after, ddp, s) for s in strategies})
         pool.shutdown(wait=False)
+
+    def _run_after(self, ddp: Future, strategy: str) -> None:
+        ddp.result()  # its checkpoint is what the strategies resume from
+        self._run(strategy)
 
     def _run(self, strategy: str) -> None:
         if strategy == "ddp":

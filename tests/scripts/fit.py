@@ -106,11 +106,7 @@ record = Record()
 model = RegressionModel(args.batch_size, args.optimizer, batchnorm=args.batchnorm)
 trainer = L.Trainer(
     strategy=strategy,
-    **(
-        placement.trainer_placement(args.devices)
-        if placement.NODES
-        else {"accelerator": placement.ACCELERATOR, "devices": args.devices, "num_nodes": args.num_nodes}
-    ),
+    **placement.trainer_placement(args.devices, args.num_nodes),
     max_steps=args.steps,
     accumulate_grad_batches=args.accumulate,
     gradient_clip_val=args.clip_val if args.clip else None,

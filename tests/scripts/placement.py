@@ -17,12 +17,13 @@ BACKEND = os.environ.get("LIGHTNING_DP_TEST_BACKEND") or None
 NODES = int(os.environ.get("LIGHTNING_DP_TEST_NODES") or 0)
 
 
-def trainer_placement(devices: int) -> dict[str, Any]:
-    """The Trainer's ``accelerator``, ``devices`` and ``num_nodes`` for ``devices`` ranks in all."""
+def trainer_placement(devices: int, num_nodes: int = 1) -> dict[str, Any]:
+    """The Trainer's ``accelerator``, ``devices`` and ``num_nodes`` for ``devices`` ranks on each of ``num_nodes``
+    nodes (with single-device nodes started by the test: ``devices`` ranks in all)."""
     if NODES:
         assert devices == NODES, f"{devices} ranks asked for, {NODES} single-device nodes started"
         return {"accelerator": ACCELERATOR, "devices": 1, "num_nodes": NODES}
-    return {"accelerator": ACCELERATOR, "devices": devices}
+    return {"accelerator": ACCELERATOR, "devices": devices, "num_nodes": num_nodes}
 
 
 def backend_options() -> dict[str, Any]:
