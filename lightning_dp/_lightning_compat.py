@@ -44,8 +44,10 @@ __all__ = [
     "_update_dataloader",
     "after_closure",
     "patch_hydra_subprocess_command",
+    "replace_clipping",
     "replace_sigterm_notifier",
     "replace_step_sigterm_broadcast",
+    "trainer_of",
     "unwrap_optimizer",
     "wrap_closure_of",
 ]
@@ -62,9 +64,9 @@ def after_closure(plugin: Precision, model: Any, optimizer: torch.optim.Optimize
     plugin._after_closure(model, optimizer)
 
 
-def wrap_closure_of(plugin: Precision, check: Callable[[torch.optim.Optimizer], None]) -> None:
+def wrap_closure_of(plugin: Precision, check: Callable[[torch.optim.Optimizer], None]) -> Callable[[], None]:
     """Make ``plugin`` call ``check(optimizer)`` after each closure it wraps has run (the backward, the hooks and
-    clipping) and before the optimizer uses the gradients."""
+    clipping) and before the optimizer uses the gradients; returns a function restoring the plugin's own."""
     wrap_closure = type(plugin)._wrap_closure
 
     def checked(model: Any, optimizer: Any, closure: Callable[[], Any]) -> Any:
@@ -73,6 +75,33 @@ def wrap_closure_of(plugin: Precision, check: Callable[[torch.optim.Optimizer], 
         return result
 
     plugin._wrap_closure = checked  # type: ignore[method-assign]
+
+    def restore() -> None:
+        plugin.__dict__.pop("_wrap_closure", None)
+
+    return restore
+
+
+def replace_clipping(
+    plugin: Precision,
+    by_norm: Callable[[torch.optim.Optimizer, float], None],
+    by_value: Callable[[torch.optim.Optimizer, float], None],
+) -> Callable[[], None]:
+    """Make ``plugin``'s gradient clipping call ``by_norm`` / ``by_value`` (where the servers clip their shares);
+    returns a function restoring the plugin's own."""
+    plugin.clip_grad_by_norm = by_norm  # type: ignore[method-assign,assignment]
+    plugin.clip_grad_by_value = by_value  # type: ignore[method-assign,assignment]
+
+    def restore() -> None:
+        plugin.__dict__.pop("clip_grad_by_norm", None)
+        plugin.__dict__.pop("clip_grad_by_value", None)
+
+    return restore
+
+
+def trainer_of(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
+    return getattr(module, "_trainer", None)
 
 
 def patch_hydra_subprocess_command(command: Callable[[int], tuple[list[str], str]]) -> None:

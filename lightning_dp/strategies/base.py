@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -128,6 +128,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         #: :func:`~lightning_dp.strategies.inspection.gradient_readers`)
         self.full_gradients = True
         self._synced_params: set[int] = set()
+        #: undo what set-up changed in the precision plugin (run at teardown)
+        self._restore_precision: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ model set-up
     @override
@@ -153,7 +155,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self._every_rank_steps and self._checks_finite_gradients():
-                wrap_closure_of(self.precision_plugin, self._raise_if_nonfinite)
+                self._restore_precision.append(wrap_closure_of(self.precision_plugin, self._raise_if_nonfinite))
 
     def _refuse_sparse_gradients(self) -> None:
         assert self.model is not None
@@ -196,10 +198,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
     def _setup_gradient_sync(self) -> None:
         assert self.model is not None
         self._close_gradient_sync()
-        self.reducer = BucketReducer(
-            self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,
-            overlap=self._may_overlap_backward(), gradient_as_bucket_view=self._gradient_as_bucket_view,
-        )  # fmt: skip
+        self.reducer = self.new_reducer()
         shared_memory = self._uses_shared_memory()
         self.transport = self._make_transport(shared_memory)
         try:
@@ -213,8 +212,20 @@ class DataParallelStrategy(ProcessGroupStrategy):
             self.transport.bind(self.reducer.buckets)
         self.codec = self._make_codec(self.transport, self.reducer.buckets)
         self.codec.bind(self.reducer.buckets, self.transport)
-        self._synced_params = {id(p) for p in self.reducer.params}
+        self.mark_synchronized(self.reducer.params)
         self.sync_stats.bucket_bytes = sum(b.nbytes for b in self.reducer.buckets)
+
+    def new_reducer(self) -> BucketReducer:
+        """A reducer over the model's trainable parameters whose full buckets go to :meth:`_reduce_bucket`."""
+        assert self.model is not None
+        return BucketReducer(
+            self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,
+            overlap=self._may_overlap_backward(), gradient_as_bucket_view=self._gradient_as_bucket_view,
+        )  # fmt: skip
+
+    def mark_synchronized(self, params: Iterable[Tensor]) -> None:
+        """The parameters this fit synchronizes (see :meth:`check_trainable_unchanged`)."""
+        self._synced_params = {id(p) for p in params}
 
     def _make_codec(self, transport: Transport, buckets: list[GradientBucket]) -> Codec:
         """The ``compression`` option's codec, where buckets cross a network (see :attr:`Transport.crosses_network`)."""
@@ -328,14 +339,14 @@ class DataParallelStrategy(ProcessGroupStrategy):
         grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = first_nonfinite(grads)
         if bad is not None:
-            self._raise_nonfinite(bad)
+            self.raise_nonfinite(bad)
 
     def _checks_finite_gradients(self) -> bool:
         """The rule for NaN/inf gradients: raise on every rank, except under a gradient scaler (16-mixed), whose
         own rule is to skip such steps."""
         return getattr(self.precision_plugin, "scaler", None) is None
 
-    def _raise_nonfinite(self, param: Tensor | None) -> None:
+    def raise_nonfinite(self, param: Tensor | None) -> None:
         assert self.lightning_module is not None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         where = (
@@ -348,12 +359,12 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        self._check_trainable_unchanged(unwrap_optimizer(optimizer))
+        self.check_trainable_unchanged(unwrap_optimizer(optimizer))
         result = ParallelStrategy.optimizer_step(self, optimizer, closure, model, **kwargs)
-        self._end_step()
+        self.end_step()
         return result
 
-    def _check_trainable_unchanged(self, optimizer: torch.optim.Optimizer) -> None:
+    def check_trainable_unchanged(self, optimizer: torch.optim.Optimizer) -> None:
         """Buckets (and shards) are laid out at set-up: a parameter made trainable later would never be synchronized
         and the replicas would drift apart silently, so refuse it."""
         for group in optimizer.param_groups:
@@ -365,7 +376,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
                         "Make every parameter that will train trainable before fit() starts."
                     )
 
-    def _end_step(self, blocking_seconds: float = 0.0) -> None:
+    def end_step(self, blocking_seconds: float = 0.0) -> None:
         """Book-keeping after an optimizer step; ``blocking_seconds`` of communication ran on the main thread."""
         comm, waited = self.reducer.take_timing() if self.reducer is not None else (0.0, 0.0)
         self.sync_stats.end_step(comm + blocking_seconds, waited + blocking_seconds)
@@ -515,4 +526,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
     @override
     def teardown(self) -> None:
         self._close_gradient_sync()
+        for restore in self._restore_precision:
+            restore()
+        self._restore_precision = []
         super().teardown()  # DDPStrategy's: reverts SyncBatchNorm after fitting

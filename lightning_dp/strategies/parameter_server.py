@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp._lightning_compat import unwrap_optimizer
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.sharded_optimizer import hyperparameters
 from lightning_dp.comm.transports import CentralServerTransport, SharedMemoryServerTransport, Transport
+from lightning_dp.strategies.engines import CentralServerEngine, StepEngine
 from lightning_dp.strategies.options import check_rank
 from lightning_dp.strategies.parameter_server_base import ParameterServerBase, Segment
 
@@ -70,66 +65,14 @@ class ParameterServerStrategy(ParameterServerBase):
         return CentralServerTransport(self.server_rank, self.gradient_group, self.sync_stats)
 
     @override
+    def _synchronous_engine(self) -> StepEngine:
+        return CentralServerEngine(self, self.server_rank)
+
+    @override
     def _served_segments(self, buckets: list[GradientBucket]) -> list[list[Segment]]:
         return [
             [(0, b.grad_numel) if r == self.server_rank else (0, 0) for r in range(self.world_size)] for b in buckets
         ]
-
-    @override
-    def _copies_back(self) -> bool:
-        return self.full_gradients or self.is_server
-
-    @override
-    def _server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
-        if not self.is_server:
-            return []
-        return [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-    @override
-    def _server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        if self.is_server:
-            optimizer.step(**kwargs)
-
-    @override
-    def _stepping_optimizers(self) -> list[torch.optim.Optimizer]:
-        if self._stale is not None:
-            return [s.shard for s in self._stale.optimizers if s.serves_anything]
-        if self._dedicated is not None:
-            return [s.shard for s in self._dedicated.optimizers if s.serves_anything]
-        return [unwrap_optimizer(o) for o in self.optimizers] if self.is_server else []
-
-    # ------------------------------------------------------------------ checkpoints: the server's state, torch layout
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict:
-        """The server's full optimizer state on rank 0 (collective: every rank calls it when checkpointing)."""
-        if self._stale is not None:
-            return self._stale_optimizer_state(optimizer)
-        if self._dedicated is not None:
-            return self._dedicated.optimizer_state(unwrap_optimizer(optimizer))
-        optimizer = unwrap_optimizer(optimizer)
-        state = optimizer.state_dict() if self.is_server else {}
-        if self.server_rank == 0:
-            return state
-        gathered: list[dict] | None = [{} for _ in range(self.world_size)] if self.is_global_zero else None
-        dist.gather_object(state, gathered, dst=0)
-        return gathered[self.server_rank] if gathered is not None else {}
-
-    @override
-    def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
-        """The server loads the full state; workers take only the hyperparameters and stay without state."""
-        if self._stale is not None:
-            self._load_stale_optimizer_states(checkpoint)
-            return
-        if self._dedicated is not None:
-            self._dedicated.load_optimizer_states(checkpoint)
-            return
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer = unwrap_optimizer(optimizer)
-            if self.is_server:
-                optimizer.load_state_dict(saved)
-            else:
-                for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-                    group.update(hyperparameters(saved_group))
 
     @classmethod
     @override

@@ -43,6 +43,7 @@ from lightning_dp._lightning_compat import (
     _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
+    trainer_of,
 )
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.peers import PeerDirectory, naming_lost_peer
@@ -118,6 +119,12 @@ class ProcessGroupStrategy(DDPStrategy):
         self.node_layout: NodeLayout | None = None
         #: the prefix of every rendezvous key of this job (``None`` where another party created the default group)
         self.job_scope: str | None = None
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long a peer may stay silent before the run fails (the ``timeout`` option)."""
+        assert self._timeout is not None
+        return self._timeout
 
     @property
     @override
@@ -305,7 +312,7 @@ class ProcessGroupStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """A run resumed mid-epoch continues with the batches it had not trained yet (see :mod:`.resume`)."""
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = trainer_of(module)
         return resume_mid_epoch(trainer, dataloader) if trainer is not None else dataloader
 
     # ------------------------------------------------------------------ Lightning's collectives, naming lost peers

@@ -77,7 +77,7 @@ class Record(L.Callback):
         if trainer.global_rank == args.kill_rank and trainer.global_step == args.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.global_rank == 0 and trainer.global_step == args.kill_server_step:
-            os.kill(trainer.strategy._dedicated.processes[0].pid, signal.SIGKILL)
+            os.kill(trainer.strategy.engine.processes[0].pid, signal.SIGKILL)
         if trainer.global_rank == args.sigterm_rank and trainer.global_step == args.kill_step:
             os.kill(os.getpid(), signal.SIGTERM)
 

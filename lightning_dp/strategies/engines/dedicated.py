@@ -1,14 +1,14 @@
-"""The trainers' side of ``num_servers > 0``: dedicated server processes hold (part of) the weights and optimizer.
+"""``num_servers > 0``: dedicated server processes hold (part of) the weights and the optimizer.
 
-:class:`DedicatedServers` is what a :class:`~.parameter_server_base.ParameterServerBase` strategy delegates to: it
-starts the servers on this machine (trainer 0, unless they are started with ``python -m lightning_dp.server``
-elsewhere), joins them in a :class:`~lightning_dp.comm.dedicated.MemberGroup`, runs the optimizer step (hooks,
-clipping and the NaN/inf vote exactly as the co-located servers do) and gathers the servers' optimizer state for
-checkpoints. Every collective of Lightning's stays among the trainers.
+:class:`DedicatedEngine` starts the servers on this machine (trainer 0, unless they are started with ``python -m
+lightning_dp.server`` elsewhere), joins them in a :class:`~lightning_dp.comm.dedicated.MemberGroup`, runs the
+optimizer step (hooks, clipping and the NaN/inf vote exactly as the co-located servers do) and gathers the servers'
+optimizer state for checkpoints. Every collective of Lightning's stays among the trainers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import subprocess
 import time
@@ -20,8 +20,9 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
+from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.cost import Scheme
 from lightning_dp.comm.dedicated import (
     ABORT,
     LOAD,
@@ -43,6 +44,7 @@ from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError,
 from lightning_dp.comm.ring import any_rank
 from lightning_dp.comm.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer, ShardLayout, hyperparameters
 from lightning_dp.server import start_local_servers, stop_local_servers
+from lightning_dp.strategies.engines.base import StepEngine
 
 if TYPE_CHECKING:
     from lightning_dp.strategies.parameter_server_base import ParameterServerBase
@@ -51,18 +53,21 @@ if TYPE_CHECKING:
 STOP_GRACE_SECONDS = 30.0
 
 
-class DedicatedServers:
-    """One fit's dedicated servers, seen from a trainer (see the module docstring)."""
+class DedicatedEngine(StepEngine):
+    """A fit's dedicated servers, seen from a trainer (see the module docstring). With ``trainers_serve`` the
+    trainers serve a share too (the optimal split), otherwise only the servers do, each a set of whole parameters."""
 
-    def __init__(self, strategy: ParameterServerBase, run_key: str) -> None:
-        self.strategy = strategy
-        self.run_key = run_key
+    def __init__(self, strategy: ParameterServerBase, trainers_serve: bool) -> None:
+        super().__init__(strategy)
+        self.trainers_serve = trainers_serve
+        self.run_key = ""
         self.processes: list[subprocess.Popen] = []
         self.transport: DedicatedServerTransport | None = None
         self.layout: ShardLayout | None = None
         self.optimizers: list[ShardedOptimizer] = []
-        self.closed = False
-        #: whether the servers were told the run is over (:meth:`finish`)
+        #: whether this fit's servers are gone from this trainer's view (before the first fit: none are there)
+        self.closed = True
+        #: whether the servers were told the run is over (:meth:`on_train_end`)
         self.stopped = False
         #: the full optimizer states gathered at the end of training, for checkpoints saved after the servers stopped
         self.final_states: list[dict] | None = None
@@ -71,6 +76,7 @@ class DedicatedServers:
         #: whether the servers update each bucket as it arrives during backward (see :meth:`_eager_possible`)
         self.eager = False
         self._static_clip: tuple[str, float] | None = None
+        self._restore_clipping: Callable[[], None] | None = None
 
     @property
     def is_trainer_zero(self) -> bool:
@@ -82,7 +88,7 @@ class DedicatedServers:
         owner = f"strategy {s.strategy_name!r} with num_servers={s.num_servers}"
         for optimizer in optimizers:
             check_importable(type(optimizer), owner)
-            if not s._trainers_serve and s.num_servers > 1 and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            if not self.trainers_serve and s.num_servers > 1 and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
                 if type(optimizer).__module__.split(".")[0] != "torch":
                     raise ConfigurationError(
                         f"{owner}: each server runs {type(optimizer).__name__} on its own parameters, which is exact "
@@ -90,11 +96,24 @@ class DedicatedServers:
                         "num_servers=1 for this optimizer"
                     )
 
-    def setup(self, reducer: BucketReducer) -> DedicatedServerTransport:
-        """Start (trainer 0, ``start_servers``) and join the servers, hand them the plan and the weights."""
+    def cost_scheme(self, scheme: Scheme) -> Scheme:
+        return dataclasses.replace(scheme, intra_node="ring")
+
+    def setup_gradient_sync(self) -> None:
+        """Buckets as usual, travelling to the servers: start (trainer 0, ``start_servers``) and join the servers,
+        hand them the plan and the weights."""
         s = self.strategy
+        assert s.model is not None
+        self.run_key = next_run_key(s.job_scope)
+        self.processes, self.transport, self.layout, self.optimizers = [], None, None, []
+        self.closed, self.stopped, self.final_states = False, False, None
+        s.reducer = reducer = s.new_reducer()
+        if s.intra_node == "shm" and s.ranks_on_this_node > 1:
+            rank_zero_info(f"{s.strategy_name}: with num_servers={s.num_servers} buckets travel through sockets "
+                           "(intra_node='shm' applies to num_servers=0)")  # fmt: skip
         env = s.cluster_environment
-        assert env is not None and s._timeout is not None and s.lightning_module is not None
+        assert env is not None and s.lightning_module is not None
+        timeout = s.timeout
         n, k = s.world_size, s.num_servers
         dtypes = {b.buffer.dtype for b in reducer.buckets}
         if len(dtypes) > 1:
@@ -105,20 +124,20 @@ class DedicatedServers:
         scope = s.job_scope or EXTERNAL_SCOPE
         if self.is_trainer_zero and s.start_servers:
             self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
-                                                 s._timeout.total_seconds(), scope)  # fmt: skip
+                                                 timeout.total_seconds(), scope)  # fmt: skip
         # where another party created the default group no record names the scope: servers started by hand need one
         publish = s.job_scope is None and self.is_trainer_zero and not s.start_servers
-        store = run_store(env.main_address, env.main_port, self.run_key, s._timeout, scope=scope, publish=publish)
+        store = run_store(env.main_address, env.main_port, self.run_key, timeout, scope=scope, publish=publish)
         if self.is_trainer_zero:
             store.set("num_trainers", str(n))
             store.set("num_servers", str(k))
         started = time.perf_counter()
-        members = MemberGroup(store, s.global_rank, n, k, s._timeout)
-        shares = member_shares(n, k, trainers_serve=s._trainers_serve)
-        transport = DedicatedServerTransport(members, shares, not s._trainers_serve, s.gradient_group, s.sync_stats,
-                                             s._timeout)  # fmt: skip
+        members = MemberGroup(store, s.global_rank, n, k, timeout)
+        shares = member_shares(n, k, trainers_serve=self.trainers_serve)
+        transport = DedicatedServerTransport(members, shares, not self.trainers_serve, s.gradient_group, s.sync_stats,
+                                             timeout)  # fmt: skip
         transport.bind(reducer.buckets)
-        self.transport = transport
+        self.transport = s.transport = transport
         optimizers = [unwrap_optimizer(o) for o in s.optimizers]
         if self.is_trainer_zero:
             store.set("plan", pickle.dumps(self._plan(reducer, optimizers)))  # type: ignore[arg-type]  # bytes are fine
@@ -132,7 +151,10 @@ class DedicatedServers:
             f"{s.strategy_name}: {n} trainers and {k} dedicated servers (joined in {time.perf_counter() - started:.1f} "
             f"s); each trainer serves {shares[0]:.1%} of the gradients, each server {shares[-1]:.1%}"
         )
-        return transport
+        s.mark_synchronized(reducer.params)
+        s.sync_stats.bucket_bytes = sum(b.nbytes for b in reducer.buckets)
+        self._restore_clipping = replace_clipping(s.precision_plugin, self._clip_request("norm"),
+                                                  self._clip_request("value"))  # fmt: skip
 
     def _eager_possible(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         """Whether nothing between backward and the step can change the update, so the servers may apply it bucket
@@ -178,7 +200,7 @@ class DedicatedServers:
             self.transport.send_weights(buckets)
 
     # ------------------------------------------------------------------ the step
-    def clip_request(self, kind: str) -> Callable[[torch.optim.Optimizer, float], None]:
+    def _clip_request(self, kind: str) -> Callable[[torch.optim.Optimizer, float], None]:
         """A precision plugin's ``clip_grad_by_norm`` / ``clip_grad_by_value``: the servers clip their shares
         (unless every trainer holds the averaged gradients: then Lightning's own clipping runs on them)."""
         plugin = self.strategy.precision_plugin
@@ -196,6 +218,7 @@ class DedicatedServers:
         """One optimizer step with the servers (see :mod:`lightning_dp.comm.dedicated`)."""
         s = self.strategy
         assert self.transport is not None and self.layout is not None and s.reducer is not None
+        s.check_trainable_unchanged(optimizer)
         index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
         if len(optimizer.param_groups) != self._groups[index]:
             raise UnsupportedChangeError(
@@ -213,7 +236,7 @@ class DedicatedServers:
             self.layout.take_bucket_gradients()
         self._clip = None
         after_closure(s.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
-        buckets = s._buckets_of(optimizer)
+        buckets = s.buckets_of(optimizer)
         if s.full_gradients:
             sharded.take_param_gradients()
         if self.is_trainer_zero:  # the hyperparameters as the step will use them (after every hook)
@@ -228,12 +251,12 @@ class DedicatedServers:
         if bad:
             for piece in sharded.pieces:
                 piece.tensor.grad = None
-            s._raise_nonfinite(None)
+            s.raise_nonfinite(None)
         clip_pieces(sharded, clip, total)
         sharded.step(**kwargs)
         start = time.perf_counter()
         self.pull(buckets)
-        s._end_step(blocking_seconds=time.perf_counter() - start)
+        s.end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
     def _eager_step(
@@ -283,13 +306,13 @@ class DedicatedServers:
         clip_pieces(sharded, self._clip, 0.0)
         sharded.step(**control["kwargs"])
         start = time.perf_counter()
-        buckets = s._buckets_of(optimizer)
+        buckets = s.buckets_of(optimizer)
         for bucket in buckets:  # the servers' shares arrived during backward; the trainers' now
             bucket.pack_params(*self.transport.owned(bucket))
         self.transport.share_weights_all(buckets, from_servers=False)
         for bucket in buckets:
             bucket.unpack_params()
-        s._end_step(blocking_seconds=waited + time.perf_counter() - start)
+        s.end_step(blocking_seconds=waited + time.perf_counter() - start)
         return result
 
     def pull(self, buckets: list[GradientBucket]) -> None:
@@ -301,12 +324,11 @@ class DedicatedServers:
         for bucket in buckets:
             bucket.unpack_params()
 
-    def exchange_weights(self, buckets: list[GradientBucket]) -> None:
-        """The weight traffic of a step without a step (timing, see ``measure_exchange_seconds``)."""
-        assert self.transport is not None
+    def exchange_weights(self) -> None:
+        assert self.transport is not None and self.strategy.reducer is not None
         if self.is_trainer_zero:
             self.transport.control(PULL)
-        self.pull(buckets)
+        self.pull(self.strategy.reducer.buckets)
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -340,9 +362,19 @@ class DedicatedServers:
             if self.is_trainer_zero:
                 self.transport.control(LOAD, index, saved)
 
-    def finish(self) -> None:
-        """At the end of training (collective): gather the optimizer states while the servers still run, for
-        checkpoints saved after ``fit``, then stop the servers; every trainer leaves once every server knows."""
+    def stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [s.shard for s in self.optimizers if s.serves_anything]
+
+    def on_train_start(self) -> None:
+        if not self.closed:
+            assert self.strategy.reducer is not None
+            self.send_weights(self.strategy.reducer.buckets)
+
+    def on_train_end(self) -> None:
+        """Gather the optimizer states while the servers still run, for checkpoints saved after ``fit``, then stop
+        the servers; every trainer leaves once every server knows (collective)."""
+        if self.closed:
+            return
         self.final_states = [self.optimizer_state(unwrap_optimizer(o)) for o in self.strategy.optimizers]
         assert self.transport is not None
         if self.is_trainer_zero:
@@ -351,8 +383,11 @@ class DedicatedServers:
         self.stopped = True
 
     # ------------------------------------------------------------------ the end
-    def abort(self, reason: str) -> None:
-        """Trainer 0: tell the servers the run failed (they exit non-zero with ``reason``); never raises."""
+    def on_exception(self, exception: BaseException) -> None:
+        """Trainer 0 tells the servers the run failed (they exit non-zero with the reason)."""
+        self._abort(f"{type(exception).__name__}: {exception}")
+
+    def _abort(self, reason: str) -> None:
         if self.closed or not self.is_trainer_zero:
             return
         if self.transport is not None:
@@ -364,6 +399,13 @@ class DedicatedServers:
             for process in self.processes:
                 process.kill()
         self.close(stop=False)
+
+    def close_gradient_sync(self) -> None:
+        if self._restore_clipping is not None:
+            self._restore_clipping()
+            self._restore_clipping = None
+        self.close()
+        self.strategy.transport = None  # closed with the servers
 
     def close(self, stop: bool = True) -> None:
         """Stop the servers (trainer 0) and leave the group; local servers are waited for, then killed."""

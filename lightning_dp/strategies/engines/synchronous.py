@@ -1,0 +1,217 @@
+"""The synchronous step with the servers among the trainers: one central server rank, or every rank a shard."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
+from lightning_dp.comm.nonfinite import first_nonfinite
+from lightning_dp.comm.ring import any_rank
+from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
+from lightning_dp.comm.transports import ShardedServerTransport, SharedMemoryShardedTransport
+from lightning_dp.strategies.engines.base import StepEngine
+
+if TYPE_CHECKING:
+    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
+
+
+class SynchronousEngine(StepEngine):
+    """Every step waits for every rank's gradients; the servers are training ranks.
+
+    A step is: the closure (forward, backward; gradients are pushed to their servers bucket by bucket during
+    backward), Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, a vote on NaN/inf, the servers'
+    update and the pull of the new weights over the transport. Ranks that serve nothing never call the optimizer,
+    so they hold no optimizer state. A subclass says who serves what.
+    """
+
+    def setup_gradient_sync(self) -> None:
+        self.strategy.setup_bucket_exchange()
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        s = self.strategy
+        s.check_trainable_unchanged(optimizer)
+        result = closure()
+        self.gradients_before_hooks(optimizer)
+        after_closure(s.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        self.gradients_after_hooks(optimizer)
+        self.check_server_gradients(optimizer)
+        assert s.transport is not None
+        for bucket in s.buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
+            s.codec.before_update(bucket, s.transport)
+        self.server_update(optimizer, **kwargs)
+        start = time.perf_counter()
+        self.pull(optimizer)
+        s.end_step(blocking_seconds=time.perf_counter() - start)
+        s.staleness_seen.add(0)
+        return result
+
+    def gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand the averaged gradients to the servers' update before ``on_before_optimizer_step``."""
+
+    def gradients_after_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """Or after it and clipping, when the servers must step with gradients the hooks edited."""
+
+    def server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+        """``(parameter, averaged gradient)`` pairs this rank serves for ``optimizer``'s step."""
+        raise NotImplementedError
+
+    def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        """Run the servers' optimizer step for ``optimizer`` on this rank (if it serves any of its parameters)."""
+        raise NotImplementedError
+
+    def check_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Only servers see averaged gradients: they vote (one tiny all-reduce) so every rank decides alike."""
+        s = self.strategy
+        assert s.transport is not None
+        bad = first_nonfinite(self.server_gradients(optimizer))
+        if any_rank(bad is not None, s.transport.ring, s.root_device):
+            s.raise_nonfinite(bad)
+
+    def pull(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank receives the new weights of ``optimizer``'s parameters from their servers."""
+        s = self.strategy
+        assert s.transport is not None
+        for bucket in s.buckets_of(optimizer):
+            start, end = s.transport.owned(bucket)
+            bucket.pack_params(start, end)
+            s.codec.share_weights(bucket, s.transport)
+            if s.codec.rewrites_weights or not s.transport.owns_all(bucket):
+                bucket.unpack_params()
+
+    def exchange_weights(self) -> None:
+        for optimizer in self.strategy.optimizers:
+            self.pull(unwrap_optimizer(optimizer))
+
+
+class CentralServerEngine(SynchronousEngine):
+    """One training rank, ``server_rank``, holds the optimizer and its whole state."""
+
+    def __init__(self, strategy: ParameterServerBase, server_rank: int) -> None:
+        super().__init__(strategy)
+        self.server_rank = server_rank
+
+    @property
+    def is_server(self) -> bool:
+        return self.strategy.global_rank == self.server_rank
+
+    def copies_back(self) -> bool:
+        return self.strategy.full_gradients or self.is_server
+
+    def server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+        if not self.is_server:
+            return []
+        return [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        if self.is_server:
+            optimizer.step(**kwargs)
+
+    def stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [unwrap_optimizer(o) for o in self.strategy.optimizers] if self.is_server else []
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        s = self.strategy
+        state = optimizer.state_dict() if self.is_server else {}
+        if self.server_rank == 0:
+            return state
+        gathered: list[dict] | None = [{} for _ in range(s.world_size)] if s.is_global_zero else None
+        dist.gather_object(state, gathered, dst=0)
+        return gathered[self.server_rank] if gathered is not None else {}
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """The server loads the full state; workers take only the hyperparameters and stay without state."""
+        for optimizer, saved in zip(self.strategy.optimizers, checkpoint["optimizer_states"]):
+            optimizer = unwrap_optimizer(optimizer)
+            if self.is_server:
+                optimizer.load_state_dict(saved)
+            else:
+                for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+                    group.update(hyperparameters(saved_group))
+
+
+class ShardedServerEngine(SynchronousEngine):
+    """Every rank serves its shard of every bucket with a
+    :class:`~lightning_dp.comm.sharded_optimizer.ShardedOptimizer` (1/N of the optimizer state each); clipping by
+    norm uses the global norm, summed across shards."""
+
+    def __init__(self, strategy: ParameterServerBase) -> None:
+        super().__init__(strategy)
+        self.layout: ShardLayout | None = None
+        self.sharded_optimizers: list[ShardedOptimizer] = []
+        self._restore_clipping: Callable[[], None] | None = None
+
+    def setup_gradient_sync(self) -> None:
+        super().setup_gradient_sync()
+        s = self.strategy
+        assert s.reducer is not None
+        assert isinstance(s.transport, (ShardedServerTransport, SharedMemoryShardedTransport))
+        owner = f"strategy {s.strategy_name!r}"
+        self.layout = ShardLayout(s.reducer.buckets, s.transport.segments, s.transport.rank, owner)
+        self.sharded_optimizers = [
+            ShardedOptimizer(unwrap_optimizer(o), self.layout, s.gradient_group, owner) for o in s.optimizers
+        ]
+        self._restore_clipping = replace_clipping(s.precision_plugin, self._clip_grad_by_norm, self._clip_grad_by_value)
+
+    def close_gradient_sync(self) -> None:
+        if self._restore_clipping is not None:
+            self._restore_clipping()
+            self._restore_clipping = None
+
+    def _sharded(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        for sharded in self.sharded_optimizers:
+            if sharded.optimizer is optimizer:
+                return sharded
+        raise KeyError("optimizer is not one of the strategy's optimizers")
+
+    def gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        s = self.strategy
+        assert s.reducer is not None and self.layout is not None
+        self._sharded(optimizer).follow_param_groups()
+        # once per synchronization, for every optimizer's pieces: the pull after this step overwrites the buckets,
+        # and a step without a backward (nothing fresh) keeps no gradient
+        if not s.full_gradients and s.reducer.consume():
+            self.layout.take_bucket_gradients()
+
+    def gradients_after_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        # every rank holds the averaged gradients in param.grad, as edited by the hooks and clipped
+        if self.strategy.full_gradients:
+            self._sharded(optimizer).take_param_gradients()
+
+    def server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+        return self._sharded(optimizer).gradients()
+
+    def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        self._sharded(optimizer).step(**kwargs)
+
+    def _clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        plugin = self.strategy.precision_plugin
+        if self.strategy.full_gradients:  # param.grad holds the averaged gradients everywhere: clip as Lightning does
+            type(plugin).clip_grad_by_value(plugin, optimizer, clip_val)
+        else:
+            self._sharded(unwrap_optimizer(optimizer)).clip_grad_value_(clip_val)
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        plugin = self.strategy.precision_plugin
+        if self.strategy.full_gradients:
+            type(plugin).clip_grad_by_norm(plugin, optimizer, clip_val)
+        else:
+            self._sharded(unwrap_optimizer(optimizer)).clip_grad_norm_(clip_val)
+
+    def stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [s.shard for s in self.sharded_optimizers if s.serves_anything]
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        sharded = self._sharded(optimizer)
+        sharded.consolidate_state_dict(to=0)
+        return sharded.state_dict() if self.strategy.is_global_zero else {}
+
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each rank takes its shard's slice of a full (standard layout) optimizer state."""
+        for sharded, saved in zip(self.sharded_optimizers, checkpoint["optimizer_states"]):
+            sharded.load_state_dict(saved)
