@@ -80,10 +80,10 @@ def test_parameter_made_trainable_after_setup_is_refused():
     strategy._synced_params = {id(synced)}  # what set-up laid out in buckets
     late.requires_grad_(False)
     optimizer = torch.optim.SGD([synced, late], lr=0.1)
-    strategy._check_trainable_unchanged(optimizer)  # frozen: fine
+    strategy.check_trainable_unchanged(optimizer)  # frozen: fine
     late.requires_grad_(True)
     with pytest.raises(RuntimeError, match=r"shape \(2, 5\) became trainable .* after set-up"):
-        strategy._check_trainable_unchanged(optimizer)
+        strategy.check_trainable_unchanged(optimizer)
 
 
 @pytest.mark.unit
