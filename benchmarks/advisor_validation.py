@@ -3,7 +3,7 @@
 A grid of emulated clusters (one rank per host, hosts in network namespaces joined by a switch in user space that
 gives every link its rate and delay, benchmarks/delay_switch.c: this kernel has no netem qdisc): N hosts, link
 rate, one-way latency between two hosts, and S bytes of gradients. On each, the ranks first measure
-their link as ``lightning_dp.advise`` and ``CommMonitor`` do (:func:`lightning_dp.comm.probe.measure_link`, a
+their link as ``lightning_dp.advise`` and ``CommMonitor`` do (:func:`lightning_dp.comm.cluster.probe.measure_link`, a
 ping-pong), then time one synchronized step's exchange of every scheme with the transports the strategies use
 (gradient buckets of the strategies' default 25 MB cap: reduce every bucket; the parameter servers also vote and
 pull the weights), and the model predicts the same from the measured link (:mod:`lightning_dp.comm.cost`).
@@ -42,10 +42,10 @@ def worker(rank: int, world_size: int, sizes_mb: list[float], repeats: int, port
 
     from benchmarks.collectives import timed
     from lightning_dp.comm.buckets import GradientBucket, assign_buckets
+    from lightning_dp.comm.cluster.probe import measure_link
     from lightning_dp.comm.cost import Scheme, Topology, Wire, step_cost
-    from lightning_dp.comm.probe import measure_link
-    from lightning_dp.comm.ring import any_rank
     from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport
+    from lightning_dp.comm.transports.shards import any_rank
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME

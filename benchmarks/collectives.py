@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 
 from benchmarks.report import pyplot, save
 from lightning_dp.comm import Ring, ring_allreduce
-from lightning_dp.comm.hierarchical import HierarchicalAllReduce
-from lightning_dp.comm.parameter_server import (
+from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce
+from lightning_dp.comm.transports.shards import (
     pull_shards,
     pull_weights,
     push_gradients,

@@ -5,7 +5,7 @@ the optimal-split formula, and ``ring_allreduce`` among the same trainers in the
 
 Every host is a network namespace behind a link shaped with tc tbf (and a netem delay); the servers are real
 ``python -m lightning_dp.server`` processes, the trainers run the strategies' transport
-(:class:`~lightning_dp.comm.dedicated.DedicatedServerTransport`): push during "backward", trainer 0's control
+(:class:`~lightning_dp.comm.servers.DedicatedServerTransport`): push during "backward", trainer 0's control
 message, the vote, the owners' optimizer step, the pull of the weights.
 
     sudo python -m benchmarks.dedicated_servers                    # n = 2, 3, 4; k = 0 .. n; S = 16 MB; 1 Gbit/s
@@ -39,17 +39,17 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
     import torch.distributed as dist
 
     from lightning_dp.comm.buckets import GradientBucket
-    from lightning_dp.comm.dedicated import (
+    from lightning_dp.comm.servers import (
         DedicatedServerTransport,
         MemberGroup,
         ServerPlan,
-        first_bad,
         member_shares,
         optimizer_spec,
         run_store,
     )
-    from lightning_dp.comm.ring import any_rank, ring_allreduce
-    from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
+    from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
+    from lightning_dp.comm.transports.ring import ring_allreduce
+    from lightning_dp.comm.transports.shards import any_rank
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
@@ -91,7 +91,7 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
         transport.disarm()
         assert not transport.finish_eager()
         layout.take_bucket_gradients()
-        any_rank(first_bad(sharded), transport.ring, torch.device("cpu"))
+        any_rank(sharded.has_nonfinite_gradient(), transport.ring, torch.device("cpu"))
         sharded.step()
         for bucket in buckets:
             bucket.pack_params(*transport.owned(bucket))

@@ -42,7 +42,7 @@ def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, 
 
     from benchmarks.collectives import timed
     from lightning_dp.comm import ring_allreduce
-    from lightning_dp.comm.parameter_server import (
+    from lightning_dp.comm.transports.shards import (
         pull_shards,
         pull_weights,
         push_gradients,
@@ -57,7 +57,7 @@ def worker(rank: int, world_size: int, size_mb: float, repeats: int, port: int, 
     buf = torch.randn(numel)
     segments = shard_segments([numel], [4], world_size)[0]
     if per_host > 1:
-        from lightning_dp.comm.hierarchical import HierarchicalAllReduce
+        from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce
 
         exchange = HierarchicalAllReduce([numel * 4], node_key=rank // per_host)
         ops = {

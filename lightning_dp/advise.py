@@ -360,7 +360,7 @@ def advise(
 def _measure_link() -> tuple[Link, str]:
     import torch.distributed as dist
 
-    from lightning_dp.comm.probe import measure_link, measure_this_machine
+    from lightning_dp.comm.cluster.probe import measure_link, measure_this_machine
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"

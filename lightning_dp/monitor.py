@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dp.comm.buckets import assign_buckets
+from lightning_dp.comm.cluster.probe import measure_link
 from lightning_dp.comm.cost import Link, Scheme, StepCost, Topology, Wire, rank_traffic, step_cost
-from lightning_dp.comm.probe import measure_link
 from lightning_dp.comm.stats import SyncStats
 from lightning_dp.strategies.base import DataParallelStrategy
 

@@ -2,7 +2,7 @@
 
 Joins a run of ``ParameterServerStrategy(num_servers=K)`` or ``ShardedParameterServerStrategy(num_servers=K)``
 through the trainers' rendezvous (their ``MASTER_ADDR`` and ``MASTER_PORT``), serves its share of the weights
-(:class:`~lightning_dp.comm.dedicated.DedicatedServer`) and exits when the run ends: 0 when trainer 0 stops it,
+(:class:`~lightning_dp.comm.servers.DedicatedServer`) and exits when the run ends: 0 when trainer 0 stops it,
 1 when the run failed or a trainer was lost (the message names it). On one machine the strategy starts its servers
 itself; across machines start one per server on the CPU machines::
 
@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
-from lightning_dp.comm.dedicated import DedicatedServer, MemberGroup, run_store
+from lightning_dp.comm.cluster.rendezvous import die_with_parent, interface_with_address, local_address_towards
 from lightning_dp.comm.errors import ForeignJobError
-from lightning_dp.comm.rendezvous import die_with_parent, interface_with_address, local_address_towards
+from lightning_dp.comm.servers import DedicatedServer, MemberGroup, run_store
 
 #: how long a server waits for the trainers' next message: without a deadline in practice (validation, checkpoint
 #: writing and a slow epoch end all pause the trainers); a lost trainer's closed sockets end any wait at once
@@ -96,33 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     _log(f"{name} done after {server.steps} steps")
     return 0
-
-
-def start_local_servers(
-    master_addr: str, master_port: int, num_servers: int, run_key: str, timeout: float, scope: str
-) -> list[subprocess.Popen]:
-    """Start ``num_servers`` server processes on this machine, children of this process (they die with it)."""
-    processes = []
-    for index in range(num_servers):
-        command = [sys.executable, "-m", "lightning_dp.server", "--master-addr", master_addr, "--master-port",
-                   str(master_port), "--server-index", str(index), "--num-servers", str(num_servers), "--run-key",
-                   run_key, "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--scope", scope]  # fmt: skip
-        # the trainer's import path (its script's folder included), so the servers find the user's optimizer class
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        processes.append(subprocess.Popen(command, env=env))  # noqa: S603 - our own module, our own interpreter
-    return processes
-
-
-def stop_local_servers(processes: Sequence[subprocess.Popen], timeout: float) -> list[int]:
-    """Wait up to ``timeout`` seconds for the servers to exit, kill those still running; their exit codes."""
-    codes = []
-    for process in processes:
-        try:
-            codes.append(process.wait(timeout))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            codes.append(process.wait())
-    return codes
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _shared_memory_segments() -> set[str]:
-    from lightning_dp.comm.shm import NAME_PREFIX, SHM_DIR
+    from lightning_dp.comm.transports.shm import NAME_PREFIX, SHM_DIR
 
     return {n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)} if os.path.isdir(SHM_DIR) else set()
 

@@ -2,8 +2,8 @@
 
 One GPU: two ranks share it over gloo, started as two single-device nodes (Lightning's general-purpose cluster
 recipe: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE=2``, ``NODE_RANK``, ``LOCAL_RANK=0``; NCCL refuses two ranks
-on one device). Each bucket travels through a pinned host copy (``lightning_dp/comm/staging.py``): the ring and
-the codecs on CUDA tensors, the feature matrix (dedicated servers included), every drop-in case and the codecs
+on one device). Each bucket travels through a pinned host copy (``lightning_dp/comm/transports/staging.py``): the
+ring and the codecs on CUDA tensors, the feature matrix (dedicated servers included), every drop-in case and the codecs
 under Lightning, each against Lightning's ``DDPStrategy(process_group_backend="gloo")`` on the same device or one
 process on the global batch.
 
@@ -106,8 +106,8 @@ def _codecs_on_cuda(rank, world_size):
 
     from lightning_dp.comm.buckets import BucketReducer
     from lightning_dp.comm.codecs import make_codec
-    from lightning_dp.comm.staging import HostStaging
     from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport
+    from lightning_dp.comm.transports.staging import HostStaging
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32)).cuda()

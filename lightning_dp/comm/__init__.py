@@ -16,11 +16,18 @@ from lightning_dp.comm.errors import (
     SparseGradientError,
     UnsupportedChangeError,
 )
-from lightning_dp.comm.parameter_server import pull_shards, pull_weights, push_gradients, push_shards, shard_segments
-from lightning_dp.comm.ring import Ring, any_rank, chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
-from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout
 from lightning_dp.comm.stats import CommStats, SyncStats
 from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport, Transport
+from lightning_dp.comm.transports.ring import Ring, chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
+from lightning_dp.comm.transports.shards import (
+    any_rank,
+    pull_shards,
+    pull_weights,
+    push_gradients,
+    push_shards,
+    shard_segments,
+)
 
 __all__ = [
     "BucketReducer",

@@ -32,17 +32,17 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
-from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.cluster.fingerprint import check_replicas_match
 from lightning_dp.comm.codecs import CODEC_NAMES, Codec, PowerSGDCodec, check_compressible, make_codec
 from lightning_dp.comm.cost import Scheme, Wire, rank_traffic
 from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
-from lightning_dp.comm.fingerprint import check_replicas_match
 from lightning_dp.comm.nonfinite import first_nonfinite
-from lightning_dp.comm.ring import any_rank
-from lightning_dp.comm.shm import SharedMemoryUnavailable
 from lightning_dp.comm.stats import SyncStats
 from lightning_dp.comm.transports import Transport
+from lightning_dp.comm.transports.broadcast import broadcast_tensors
+from lightning_dp.comm.transports.shards import any_rank
+from lightning_dp.comm.transports.shm import SharedMemoryUnavailable
 from lightning_dp.strategies.inspection import sparse_gradient_modules
 from lightning_dp.strategies.options import check_choice, check_count, check_flag, check_positive
 from lightning_dp.strategies.processes import DEFAULT_TIMEOUT, ProcessGroupStrategy
@@ -196,8 +196,11 @@ class DataParallelStrategy(ProcessGroupStrategy):
         return {"node_key": self.node_rank, "timeout": self._timeout.total_seconds()}
 
     def _setup_gradient_sync(self) -> None:
-        assert self.model is not None
         self._close_gradient_sync()
+        self.setup_bucket_exchange()
+
+    def setup_bucket_exchange(self) -> None:
+        """The reducer, the transport and the codec over the model's buckets."""
         self.reducer = self.new_reducer()
         shared_memory = self._uses_shared_memory()
         self.transport = self._make_transport(shared_memory)
@@ -375,6 +378,12 @@ class DataParallelStrategy(ProcessGroupStrategy):
                         "was added to the optimizer) after set-up, so its gradients would never be synchronized. "
                         "Make every parameter that will train trainable before fit() starts."
                     )
+
+    def buckets_of(self, optimizer: torch.optim.Optimizer) -> list[GradientBucket]:
+        """The buckets holding any parameter of ``optimizer`` (only those need new weights after its step)."""
+        assert self.reducer is not None
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [b for b in self.reducer.buckets if any(id(p) in ids for p in b.params)]
 
     def end_step(self, blocking_seconds: float = 0.0) -> None:
         """Book-keeping after an optimizer step; ``blocking_seconds`` of communication ran on the main thread."""

@@ -16,7 +16,7 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency import StalenessRecord, check_staleness
 from lightning_dp.comm.cost import Scheme
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.sharded_optimizer import Segment
+from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines import DedicatedEngine, StaleEngine, StepEngine
 from lightning_dp.strategies.inspection import gradient_readers
@@ -48,7 +48,7 @@ class ParameterServerBase(DataParallelStrategy):
             for adaptive optimizers such as Adam). CPU training (gloo) only.
         num_servers: dedicated server processes (``0``, default: the servers are training ranks). With ``k > 0``
             the servers are processes of their own, not Lightning ranks (``trainer.world_size`` counts trainers);
-            how the weights are split over them is the subclass's (see :mod:`lightning_dp.comm.dedicated`).
+            how the weights are split over them is the subclass's (see :mod:`lightning_dp.comm.servers`).
             Synchronous only (``staleness=0``), uncompressed.
         start_servers: with ``num_servers > 0``, whether trainer 0 starts the servers on its own machine (default)
             or they are started elsewhere with ``python -m lightning_dp.server`` (on spare CPU machines).
@@ -91,16 +91,19 @@ class ParameterServerBase(DataParallelStrategy):
                 f"compression={self.compression!r} needs staleness=0: with staleness={self.staleness!r} each "
                 "worker's gradient travels alone and is not compressed; use compression='none'"
             )
-        #: the staleness this rank saw at each of its steps (always 0 when synchronous)
-        self.staleness_seen = StalenessRecord()
         #: the consistency model's step, chosen once here
         self.engine: StepEngine = self._make_engine()
 
+    @property
+    def staleness_seen(self) -> StalenessRecord:
+        """The staleness this rank saw at each of its steps (always 0 when synchronous)."""
+        return self.engine.staleness_seen
+
     def _make_engine(self) -> StepEngine:
         if self.num_servers:
-            return DedicatedEngine(self, trainers_serve=self._trainers_serve)
+            return DedicatedEngine(self, self.num_servers, self.start_servers, trainers_serve=self._trainers_serve)
         if self.staleness != 0:
-            return StaleEngine(self, self._served_segments)
+            return StaleEngine(self, self.staleness, self._served_segments)
         return self._synchronous_engine()
 
     def _synchronous_engine(self) -> StepEngine:
@@ -143,10 +146,6 @@ class ParameterServerBase(DataParallelStrategy):
         self._close_gradient_sync()
         self.engine.setup_gradient_sync()
 
-    def setup_bucket_exchange(self) -> None:
-        """The reducer, transport and codec of the data-parallel base (the engines whose servers are trainers)."""
-        super()._setup_gradient_sync()
-
     @override
     def _close_gradient_sync(self) -> None:
         self.engine.close_gradient_sync()
@@ -183,12 +182,6 @@ class ParameterServerBase(DataParallelStrategy):
     def measure_exchange_seconds(self, repeats: int = 3) -> float:
         self.engine.check_measurable()
         return super().measure_exchange_seconds(repeats)
-
-    def buckets_of(self, optimizer: torch.optim.Optimizer) -> list[GradientBucket]:
-        """The buckets holding any parameter of ``optimizer`` (only those need new weights after its step)."""
-        assert self.reducer is not None
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [b for b in self.reducer.buckets if any(id(p) in ids for p in b.params)]
 
     # ------------------------------------------------------------------ Lightning's loop
     @override

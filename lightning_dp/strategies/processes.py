@@ -45,9 +45,8 @@ from lightning_dp._lightning_compat import (
     _sync_ddp_if_available,
     trainer_of,
 )
-from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.peers import PeerDirectory, naming_lost_peer
-from lightning_dp.comm.rendezvous import (
+from lightning_dp.comm.cluster.peers import PeerDirectory, naming_lost_peer
+from lightning_dp.comm.cluster.rendezvous import (
     LAUNCH_VARIABLE,
     die_with_parent,
     init_bound_process_group,
@@ -56,7 +55,8 @@ from lightning_dp.comm.rendezvous import (
     set_launch,
     this_launch,
 )
-from lightning_dp.comm.shm import NodeLayout
+from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.transports.shm import NodeLayout
 from lightning_dp.strategies.options import check_backend_for_devices, check_choice, check_timeout
 from lightning_dp.strategies.resume import resume_mid_epoch, stop_silencing
 
@@ -266,7 +266,7 @@ class ProcessGroupStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         """Join the default process group (sockets on the configured interface only, see
-        :mod:`lightning_dp.comm.rendezvous`), then create the group that carries gradient traffic."""
+        :mod:`lightning_dp.comm.cluster.rendezvous`), then create the group that carries gradient traffic."""
         reset_seed()
         self.set_world_ranks()
         if self._process_group_backend is None:
@@ -396,7 +396,7 @@ def _wait_for_exit(processes: list[Any], seconds: float) -> None:
 
 @contextmanager
 def _launch_variable_for_children() -> Iterator[None]:
-    """While this process starts ranks: a fresh launch (:func:`~lightning_dp.comm.rendezvous.new_launch`) in the
+    """While this process starts ranks: a fresh launch (:func:`~lightning_dp.comm.cluster.rendezvous.new_launch`) in the
     environment they inherit, and only theirs (torchrun, srun or Ray runs started later from this process must not
     see it)."""
     before = os.environ.get(LAUNCH_VARIABLE)

@@ -9,7 +9,7 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import unwrap_optimizer
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.sharded_optimizer import check_shardable
+from lightning_dp.comm.servers.sharded_optimizer import check_shardable
 from lightning_dp.comm.transports import (
     ShardedServerTransport,
     SharedMemoryShardedTransport,
@@ -26,17 +26,17 @@ class ShardedParameterServerStrategy(ParameterServerBase):
     Every gradient bucket is cut into N shards of equal length at element granularity, so one huge tensor
     cannot unbalance them; rank ``i`` serves shard ``i`` of every bucket. During backward every rank pushes
     shard ``i`` of each finished bucket to rank ``i``, which averages it. At the step, rank ``i`` runs the
-    user's optimizer on its shard only (a :class:`~lightning_dp.comm.sharded_optimizer.ShardedOptimizer`: the
+    user's optimizer on its shard only (a :class:`~lightning_dp.comm.servers.sharded_optimizer.ShardedOptimizer`: the
     same class and hyperparameters over views of the parameters, so its state is 1/N of the total), then every
     rank sends its updated shard to all others. Each rank moves ``2 (N - 1) / N S`` bytes per step, like the ring.
 
     Gradient clipping by norm uses the global norm, summed across shards. Only element-wise optimizers
-    (:data:`~lightning_dp.comm.sharded_optimizer.ELEMENTWISE_OPTIMIZERS`) can run on slices of tensors; others
+    (:data:`~lightning_dp.comm.servers.sharded_optimizer.ELEMENTWISE_OPTIMIZERS`) can run on slices of tensors; others
     are refused at set-up. Checkpoints hold the optimizer state in torch's standard, unsharded layout.
 
     With ``num_servers=k`` dedicated server processes take part of the shards: the trainers keep the share that
     balances every machine's traffic, ``(n - k) / (n² + k n - 2 k)`` each, and the servers the rest, which makes a
-    step's exchange ``2 n (n - 1) / (n² + k n - 2 k) · S / B`` (see :mod:`lightning_dp.comm.dedicated`).
+    step's exchange ``2 n (n - 1) / (n² + k n - 2 k) · S / B`` (see :mod:`lightning_dp.comm.servers`).
 
     Args: ``staleness``, ``num_servers``, ``start_servers`` (see
         :class:`~.parameter_server_base.ParameterServerBase`) and the options of

@@ -190,7 +190,7 @@ def test_sparse_gradients_are_refused_with_a_clear_error():
 
 
 def test_sharded_state_slicing_handles_scalar_parameters():
-    from lightning_dp.comm.sharded_optimizer import ShardPiece
+    from lightning_dp.comm.servers.sharded_optimizer import ShardPiece
 
     scalar = torch.nn.Parameter(torch.tensor(2.0))
     piece = ShardPiece(scalar, None, 0, 0, 1, 0, scalar.detach().view(-1)[0:1])

@@ -10,17 +10,16 @@ import torch.distributed as dist
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency import (
-    REASON_ERROR,
-    REASON_NONFINITE,
     PushLayout,
     StalenessClient,
     StalenessRecord,
     StalenessServer,
+    StopReason,
     check_staleness,
 )
 from lightning_dp.comm.errors import NonFiniteGradientError
-from lightning_dp.comm.parameter_server import shard_segments
-from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.transports.shards import shard_segments
 from tests.helpers.distributed import run_distributed
 
 
@@ -141,7 +140,7 @@ def _nonfinite(rank, size):
     client.push()
     dist.barrier()  # every rank's first step is answered before rank 2 stops
     if rank == 2:  # found a NaN in its gradient: tells the servers instead of pushing it
-        client.close(REASON_NONFINITE)
+        client.close(StopReason.NONFINITE)
         return "stopped"
     time.sleep(0.5)
     started = time.monotonic()
@@ -150,7 +149,7 @@ def _nonfinite(rank, size):
             _fill(buckets, {id(p): torch.ones_like(p) for p in params})
             client.push()
     except NonFiniteGradientError as error:
-        client.close(REASON_NONFINITE)
+        client.close(StopReason.NONFINITE)
         return str(error), time.monotonic() - started
     return "no error"
 
@@ -169,7 +168,7 @@ def _server_error(rank, size):
     try:
         client.push()
     except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
-        client.close(REASON_ERROR)
+        client.close(StopReason.ERROR)
         return type(error).__name__, str(error), time.monotonic() - started
     return "no error"
 

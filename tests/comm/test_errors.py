@@ -3,8 +3,8 @@
 import pytest
 import torch.distributed as dist
 
+from lightning_dp.comm.cluster.peers import PeerDirectory, is_transport_error
 from lightning_dp.comm.errors import PeerUnreachableError
-from lightning_dp.comm.peers import PeerDirectory, is_transport_error
 
 pytestmark = pytest.mark.unit
 

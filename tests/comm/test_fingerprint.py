@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dp.comm.fingerprint import ReplicaMismatchError, check_replicas_match, module_fingerprint
+from lightning_dp.comm.cluster.fingerprint import ReplicaMismatchError, check_replicas_match, module_fingerprint
 from tests.helpers.distributed import run_distributed
 
 

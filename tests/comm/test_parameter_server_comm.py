@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_dp.comm import CommStats
-from lightning_dp.comm.parameter_server import (
+from lightning_dp.comm.transports.shards import (
     pull_shards,
     pull_weights,
     push_gradients,
@@ -85,8 +85,8 @@ def test_push_pull_exact_and_byte_counts(world_size):
 
 
 def _one_round_sums(rank, world_size):
-    from lightning_dp.comm.parameter_server import sum_everywhere
-    from lightning_dp.comm.ring import Ring, any_rank
+    from lightning_dp.comm.transports.ring import Ring
+    from lightning_dp.comm.transports.shards import any_rank, sum_everywhere
 
     stats = CommStats()
     votes = torch.tensor([float(rank), 1.0])

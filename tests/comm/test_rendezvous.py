@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.rendezvous import interface_with_address, local_address_towards, resolve
-from lightning_dp.comm.sockets import tcp_sockets
+from lightning_dp.comm.cluster.rendezvous import interface_with_address, local_address_towards, resolve
+from lightning_dp.comm.cluster.sockets import tcp_sockets
 from tests.helpers.distributed import run_distributed
 
 
@@ -51,7 +51,7 @@ def test_a_later_run_in_the_same_process_reuses_the_port():
     code = f"""
 from datetime import timedelta
 import torch, torch.distributed as dist
-from lightning_dp.comm.rendezvous import init_bound_process_group
+from lightning_dp.comm.cluster.rendezvous import init_bound_process_group
 kept = []
 for job in range(2):
     init_bound_process_group("gloo", "127.0.0.1", {free_port()}, 0, 1, timedelta(seconds=20), single_host=True)
@@ -70,7 +70,7 @@ def test_a_launch_is_handed_only_to_the_ranks_it_starts(monkeypatch):
     torchrun, srun or Ray run this process starts later must not take it for its own (it names a launcher pid)."""
     import lightning as L
 
-    from lightning_dp.comm import rendezvous
+    from lightning_dp.comm.cluster import rendezvous
     from lightning_dp.strategies.processes import _launch_variable_for_children
 
     monkeypatch.delenv(rendezvous.LAUNCH_VARIABLE, raising=False)
@@ -95,8 +95,8 @@ def test_a_record_published_for_a_group_ray_created_lets_hand_started_servers_jo
     servers' scope, and a server pointed at the port finds it (and its secret check) as under any launcher."""
     from datetime import timedelta
 
-    from lightning_dp.comm.dedicated import run_store
     from lightning_dp.comm.errors import ForeignJobError
+    from lightning_dp.comm.servers import run_store
     from tests.helpers.distributed import free_port
 
     monkeypatch.setenv("LIGHTNING_DP_JOB_SECRET", "s3")

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm import CommStats, chunk_bounds, ring_allreduce
-from lightning_dp.comm.ring import divides_first
+from lightning_dp.comm.transports.ring import divides_first
 from tests.helpers.distributed import run_distributed
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -156,8 +156,8 @@ def _collective_until_peer_dies(rank, world_size):
 
     import torch.distributed as dist
 
+    from lightning_dp.comm.cluster.peers import PeerDirectory, naming_lost_peer
     from lightning_dp.comm.errors import PeerUnreachableError
-    from lightning_dp.comm.peers import PeerDirectory, naming_lost_peer
 
     directory = PeerDirectory.build()
     x = torch.ones(1000)

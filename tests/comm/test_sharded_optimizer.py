@@ -8,8 +8,8 @@ from torch import nn
 
 from lightning_dp.comm.buckets import BucketReducer
 from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
-from lightning_dp.comm.parameter_server import shard_segments
-from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, check_shardable
+from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout, check_shardable
+from lightning_dp.comm.transports.shards import shard_segments
 
 
 def _model() -> nn.Module:

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
-from lightning_dp.comm.hierarchical import HierarchicalAllReduce
-from lightning_dp.comm.shm import NAME_PREFIX, SHM_DIR, SharedMemoryUnavailable, process_alive
+from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce
+from lightning_dp.comm.transports.shm import NAME_PREFIX, SHM_DIR, SharedMemoryUnavailable, process_alive
 from tests.helpers.distributed import run_distributed, run_distributed_allow_deaths
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -137,7 +137,7 @@ def test_a_peer_that_never_arrives_is_named_after_the_timeout():
 
 
 def _no_shared_memory(rank: int, world_size: int) -> str:
-    import lightning_dp.comm.shm as shm
+    import lightning_dp.comm.transports.shm as shm
 
     shm.SHM_DIR = "/nonexistent-lightning-dp"
     try:

@@ -15,9 +15,9 @@ from torch import nn
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.codecs import Codec, HalfPrecisionCodec, PowerSGDCodec
 from lightning_dp.comm.errors import PeerUnreachableError
-from lightning_dp.comm.p2p import _ThroughHost, wait_for
-from lightning_dp.comm.staging import HostStaging, Staging, staging_for
 from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport
+from lightning_dp.comm.transports.p2p import _ThroughHost, wait_for
+from lightning_dp.comm.transports.staging import HostStaging, Staging, staging_for
 from tests.helpers.distributed import run_distributed
 
 WORLD = 3

@@ -29,7 +29,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
         if backend == "gloo-bound":  # lightning-dp's own rendezvous, sockets on loopback only
             from datetime import timedelta
 
-            from lightning_dp.comm.rendezvous import init_bound_process_group
+            from lightning_dp.comm.cluster.rendezvous import init_bound_process_group
 
             timeout = timedelta(seconds=60)
             init_bound_process_group("gloo", "127.0.0.1", port, rank, world_size, timeout, single_host=True)
@@ -62,7 +62,7 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and return the results by rank.
 
     ``backend="nccl"`` puts rank ``r`` on GPU ``r``; ``"gloo-bound"`` joins through
-    :func:`lightning_dp.comm.rendezvous.init_bound_process_group`. Raises ``AssertionError`` with the worker's
+    :func:`lightning_dp.comm.cluster.rendezvous.init_bound_process_group`. Raises ``AssertionError`` with the worker's
     traceback if any rank fails, and ``TimeoutError`` (after killing every worker) if the deadline passes, so a
     deadlock fails the test instead of hanging it.
     """

@@ -22,7 +22,7 @@ CLUSTER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "R
 
 
 def _package_modules(package: str = "lightning_dp") -> list[str]:
-    """Dotted names of every module of ``package`` in this checkout: ``lightning_dp``, ``lightning_dp.comm.ring``..."""
+    """Dotted names of every module of ``package`` in this checkout: ``lightning_dp``, ``lightning_dp.comm.cost``..."""
     names = []
     for path in sorted((REPO / package).rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts

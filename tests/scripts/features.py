@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
-from lightning_dp.comm.sockets import tcp_sockets
+from lightning_dp.comm.cluster.sockets import tcp_sockets
 from tests.scripts import placement
 from tests.scripts.models import IN_FEATURES, RegressionModel, TwoOptimizerModel, flat_weights
 

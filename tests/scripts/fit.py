@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
-from lightning_dp.comm.sockets import tcp_sockets
+from lightning_dp.comm.cluster.sockets import tcp_sockets
 from tests.scripts import placement
 from tests.scripts.models import RegressionModel, flat_weights
 

@@ -176,7 +176,7 @@ def test_sigkill_of_rank_0_stops_the_ranks_it_started(tmp_path):
 _STRAY = """
 import os, sys
 from datetime import timedelta
-from lightning_dp.comm.rendezvous import init_bound_process_group
+from lightning_dp.comm.cluster.rendezvous import init_bound_process_group
 from lightning_dp.comm.errors import ForeignJobError
 try:
     init_bound_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, timedelta(seconds=60), single_host=True,
@@ -225,7 +225,7 @@ def test_stray_ranks_dialing_the_port_leave_the_job_unaffected(tmp_path, uninter
 _SECRET_JOB = """
 import os, sys
 from datetime import timedelta
-from lightning_dp.comm.rendezvous import init_bound_process_group
+from lightning_dp.comm.cluster.rendezvous import init_bound_process_group
 from lightning_dp.comm.errors import ForeignJobError
 rank = int(sys.argv[2])
 try:

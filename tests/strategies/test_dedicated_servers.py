@@ -16,8 +16,8 @@ import torch
 from lightning_dp import ParameterServerStrategy, ShardedParameterServerStrategy
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_time
-from lightning_dp.comm.dedicated import check_importable, member_segments, member_shares
 from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.servers import check_importable, member_segments, member_shares
 from tests.helpers.launch import BATCH, STEPS, load_ranks, run_script, subprocess_env
 from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import RegressionModel, reference_training

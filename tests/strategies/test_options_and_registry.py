@@ -78,7 +78,8 @@ def test_bad_options_fail_at_construction(kwargs, message):
     "code, expected",
     [
         # the algorithms load without Lightning
-        ("import sys, lightning_dp.comm.ring, lightning_dp.comm.parameter_server, lightning_dp.comm.rendezvous\n"
+        ("import sys, lightning_dp.comm.transports.ring, lightning_dp.comm.transports.shards\n"
+         "import lightning_dp.comm.cluster.rendezvous, lightning_dp.comm.servers, lightning_dp.comm.consistency\n"
          "print('lightning' in sys.modules)", "False"),
         # package first, Lightning later: registered the moment Lightning loads
         ("import lightning_dp\nfrom lightning.pytorch.strategies import StrategyRegistry\n"

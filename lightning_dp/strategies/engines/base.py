@@ -3,31 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.consistency import StalenessRecord
 from lightning_dp.comm.cost import Scheme
-from lightning_dp.comm.ring import Ring, any_rank
-
-if TYPE_CHECKING:
-    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
+from lightning_dp.comm.transports.ring import Ring
+from lightning_dp.comm.transports.shards import any_rank
+from lightning_dp.strategies.base import DataParallelStrategy
 
 
 class StepEngine:
-    """How a :class:`~lightning_dp.strategies.parameter_server_base.ParameterServerBase` strategy runs a step, chosen
-    once at construction from its options: one engine per consistency model (servers among the trainers, dedicated
-    server processes, bounded staleness / asynchrony). The strategy forwards Lightning's hooks here and never asks
-    which model runs; the engine owns the step, the optimizer state for checkpoints and its own close.
+    """How a :class:`~lightning_dp.strategies.parameter_server_base.ParameterServerBase` strategy (``strategy``) runs
+    a step, chosen once at construction from its options: one engine per consistency model (servers among the
+    trainers, dedicated server processes, bounded staleness / asynchrony). The strategy forwards Lightning's hooks
+    here and never asks which model runs; the engine owns the step, the optimizer state for checkpoints and its own
+    close.
 
     The defaults are those of a synchronous run whose servers are training ranks.
     """
 
-    def __init__(self, strategy: ParameterServerBase) -> None:
+    def __init__(self, strategy: DataParallelStrategy) -> None:
         self.strategy = strategy
+        #: the staleness this rank saw at each of its steps (always 0 when synchronous)
+        self.staleness_seen = StalenessRecord()
 
     # ------------------------------------------------------------------ set-up
     def check_devices(self, devices: list[torch.device]) -> None:

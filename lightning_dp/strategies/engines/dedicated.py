@@ -1,7 +1,7 @@
 """``num_servers > 0``: dedicated server processes hold (part of) the weights and the optimizer.
 
 :class:`DedicatedEngine` starts the servers on this machine (trainer 0, unless they are started with ``python -m
-lightning_dp.server`` elsewhere), joins them in a :class:`~lightning_dp.comm.dedicated.MemberGroup`, runs the
+lightning_dp.server`` elsewhere), joins them in a :class:`~lightning_dp.comm.servers.MemberGroup`, runs the
 optimizer step (hooks, clipping and the NaN/inf vote exactly as the co-located servers do) and gathers the servers'
 optimizer state for checkpoints. Every collective of Lightning's stays among the trainers.
 """
@@ -13,7 +13,7 @@ import pickle
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,42 +23,43 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cost import Scheme
-from lightning_dp.comm.dedicated import (
-    ABORT,
-    LOAD,
-    PULL,
-    SET_WEIGHTS,
-    STEP,
+from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
+from lightning_dp.comm.servers import (
+    Control,
     DedicatedServerTransport,
     MemberGroup,
     ServerPlan,
     check_importable,
-    clip_pieces,
-    first_bad,
     member_shares,
     optimizer_spec,
     run_store,
-    squared_norm,
 )
-from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
-from lightning_dp.comm.ring import any_rank
-from lightning_dp.comm.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer, ShardLayout, hyperparameters
-from lightning_dp.server import start_local_servers, stop_local_servers
+from lightning_dp.comm.servers.launch import start_local_servers, stop_local_servers
+from lightning_dp.comm.servers.sharded_optimizer import (
+    ELEMENTWISE_OPTIMIZERS,
+    ShardedOptimizer,
+    ShardLayout,
+    hyperparameters,
+)
+from lightning_dp.comm.transports.shards import any_rank
+from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines.base import StepEngine
-
-if TYPE_CHECKING:
-    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
 #: seconds trainer 0 waits for its local servers to exit after telling them to stop, before killing them
 STOP_GRACE_SECONDS = 30.0
 
 
 class DedicatedEngine(StepEngine):
-    """A fit's dedicated servers, seen from a trainer (see the module docstring). With ``trainers_serve`` the
-    trainers serve a share too (the optimal split), otherwise only the servers do, each a set of whole parameters."""
+    """A fit's ``num_servers`` dedicated servers, seen from a trainer (see the module docstring); trainer 0 starts
+    them where ``start_servers``. With ``trainers_serve`` the trainers serve a share too (the optimal split),
+    otherwise only the servers do, each a set of whole parameters."""
 
-    def __init__(self, strategy: ParameterServerBase, trainers_serve: bool) -> None:
+    def __init__(
+        self, strategy: DataParallelStrategy, num_servers: int, start_servers: bool, trainers_serve: bool
+    ) -> None:
         super().__init__(strategy)
+        self.num_servers = num_servers
+        self.start_servers = start_servers
         self.trainers_serve = trainers_serve
         self.run_key = ""
         self.processes: list[subprocess.Popen] = []
@@ -85,10 +86,10 @@ class DedicatedEngine(StepEngine):
     # ------------------------------------------------------------------ set-up
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         s = self.strategy
-        owner = f"strategy {s.strategy_name!r} with num_servers={s.num_servers}"
+        owner = f"strategy {s.strategy_name!r} with num_servers={self.num_servers}"
         for optimizer in optimizers:
             check_importable(type(optimizer), owner)
-            if not self.trainers_serve and s.num_servers > 1 and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            if not self.trainers_serve and self.num_servers > 1 and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
                 if type(optimizer).__module__.split(".")[0] != "torch":
                     raise ConfigurationError(
                         f"{owner}: each server runs {type(optimizer).__name__} on its own parameters, which is exact "
@@ -109,12 +110,12 @@ class DedicatedEngine(StepEngine):
         self.closed, self.stopped, self.final_states = False, False, None
         s.reducer = reducer = s.new_reducer()
         if s.intra_node == "shm" and s.ranks_on_this_node > 1:
-            rank_zero_info(f"{s.strategy_name}: with num_servers={s.num_servers} buckets travel through sockets "
+            rank_zero_info(f"{s.strategy_name}: with num_servers={self.num_servers} buckets travel through sockets "
                            "(intra_node='shm' applies to num_servers=0)")  # fmt: skip
         env = s.cluster_environment
         assert env is not None and s.lightning_module is not None
         timeout = s.timeout
-        n, k = s.world_size, s.num_servers
+        n, k = s.world_size, self.num_servers
         dtypes = {b.buffer.dtype for b in reducer.buckets}
         if len(dtypes) > 1:
             raise ConfigurationError(
@@ -122,11 +123,11 @@ class DedicatedEngine(StepEngine):
                 f"{sorted(str(d) for d in dtypes)}"
             )
         scope = s.job_scope or EXTERNAL_SCOPE
-        if self.is_trainer_zero and s.start_servers:
+        if self.is_trainer_zero and self.start_servers:
             self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
                                                  timeout.total_seconds(), scope)  # fmt: skip
         # where another party created the default group no record names the scope: servers started by hand need one
-        publish = s.job_scope is None and self.is_trainer_zero and not s.start_servers
+        publish = s.job_scope is None and self.is_trainer_zero and not self.start_servers
         store = run_store(env.main_address, env.main_port, self.run_key, timeout, scope=scope, publish=publish)
         if self.is_trainer_zero:
             store.set("num_trainers", str(n))
@@ -196,7 +197,7 @@ class DedicatedEngine(StepEngine):
         """Every server takes trainer 0's current weights (the trainers hold identical ones)."""
         assert self.transport is not None
         if self.is_trainer_zero:
-            self.transport.control(SET_WEIGHTS)
+            self.transport.control(Control.SET_WEIGHTS)
             self.transport.send_weights(buckets)
 
     # ------------------------------------------------------------------ the step
@@ -215,14 +216,14 @@ class DedicatedEngine(StepEngine):
         return clip
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
-        """One optimizer step with the servers (see :mod:`lightning_dp.comm.dedicated`)."""
+        """One optimizer step with the servers (see :mod:`lightning_dp.comm.servers`)."""
         s = self.strategy
         assert self.transport is not None and self.layout is not None and s.reducer is not None
         s.check_trainable_unchanged(optimizer)
         index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
         if len(optimizer.param_groups) != self._groups[index]:
             raise UnsupportedChangeError(
-                f"strategy {s.strategy_name!r} with num_servers={s.num_servers}: {type(optimizer).__name__} gained "
+                f"strategy {s.strategy_name!r} with num_servers={self.num_servers}: {type(optimizer).__name__} gained "
                 "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
             )
         if self.eager:
@@ -242,17 +243,17 @@ class DedicatedEngine(StepEngine):
         if self.is_trainer_zero:  # the hyperparameters as the step will use them (after every hook)
             control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
                        "kwargs": kwargs}  # fmt: skip
-            self.transport.control(STEP, index, control)
+            self.transport.control(Control.STEP, index, control)
             if s.full_gradients:
                 self.transport.send_edited(buckets)
         clip = None if s.full_gradients else self._clip
-        squares = squared_norm(sharded) if clip is not None and clip[0] == "norm" else 0.0
-        total, bad = self.transport.vote(squares, first_bad(sharded))
+        squares = float(sharded.squared_norm()) if clip is not None and clip[0] == "norm" else 0.0
+        total, bad = self.transport.vote(squares, sharded.has_nonfinite_gradient())
         if bad:
             for piece in sharded.pieces:
                 piece.tensor.grad = None
             s.raise_nonfinite(None)
-        clip_pieces(sharded, clip, total)
+        sharded.apply_clip_(clip, total)
         sharded.step(**kwargs)
         start = time.perf_counter()
         self.pull(buckets)
@@ -285,13 +286,13 @@ class DedicatedEngine(StepEngine):
             )
         if [hyperparameters(g) for g in optimizer.param_groups] != control["hyperparameters"]:
             raise UnsupportedChangeError(
-                f"strategy {s.strategy_name!r} with num_servers={s.num_servers}: the optimizer's hyperparameters (e.g. "
-                "the learning rate) changed during the step's forward or backward, after the servers had applied "
+                f"strategy {s.strategy_name!r} with num_servers={self.num_servers}: the optimizer's hyperparameters "
+                "(e.g. the learning rate) changed during the step's forward or backward, after the servers had applied "
                 "them to the gradients as they arrived. Change them before the step starts (an LR scheduler, or "
                 "LightningModule.optimizer_step), or in on_before_optimizer_step, which makes the servers wait for "
                 "the hooks"
             )
-        own_bad = first_bad(sharded)
+        own_bad = sharded.has_nonfinite_gradient()
         if any_rank(own_bad, self.transport.ring, s.root_device) or bad_servers:
             for piece in sharded.pieces:
                 piece.tensor.grad = None
@@ -303,7 +304,7 @@ class DedicatedEngine(StepEngine):
                 "update each share as its gradients arrive (num_servers > 0 without clipping by norm), so the other "
                 "shares on the servers took this step: resume from a checkpoint, not from this state"
             )
-        clip_pieces(sharded, self._clip, 0.0)
+        sharded.apply_clip_(self._clip, 0.0)
         sharded.step(**control["kwargs"])
         start = time.perf_counter()
         buckets = s.buckets_of(optimizer)
@@ -327,7 +328,7 @@ class DedicatedEngine(StepEngine):
     def exchange_weights(self) -> None:
         assert self.transport is not None and self.strategy.reducer is not None
         if self.is_trainer_zero:
-            self.transport.control(PULL)
+            self.transport.control(Control.PULL)
         self.pull(self.strategy.reducer.buckets)
 
     # ------------------------------------------------------------------ checkpoints
@@ -360,7 +361,7 @@ class DedicatedEngine(StepEngine):
         for index, (sharded, saved) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
             sharded.load_state_dict(saved)
             if self.is_trainer_zero:
-                self.transport.control(LOAD, index, saved)
+                self.transport.control(Control.LOAD, index, saved)
 
     def stepping_optimizers(self) -> list[torch.optim.Optimizer]:
         return [s.shard for s in self.optimizers if s.serves_anything]
@@ -392,7 +393,7 @@ class DedicatedEngine(StepEngine):
             return
         if self.transport is not None:
             try:
-                self.transport.control(ABORT, payload=reason)
+                self.transport.control(Control.ABORT, payload=reason)
             except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
                 pass
         else:  # set-up failed before the servers joined: nobody will tell them

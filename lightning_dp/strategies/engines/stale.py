@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -21,23 +21,19 @@ from lightning_dp._lightning_compat import (
     replace_step_sigterm_broadcast,
     unwrap_optimizer,
 )
-from lightning_dp.comm.broadcast import broadcast_tensors
 from lightning_dp.comm.buckets import GradientBucket, assign_buckets
 from lightning_dp.comm.consistency import (
-    REASON_ERROR,
-    REASON_NONFINITE,
-    REASON_TERMINATED,
     PushLayout,
     StalenessClient,
     StalenessServer,
+    StopReason,
 )
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
-from lightning_dp.comm.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
+from lightning_dp.comm.servers.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
+from lightning_dp.comm.transports.broadcast import broadcast_tensors
+from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines.base import StepEngine
-
-if TYPE_CHECKING:
-    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
 #: the timeout of the staleness process groups: without a deadline in practice, as a server waits for a worker's
 #: next message and a flush for the slowest rank's remaining steps however long they take (a dead peer's closed
@@ -51,13 +47,18 @@ class StaleEngine(StepEngine):
     every hook and gradient clipping see this rank's own gradient (that is what travels), and every rank gets the
     same weights, holding every update, before validation, at checkpoints and at the end of training.
 
-    ``served_segments(buckets)[b][r]`` is the range of bucket ``b``'s gradient region rank ``r`` serves.
+    ``staleness``: the bound ``k >= 1``, or ``None`` (asynchronous). ``served_segments(buckets)[b][r]`` is the
+    range of bucket ``b``'s gradient region rank ``r`` serves.
     """
 
     def __init__(
-        self, strategy: ParameterServerBase, served_segments: Callable[[list[GradientBucket]], list[list[Segment]]]
+        self,
+        strategy: DataParallelStrategy,
+        staleness: int | None,
+        served_segments: Callable[[list[GradientBucket]], list[list[Segment]]],
     ) -> None:
         super().__init__(strategy)
+        self.staleness = staleness
         self.served_segments = served_segments
         self.buckets: list[GradientBucket] = []
         #: this rank's share of the weights, its own copy (empty on a rank that serves nothing)
@@ -81,7 +82,7 @@ class StaleEngine(StepEngine):
         s = self.strategy
         if any(d.type != "cpu" for d in devices):
             raise ConfigurationError(
-                f"strategy {s.strategy_name!r} with staleness={s.staleness!r} runs on CPU devices only "
+                f"strategy {s.strategy_name!r} with staleness={self.staleness!r} runs on CPU devices only "
                 f"(accelerator='cpu'); got {devices[0]}. Use staleness=0 on GPUs."
             )
 
@@ -90,7 +91,7 @@ class StaleEngine(StepEngine):
         for optimizer in optimizers:
             if any("lr" not in group for group in optimizer.param_groups):
                 raise ConfigurationError(
-                    f"strategy {s.strategy_name!r} with staleness={s.staleness!r} scales each arriving "
+                    f"strategy {s.strategy_name!r} with staleness={self.staleness!r} scales each arriving "
                     f"gradient's learning rate, but {type(optimizer).__name__} has no 'lr' in its parameter groups"
                 )
 
@@ -98,7 +99,7 @@ class StaleEngine(StepEngine):
         s = self.strategy
         if readers:
             rank_zero_info(
-                f"{s.strategy_name}: with staleness={s.staleness!r} each rank's gradient travels alone, so "
+                f"{s.strategy_name}: with staleness={self.staleness!r} each rank's gradient travels alone, so "
                 f"{', '.join(readers)} see and edit this rank's own gradient (not the average of all ranks)"
             )
         return False
@@ -109,7 +110,7 @@ class StaleEngine(StepEngine):
         params = [p for p in s.model.parameters() if p.requires_grad]
         if len({p.dtype for p in params}) > 1:
             raise ConfigurationError(
-                f"strategy {s.strategy_name!r} with staleness={s.staleness!r} needs every trainable parameter "
+                f"strategy {s.strategy_name!r} with staleness={self.staleness!r} needs every trainable parameter "
                 f"in one dtype, got {sorted(str(d) for d in {p.dtype for p in params})}"
             )
         cap = int(s.bucket_cap_mb * 1024 * 1024)
@@ -127,7 +128,7 @@ class StaleEngine(StepEngine):
         push_layout = PushLayout(buckets, segments, s.world_size)
         server = None
         if s.global_rank in push_layout.servers:
-            server = StalenessServer(layout, optimizers, push_layout, s.global_rank, s.world_size, s.staleness,
+            server = StalenessServer(layout, optimizers, push_layout, s.global_rank, s.world_size, self.staleness,
                                      push_group, reply_group, s.sync_stats)  # fmt: skip
         client = StalenessClient(push_layout, s.global_rank, push_group, reply_group, server, s.timeout.total_seconds(),
                                  s.sync_stats)  # fmt: skip
@@ -156,7 +157,7 @@ class StaleEngine(StepEngine):
         s = self.strategy
         raise RuntimeError(
             f"measure_exchange_seconds times a synchronous exchange; strategy {s.strategy_name!r} runs with "
-            f"staleness={s.staleness!r}, whose workers exchange alone (see sync_stats for their seconds)"
+            f"staleness={self.staleness!r}, whose workers exchange alone (see sync_stats for their seconds)"
         )
 
     # ------------------------------------------------------------------ the step
@@ -173,14 +174,14 @@ class StaleEngine(StepEngine):
         grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = first_nonfinite(grads)
         if bad is not None:
-            self.client.close(REASON_NONFINITE)
+            self.client.close(StopReason.NONFINITE)
             s.raise_nonfinite(bad)
         start = time.perf_counter()
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 bucket.fill(i, p.grad)
         index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
-        s.staleness_seen.add(self.client.push(index))
+        self.staleness_seen.add(self.client.push(index))
         s.end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
@@ -225,7 +226,7 @@ class StaleEngine(StepEngine):
         if self._serving:  # the others stop at their next request
             assert self.client is not None
             terminated = isinstance(exception, SIGTERMException)
-            self.client.close(REASON_TERMINATED if terminated else REASON_ERROR)
+            self.client.close(StopReason.TERMINATED if terminated else StopReason.ERROR)
 
     def teardown(self) -> None:
         """Stop serving; the servers' optimizers stay, so a checkpoint saved after ``fit`` still holds their state."""
@@ -246,7 +247,7 @@ class StaleEngine(StepEngine):
         sharded = next(o for o in self.optimizers if o.optimizer is optimizer)
         if s.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             # a checkpoint on exception: the other ranks are not here to gather with; stop them first
-            self.client.close(REASON_ERROR)
+            self.client.close(StopReason.ERROR)
             rank_zero_warn(
                 f"strategy {s.strategy_name!r}: a checkpoint written while the run fails holds no optimizer state "
                 "(the servers' state is spread over the ranks and cannot be gathered now); its weights are rank 0's"

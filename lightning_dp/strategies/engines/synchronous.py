@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,13 +12,11 @@ from torch import Tensor
 
 from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
 from lightning_dp.comm.nonfinite import first_nonfinite
-from lightning_dp.comm.ring import any_rank
-from lightning_dp.comm.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
+from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
 from lightning_dp.comm.transports import ShardedServerTransport, SharedMemoryShardedTransport
+from lightning_dp.comm.transports.shards import any_rank
+from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines.base import StepEngine
-
-if TYPE_CHECKING:
-    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
 
 class SynchronousEngine(StepEngine):
@@ -48,7 +46,7 @@ class SynchronousEngine(StepEngine):
         start = time.perf_counter()
         self.pull(optimizer)
         s.end_step(blocking_seconds=time.perf_counter() - start)
-        s.staleness_seen.add(0)
+        self.staleness_seen.add(0)
         return result
 
     def gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
@@ -92,7 +90,7 @@ class SynchronousEngine(StepEngine):
 class CentralServerEngine(SynchronousEngine):
     """One training rank, ``server_rank``, holds the optimizer and its whole state."""
 
-    def __init__(self, strategy: ParameterServerBase, server_rank: int) -> None:
+    def __init__(self, strategy: DataParallelStrategy, server_rank: int) -> None:
         super().__init__(strategy)
         self.server_rank = server_rank
 
@@ -137,10 +135,10 @@ class CentralServerEngine(SynchronousEngine):
 
 class ShardedServerEngine(SynchronousEngine):
     """Every rank serves its shard of every bucket with a
-    :class:`~lightning_dp.comm.sharded_optimizer.ShardedOptimizer` (1/N of the optimizer state each); clipping by
-    norm uses the global norm, summed across shards."""
+    :class:`~lightning_dp.comm.servers.ShardedOptimizer` (1/N of the optimizer state each); clipping by norm
+    uses the global norm, summed across shards."""
 
-    def __init__(self, strategy: ParameterServerBase) -> None:
+    def __init__(self, strategy: DataParallelStrategy) -> None:
         super().__init__(strategy)
         self.layout: ShardLayout | None = None
         self.sharded_optimizers: list[ShardedOptimizer] = []

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.cost import Link
-from lightning_dp.comm.p2p import post, wait_for
+from lightning_dp.comm.transports.p2p import post, wait_for
 
 #: the large message of the bandwidth probe
 PROBE_BYTES = 4 * 2**20

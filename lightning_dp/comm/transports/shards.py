@@ -22,7 +22,7 @@ same bits.
 
 ``wire`` (optional, every exchange): a narrower floating dtype the messages travel in. Pushes then send each
 rank's values rounded to it and the server *sums* what arrives in the buffer's own dtype (the caller divided by
-the group size beforehand, see :class:`~lightning_dp.comm.codecs.HalfPrecisionCodec`); pulls round the server's
+the group size beforehand, see :class:`~lightning_dp.comm.codecs.base.HalfPrecisionCodec`); pulls round the server's
 values to it, its own copy included, so every rank ends with the same bits.
 """
 
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.p2p import post, wait_for
-from lightning_dp.comm.ring import divides_first
 from lightning_dp.comm.stats import CommStats
+from lightning_dp.comm.transports.p2p import post, wait_for
+from lightning_dp.comm.transports.ring import Ring, divides_first
 
 Segment = tuple[int, int]
 
@@ -48,7 +48,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _average_in_rank_order(contributions: Iterable[torch.Tensor], size: int, out: torch.Tensor) -> None:
     """``out`` = the average of the ``size`` ``contributions`` (one per rank, in rank order, taken one at a time so
     a lazy iterable can wait for each message just before it is added); 16-bit floats are divided before they
-    are summed, so that large gradients do not overflow (see :func:`~lightning_dp.comm.ring.divides_first`)."""
+    are summed, so that large gradients do not overflow (see :func:`~.ring.divides_first`)."""
     first = divides_first(out.dtype)
     total: torch.Tensor | None = None
     for contribution in contributions:
@@ -299,3 +299,11 @@ def shard_owner(element: int, segments: Sequence[Segment]) -> int:
         if start <= element < end:
             return rank
     raise IndexError(f"element {element} is outside the buffer")
+
+
+def any_rank(flag: bool, ring: Ring, device: torch.device | str = "cpu") -> bool:
+    """Whether ``flag`` is true on any rank of the ring's group (collective: every rank calls it). One message
+    round: the votes go straight to every peer, not around the ring (``2 (N - 1)`` rounds of latency)."""
+    vote = torch.tensor([1.0 if flag else 0.0], device=device)
+    sum_everywhere(vote, ring.group)
+    return bool(vote.item() > 0)

@@ -1,13 +1,13 @@
 """All-reduce through shared memory inside a node, and a ring across nodes per local rank (hierarchical).
 
 On one node of ``L`` ranks, with every rank's tensor in its input region of a
-:class:`~lightning_dp.comm.shm.NodeSharedMemory` slot:
+:class:`~lightning_dp.comm.transports.shm.NodeSharedMemory` slot:
 
 1. barrier (every input is written);
 2. *reduce-scatter*: local rank ``i`` sums slice ``i`` (of ``L`` near-equal slices) of every input, in local-rank
    order, into a result region shared by the node;
 3. across ``M`` nodes: local rank ``i`` of every node all-reduces its slice with the ring
-   (:func:`~lightning_dp.comm.ring.ring_allreduce`) over the group of local ranks ``i`` (Horovod's parallel
+   (:func:`~lightning_dp.comm.transports.ring.ring_allreduce`) over the group of local ranks ``i`` (Horovod's parallel
    hierarchical form: ``L`` rings of ``M`` ranks run at once, each on ``1/L`` of the data, so a rank takes
    ``2 (M - 1)`` network steps instead of ``2 (N - 1)``);
 4. barrier; *all-gather*: every rank copies the result region into its tensor.
@@ -30,9 +30,16 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.ring import REDUCE_OPS, ReduceOpName, Ring, chunk_bounds, divides_first, ring_allreduce
-from lightning_dp.comm.shm import NodeLayout, NodeSharedMemory
 from lightning_dp.comm.stats import CommStats
+from lightning_dp.comm.transports.ring import (
+    REDUCE_OPS,
+    ReduceOpName,
+    Ring,
+    chunk_bounds,
+    divides_first,
+    ring_allreduce,
+)
+from lightning_dp.comm.transports.shm import NodeLayout, NodeSharedMemory
 
 Segment = tuple[int, int]
 
@@ -71,8 +78,7 @@ def cross_node_groups(
 class HierarchicalAllReduce:
     """Reduce tensors of fixed slots (sizes in bytes, ``slot_bytes``) over ``group``: shared memory inside each
     node, a ring across nodes. Collective to construct; ``node_key`` says which ranks share a node (default: the
-    host name). Raises :class:`~lightning_dp.comm.shm.SharedMemoryUnavailable` on every rank when a node cannot
-    share memory.
+    host name). Raises :class:`~.shm.SharedMemoryUnavailable` on every rank when a node cannot share memory.
     """
 
     def __init__(
@@ -130,7 +136,7 @@ class HierarchicalAllReduce:
         """Reduce ``flat`` over all ranks into ``slot``'s current result region (returned); on return its
         :meth:`slice` holds the reduced values (over every node), the rest is not yet defined. Finish with
         :meth:`gather`. ``wire``: the dtype the rings across nodes send (see
-        :func:`~lightning_dp.comm.ring.ring_allreduce`); inside a node values are added in ``flat``'s dtype.
+        :func:`~lightning_dp.comm.transports.ring.ring_allreduce`); inside a node values are added in ``flat``'s dtype.
         ``residual`` (``flat``'s shape) gains what this rank's roundings on those rings lost."""
         self._check(op, flat)
         numel, dtype = flat.numel(), flat.dtype

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.p2p import post, wait_for
 from lightning_dp.comm.stats import CommStats
+from lightning_dp.comm.transports.p2p import post, wait_for
 
 ReduceOpName = Literal["sum", "avg"]
 REDUCE_OPS = ("sum", "avg")
@@ -233,13 +233,3 @@ def ring_allreduce(
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
-
-
-def any_rank(flag: bool, ring: Ring, device: torch.device | str = "cpu") -> bool:
-    """Whether ``flag`` is true on any rank of the ring's group (collective: every rank calls it). One message
-    round: the votes go straight to every peer, not around the ring (``2 (N - 1)`` rounds of latency)."""
-    from lightning_dp.comm.parameter_server import sum_everywhere  # it builds on this module
-
-    vote = torch.tensor([1.0 if flag else 0.0], device=device)
-    sum_everywhere(vote, ring.group)
-    return bool(vote.item() > 0)

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
-from lightning_dp.comm.ring import Ring, ring_allreduce
+from lightning_dp.comm.nonfinite import first_nonfinite
+from lightning_dp.comm.transports.ring import Ring, ring_allreduce
 
 #: optimizers whose update of an element depends only on that element's gradient and state, so running them
 #: on an arbitrary slice of a tensor gives exactly the slice of the full update
@@ -250,19 +251,41 @@ class ShardedOptimizer:
         for _, grad in self.gradients():
             grad.clamp_(-clip_value, clip_value)
 
+    def squared_norm(self) -> Tensor:
+        """The sum of the squares of this rank's gradient pieces (float64, one element)."""
+        squares = torch.zeros(1, dtype=torch.float64, device=self._device)
+        for _, grad in self.gradients():
+            squares += grad.detach().double().pow(2).sum()
+        return squares
+
+    def has_nonfinite_gradient(self) -> bool:
+        return first_nonfinite(self.gradients()) is not None
+
+    def scale_to_norm_(self, max_norm: float, squares: Tensor) -> None:
+        """Scale the pieces' gradients as ``torch.nn.utils.clip_grad_norm_`` does for a total 2-norm of
+        ``sqrt(squares)`` (the sum over every shard)."""
+        coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
+        for _, grad in self.gradients():
+            grad.mul_(coefficient.to(grad.dtype))
+
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scale the pieces' gradients so that the global 2-norm over all shards is at most ``max_norm`` (the same
         formula as ``torch.nn.utils.clip_grad_norm_``); collective over ``group``. Returns the total norm."""
-        grads = [grad for _, grad in self.gradients()]
-        squares = torch.zeros(1, dtype=torch.float64, device=self._device)
-        for grad in grads:
-            squares += grad.detach().double().pow(2).sum()
+        squares = self.squared_norm()
         ring_allreduce(squares, op="sum", ring=Ring(self.group))
-        total_norm = squares.sqrt()
-        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
-        return total_norm
+        self.scale_to_norm_(max_norm, squares)
+        return squares.sqrt()
+
+    def apply_clip_(self, clip: tuple[str, float] | None, squares: float) -> None:
+        """Lightning's clipping request: ``("norm", max)`` with ``squares`` the sum of squares over every shard, or
+        ``("value", v)``; ``None`` clips nothing."""
+        if clip is None:
+            return
+        kind, value = clip
+        if kind == "value":
+            self.clip_grad_value_(value)
+        else:
+            self.scale_to_norm_(value, torch.tensor(squares, dtype=torch.float64))
 
     def step(self, scale: Mapping[str, float] | None = None, **kwargs: Any) -> None:
         """One update of this rank's pieces with their gradients (then dropped), under ``optimizer``'s current

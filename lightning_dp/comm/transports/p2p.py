@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.peers import wait_naming_peer
-from lightning_dp.comm.staging import moves_host_memory_only
+from lightning_dp.comm.cluster.peers import wait_naming_peer
+from lightning_dp.comm.transports.staging import moves_host_memory_only
 
 
 class _ThroughHost:
@@ -33,7 +33,7 @@ def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup
     with gloo it is the same as posting them one by one. Over gloo, which reads host memory only, a tensor on a
     device travels through a host copy (its work's ``wait`` copies a received one into place): meant for the few
     small messages outside the buckets (votes, norms, the link probe); buckets are staged by their transport
-    (:mod:`lightning_dp.comm.staging`).
+    (:mod:`lightning_dp.comm.transports.staging`).
     """
     host_only = moves_host_memory_only(dist.get_backend(group))
     batch, index, staged = [], [], {}

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_dp.comm.cluster.sockets import tcp_sockets
 from lightning_dp.comm.errors import PeerUnreachableError
-from lightning_dp.comm.sockets import tcp_sockets
 
 #: fragments of the messages gloo and NCCL raise when a peer or its link is gone (often as plain RuntimeErrors);
 #: other failures (out of memory, invalid usage) must keep their own message; the last two are NCCL's watchdog's

@@ -1,0 +1,89 @@
+"""The codec contract: a bucket travels as it is; a compressing codec subclasses :class:`Codec`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.transports.base import Transport
+
+#: the ``compression`` option's values
+CODEC_NAMES = ("none", "fp16", "bf16", "powersgd")
+
+
+class Codec:
+    """The bucket travels as it is (full precision): the transport's exchanges unchanged.
+
+    The life of a codec: :meth:`bind` once the transport laid out the buckets; per synchronization
+    :meth:`reduce` (gradients up), and where every rank needs the averaged gradients :meth:`share`; for the
+    parameter servers, per step, :meth:`before_update` on the owners just before they run the optimizer and
+    :meth:`share_weights` once the owners packed their new weights into the bucket. A lossy codec must keep the
+    residuals of the two directions apart.
+    """
+
+    name = "none"
+    #: whether :meth:`share_weights` may leave values on an owner that differ from its parameters (then every rank,
+    #: owners included, takes the weights from the bucket)
+    rewrites_weights = False
+
+    def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
+        """Prepare for ``buckets`` travelling over ``transport`` (every rank, the same buckets)."""
+
+    def reduce(self, bucket: GradientBucket, transport: Transport) -> None:
+        """Average ``bucket`` over the ranks through ``transport`` (see :meth:`Transport.reduce`)."""
+        transport.reduce(bucket)
+
+    def share(self, bucket: GradientBucket, transport: Transport) -> None:
+        """Send the owners' averaged gradients of ``bucket`` to every rank (see :meth:`Transport.share`)."""
+        transport.share(bucket)
+
+    def before_update(self, bucket: GradientBucket, transport: Transport) -> None:
+        """An owner is about to run the optimizer on its part of ``bucket``'s parameters."""
+
+    def share_weights(self, bucket: GradientBucket, transport: Transport) -> None:
+        """The owners packed their updated weights into ``bucket``: leave on every rank the weights it must take."""
+        transport.share(bucket)
+
+    def wire_bytes(self, bucket: GradientBucket) -> int:
+        """Bytes one rank's contribution of ``bucket`` takes on the wire (once compression is running)."""
+        return bucket.nbytes
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state (CPU tensors), for a checkpoint; empty when the codec keeps none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after :meth:`bind`); raises ``ValueError``, changing nothing, when it does not
+        fit the buckets."""
+
+
+def check_compressible(buckets: Sequence[GradientBucket], name: str) -> None:
+    """Refuse compression ``name`` for gradients narrower than float32 (with a message naming the option)."""
+    narrow = sorted({str(b.buffer.dtype) for b in buckets if b.buffer.dtype not in (torch.float32, torch.float64)})
+    if narrow:
+        raise ConfigurationError(
+            f"compression={name!r} encodes float32 gradients, but some of the model's gradients are {narrow[0]} "
+            "(a 16-bit '-true' precision): they already travel in 16 bits. Use compression='none', or a '-mixed' "
+            "precision."
+        )
+
+
+def _drop_nonfinite(state: Tensor) -> None:
+    """Zero what an overflowing step (inf/NaN gradients, skipped by a gradient scaler) left in a codec's state, so
+    that it does not poison every later step."""
+    torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _check_fits(saved: dict[int, Tensor], into: dict[int, Tensor], what: str) -> None:
+    if sorted(saved) != sorted(into) or any(saved[b].shape != into[b].shape for b in into):
+        raise ValueError(f"the saved {what} do not fit this run's gradient buckets")
+
+
+def _restore(saved: dict[int, Tensor], into: dict[int, Tensor]) -> None:
+    for b, tensor in into.items():
+        tensor.copy_(saved[b])

@@ -1,0 +1,159 @@
+"""The member group of a run's trainers and dedicated servers, and the store they meet in."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp.comm.cluster.peers import PeerDirectory, wait_naming_peer
+from lightning_dp.comm.cluster.rendezvous import JOB_ID_VARIABLE, JobRecord
+from lightning_dp.comm.cluster.sockets import tcp_sockets
+
+
+class Tag(IntEnum):
+    """Message tags on the member group (a pair of members matches messages per tag, in order)."""
+
+    GRADIENTS = 11
+    AVERAGED = 12
+    CONTROL = 13
+    EDITED = 14
+    WEIGHTS = 15
+    OBJECT = 16
+
+
+#: pieces of one message travel on tags of their own: ``Tag * PIECE_TAGS + piece``
+PIECE_TAGS = 65536
+#: the prefix of the run's keys in the rendezvous store
+STORE_PREFIX = "lightning_dp/servers"
+
+
+#: the largest single message: bigger tensors travel as several, which keeps a shaped link's throughput steady
+MESSAGE_BYTES = 1 << 20
+
+
+class _AllWorks:
+    """Several works waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self.works:  # noqa: SIM110 - each must be waited for
+            work.wait(timeout) if timeout is not None else work.wait()
+        return True
+
+
+class MemberGroup:
+    """The gloo group of a run's trainers and dedicated servers (see the module docstring), on a store of its own
+    under :data:`STORE_PREFIX`. Not registered with ``torch.distributed``: a server process has no default group,
+    and Lightning's collectives never see the servers."""
+
+    def __init__(self, store: dist.Store, rank: int, num_trainers: int, num_servers: int, timeout: timedelta) -> None:
+        self.rank, self.num_trainers, self.num_servers = rank, num_trainers, num_servers
+        self.size = num_trainers + num_servers
+        self.backend: Any = dist.ProcessGroupGloo(store, rank, self.size, timeout)
+        # every member's socket endpoints, so that a transport error giving only an address names the member
+        try:
+            mine = [f"{s['address']}:{s['port']}" for s in tcp_sockets()]
+        except OSError:  # best effort: no /proc
+            mine = []
+        store.set(f"endpoints/{rank}", json.dumps(mine))
+        self.directory = PeerDirectory(
+            {endpoint: m for m in range(self.size) for endpoint in json.loads(store.get(f"endpoints/{m}"))}
+        )
+
+    @property
+    def trainers(self) -> range:
+        return range(self.num_trainers)
+
+    @property
+    def servers(self) -> range:
+        return range(self.num_trainers, self.size)
+
+    def name(self, member: int) -> str:
+        """``"trainer 1"`` or ``"server 0 (member 3)"``."""
+        if member < self.num_trainers:
+            return f"trainer {member}"
+        return f"server {member - self.num_trainers} (member {member})"
+
+    def isend(self, tensor: Tensor, member: int, tag: int) -> Any:
+        return self._pieces(self.backend.send, tensor, member, tag)
+
+    def irecv(self, tensor: Tensor, member: int, tag: int) -> Any:
+        return self._pieces(self.backend.recv, tensor, member, tag)
+
+    def _pieces(self, op: Callable[..., Any], tensor: Tensor, member: int, tag: int) -> Any:
+        """``op`` on ``tensor`` in messages of at most :data:`MESSAGE_BYTES`, each piece on a tag of its own: gloo
+        then has every piece's receive announced at once, instead of one announcement per piece that would queue
+        behind the bulk data already filling the link back."""
+        if not tensor.numel():
+            return None
+        step = max(1, MESSAGE_BYTES // tensor.element_size())
+        pieces = range(0, tensor.numel(), step)
+        return _AllWorks([op([tensor[i : i + step]], member, tag * PIECE_TAGS + k) for k, i in enumerate(pieces)])
+
+    def wait(self, work: dist.Work | None, member: int, action: str, timeout: timedelta | None = None) -> None:
+        """Wait for ``work`` (with ``member``); a lost member is named (see :func:`wait_naming_peer`)."""
+        wait_naming_peer(work, self.name(self.rank), action, self.name(member), timeout)
+
+    def wait_all(self, works: Sequence[tuple[Any, int, str]], timeout: timedelta | None = None) -> None:
+        """:meth:`wait` for every ``(work, member, action)`` of ``works``, in order."""
+        for work, member, action in works:
+            self.wait(work, member, action, timeout)
+
+    def all_reduce_sum(self, tensor: Tensor, timeout: timedelta | None = None) -> None:
+        """Sum ``tensor`` over every member, in place, the same bits everywhere."""
+
+        def lost(error: BaseException) -> str:
+            member = self.directory.rank_in(str(error), exclude=self.rank)
+            who = self.name(member) if member is not None else "a member (the transport error below gives its address)"
+            return f"{who} during the step's vote of the trainers and servers"
+
+        wait_naming_peer(self.backend.allreduce([tensor]), self.name(self.rank), "reach", lost, timeout)
+
+    def send_object(self, obj: Any, member: int, timeout: timedelta | None = None, tag: int = Tag.OBJECT) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        for tensor in (size, data):
+            self.wait(self.isend(tensor, member, tag), member, "send a message to", timeout)
+
+    def recv_object(self, member: int, timeout: timedelta | None = None, tag: int = Tag.OBJECT) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.wait(self.irecv(size, member, tag), member, "receive a message from", timeout)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.wait(self.irecv(data, member, tag), member, "receive a message from", timeout)
+        return pickle.loads(data.numpy().tobytes())  # noqa: S301 - members of one run, on the run's private network
+
+    def close(self) -> None:
+        try:
+            self.backend.shutdown()
+        except Exception:  # noqa: BLE001, S110 - peers may be gone already
+            pass
+
+
+def run_store(
+    host: str, port: int, run_key: str, timeout: timedelta, scope: str | None = None, publish: bool = False
+) -> dist.Store:
+    """A client of the rendezvous store at ``host:port``, narrowed to this run's keys under the job's ``scope``;
+    without one, the scope the job's record names, once the record proves this process belongs to the job
+    (:class:`~lightning_dp.comm.cluster.rendezvous.JobRecord`; :class:`ForeignJobError` otherwise). ``publish``: first
+    write the record for ``scope`` (trainer 0, where no lightning-dp rendezvous wrote one)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if publish:
+        assert scope is not None
+        JobRecord.publish_for(store, scope)
+    if scope is None:
+        record = JobRecord.read(store, f"{host}:{port}", timeout)
+        # a server is pointed at host:port by hand, often from another scheduler job: only an explicit job id counts
+        record.check(f"{host}:{port}", "this dedicated server", os.environ.get(JOB_ID_VARIABLE) or None)
+        scope = record.scope
+    return dist.PrefixStore(f"{scope}/{STORE_PREFIX}/{run_key}", store)
