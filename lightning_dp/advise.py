@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.comm.buckets import GradientBucket, assign_buckets
-from lightning_dp.comm.codecs import PowerSGDCodec, make_codec
+from lightning_dp.comm.codecs import CODEC_NAMES, make_codec
 from lightning_dp.comm.cost import Link, Prediction, Scheme, Topology, Wire, predict
 
 #: the bucket cap of every strategy's default (``bucket_cap_mb``) and of DDP's
@@ -172,7 +172,7 @@ def candidate_schemes(topology: Topology, cpu: bool = True) -> list[Scheme]:
     schemes = [Scheme("ddp")]
     for strategy in ("ring_allreduce", "parameter_server", "sharded_ps"):
         for intra_node in intra:
-            for compression in ("none", "fp16", "bf16", "powersgd"):
+            for compression in CODEC_NAMES:
                 scheme = Scheme(strategy, intra_node, compression)
                 if compression != "none" and scheme.uses_shared_memory(topology) and not several_nodes:
                     continue  # nothing crosses a network: the strategy runs uncompressed
@@ -236,13 +236,8 @@ def _reason(best: Prediction, rows: Sequence[Prediction], link: Link) -> str:
 
 def wires(buckets: Sequence[GradientBucket], powersgd_rank: int = 4) -> tuple[dict[str, Wire], Wire]:
     """How ``buckets`` travel under each compression (once it runs), and uncompressed."""
-    plain = Wire(tuple(b.nbytes for b in buckets))
-    result = {"none": plain}
-    for name in ("fp16", "bf16", "powersgd"):
-        codec = make_codec(name, powersgd_rank=powersgd_rank)
-        low_rank = isinstance(codec, PowerSGDCodec)
-        result[name] = Wire(tuple(codec.wire_bytes(b) for b in buckets), 2 if low_rank else 1, not low_rank)
-    return result, plain
+    result = {name: make_codec(name, powersgd_rank=powersgd_rank).traffic(buckets) for name in CODEC_NAMES}
+    return result, result["none"]
 
 
 def _buckets(module: nn.Module, cap_mb: float) -> list[GradientBucket]:

@@ -118,7 +118,7 @@ class CommMonitor(Callback):
     def _model_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Scheme, Wire, Wire]:
         strategy = trainer.strategy
         if isinstance(strategy, DataParallelStrategy):
-            wire, plain = strategy.wire()
+            wire, plain = strategy.traffic()
             return strategy.cost_scheme(), wire, plain
         params = [p for p in pl_module.parameters() if p.requires_grad]
         cap = getattr(strategy, "_ddp_kwargs", {}).get("bucket_cap_mb", 25.0)

@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cluster.fingerprint import check_replicas_match
-from lightning_dp.comm.codecs import CODEC_NAMES, Codec, PowerSGDCodec, check_compressible, make_codec
+from lightning_dp.comm.codecs import CODEC_NAMES, Codec, check_compressible, make_codec
 from lightning_dp.comm.cost import Scheme, Wire, rank_traffic
 from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
 from lightning_dp.comm.nonfinite import first_nonfinite
@@ -407,14 +407,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         assert self.reducer is not None, "call it while fitting"
         return self.reducer.buckets
 
-    def wire(self) -> tuple[Wire, Wire]:
+    def traffic(self) -> tuple[Wire, Wire]:
         """``(compressed, plain)``: the buckets as they travel between machines and as they are (cost model)."""
         buckets = self._synchronized_buckets()
-        plain = Wire(tuple(b.nbytes for b in buckets))
-        passes = 2 if isinstance(self.codec, PowerSGDCodec) else 1
-        compressed = Wire(tuple(self.codec.wire_bytes(b) for b in buckets), passes,
-                          weights_compressed=not isinstance(self.codec, PowerSGDCodec))  # fmt: skip
-        return compressed, plain
+        return self.codec.traffic(buckets), Codec().traffic(buckets)
 
     def predicted_step_bytes(self) -> tuple[float, float] | None:
         """``(sent, received)`` bytes this rank's counters (:attr:`sync_stats`) should show for a synchronized step

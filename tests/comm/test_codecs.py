@@ -323,3 +323,17 @@ def test_compression_refuses_16_bit_gradients():
     for codec in (HalfPrecisionCodec(), PowerSGDCodec()):
         with pytest.raises(ConfigurationError, match="torch.bfloat16 .* already travel in 16 bits"):
             codec.bind(reducer.buckets, None)  # type: ignore[arg-type]  # refused before the transport is used
+
+
+@pytest.mark.unit
+def test_a_compressing_codec_refuses_a_transport_of_full_precision_buckets_when_bound():
+    from lightning_dp.comm.servers import DedicatedServerTransport
+    from lightning_dp.comm.transports import SharedMemoryServerTransport, SharedMemoryShardedTransport
+
+    reducer = BucketReducer(nn.Linear(4, 4).parameters(), lambda b: None)
+    reducer.close()
+    for kind in (SharedMemoryServerTransport, SharedMemoryShardedTransport, DedicatedServerTransport):
+        plain = object.__new__(kind)  # never used: the refusal comes first
+        for codec in (HalfPrecisionCodec(), PowerSGDCodec()):
+            with pytest.raises(ConfigurationError, match=f"cannot run over {kind.__name__}.*compression='none'"):
+                codec.bind(reducer.buckets, plain)

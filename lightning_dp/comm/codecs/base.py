@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.cost import Wire
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.transports.base import Transport
+from lightning_dp.comm.transports.base import CodecTransport, Transport
 
 #: the ``compression`` option's values
 CODEC_NAMES = ("none", "fp16", "bf16", "powersgd")
@@ -30,6 +31,10 @@ class Codec:
     #: whether :meth:`share_weights` may leave values on an owner that differ from its parameters (then every rank,
     #: owners included, takes the weights from the bucket)
     rewrites_weights = False
+    #: exchanges of the encoded bucket one reduction takes (a low-rank codec sends two factors, one after the other)
+    passes: ClassVar[int] = 1
+    #: whether the weights the servers send back travel encoded too (or in full precision)
+    encodes_weights: ClassVar[bool] = True
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         """Prepare for ``buckets`` travelling over ``transport`` (every rank, the same buckets)."""
@@ -53,6 +58,10 @@ class Codec:
         """Bytes one rank's contribution of ``bucket`` takes on the wire (once compression is running)."""
         return bucket.nbytes
 
+    def traffic(self, buckets: Sequence[GradientBucket]) -> Wire:
+        """How ``buckets`` travel with this codec once it runs: the cost model's record of them."""
+        return Wire(tuple(self.wire_bytes(b) for b in buckets), self.passes, self.encodes_weights)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (CPU tensors), for a checkpoint; empty when the codec keeps none."""
         return {}
@@ -71,6 +80,17 @@ def check_compressible(buckets: Sequence[GradientBucket], name: str) -> None:
             "(a 16-bit '-true' precision): they already travel in 16 bits. Use compression='none', or a '-mixed' "
             "precision."
         )
+
+
+def encoding_transport(transport: Transport, name: str) -> CodecTransport:
+    """``transport`` as one that carries encoded buckets; a transport of full-precision buckets only (shared memory
+    inside one machine, dedicated servers) is refused, naming the codec."""
+    if not isinstance(transport, CodecTransport):
+        raise ConfigurationError(
+            f"compression={name!r} cannot run over {type(transport).__name__}, which carries full-precision buckets "
+            "only; use compression='none'"
+        )
+    return transport
 
 
 def _drop_nonfinite(state: Tensor) -> None:

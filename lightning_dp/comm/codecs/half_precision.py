@@ -9,7 +9,14 @@ import torch
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.codecs.base import Codec, _check_fits, _drop_nonfinite, _restore, check_compressible
+from lightning_dp.comm.codecs.base import (
+    Codec,
+    _check_fits,
+    _drop_nonfinite,
+    _restore,
+    check_compressible,
+    encoding_transport,
+)
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.transports.base import Transport
 
@@ -62,6 +69,7 @@ class HalfPrecisionCodec(Codec):
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         super().bind(buckets, transport)
         check_compressible(buckets, self.name)
+        encoding_transport(transport, self.name)
         self.size = transport.size
         if self.error_feedback:
             self.residuals = {b.index: torch.zeros_like(b.buffer) for b in buckets}
@@ -94,7 +102,7 @@ class HalfPrecisionCodec(Codec):
             residual.sub_(values)
         else:
             self._round(values)
-        transport.reduce(bucket, wire=self.dtype, residual=residual)
+        encoding_transport(transport, self.name).reduce_encoded(bucket, self.dtype, residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
             _drop_nonfinite(residual)
@@ -120,7 +128,7 @@ class HalfPrecisionCodec(Codec):
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         residual = self.residuals.get(bucket.index)
-        transport.share(bucket, wire=self.dtype, residual=residual)
+        encoding_transport(transport, self.name).share_encoded(bucket, self.dtype, residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
             _drop_nonfinite(residual)
@@ -158,7 +166,7 @@ class HalfPrecisionCodec(Codec):
             self._round(step)
             packed.copy_(step)
             new_replica = replica.add_(step)
-        transport.share(bucket, wire=self.dtype)
+        encoding_transport(transport, self.name).share_encoded(bucket, self.dtype, None)
         # every rank: its replica plus the owners' 16-bit steps (an owner's parameters hold the master just now)
         steps = bucket.buffer[: bucket.grad_numel].clone()
         bucket.pack_params()

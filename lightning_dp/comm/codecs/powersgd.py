@@ -9,7 +9,14 @@ import torch
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.codecs.base import Codec, _check_fits, _drop_nonfinite, _restore, check_compressible
+from lightning_dp.comm.codecs.base import (
+    Codec,
+    _check_fits,
+    _drop_nonfinite,
+    _restore,
+    check_compressible,
+    encoding_transport,
+)
 from lightning_dp.comm.transports.base import Transport
 
 
@@ -63,6 +70,9 @@ class PowerSGDCodec(Codec):
     after :meth:`reduce`, so :meth:`share` of gradients sends nothing; weights travel uncompressed.
     """
 
+    passes = 2
+    encodes_weights = False
+
     name = "powersgd"
 
     def __init__(
@@ -82,6 +92,7 @@ class PowerSGDCodec(Codec):
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         super().bind(buckets, transport)
         check_compressible(buckets, self.name)
+        encoding_transport(transport, self.name)
         self.plans = {b.index: _LowRankPlan(b, self.rank, self.min_compression_rate) for b in buckets}
         self.steps = {b.index: 0 for b in buckets}
         self.residuals = {}
@@ -134,11 +145,11 @@ class PowerSGDCodec(Codec):
             qs.append(q)
             p_offset += rows * r
             q_offset += cols * r
-        transport.all_reduce(first, bucket)
+        encoding_transport(transport, self.name).all_reduce(first, bucket)
         for p, q, m in zip(ps, qs, ms):
             _orthogonalize(p)
             torch.matmul(m.t(), p, out=q)
-        transport.all_reduce(q_all, bucket)
+        encoding_transport(transport, self.name).all_reduce(q_all, bucket)
         # decode into the bucket: uncompressed parts, flags, and P Q^T; the residual is what P Q^T missed
         out = bucket.buffer
         offset = 0

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.servers.members import MemberGroup, Tag
 from lightning_dp.comm.servers.plan import Control, _header
 from lightning_dp.comm.servers.sharded_optimizer import (
@@ -108,9 +107,7 @@ class DedicatedServerTransport(Transport):
     def disarm(self) -> None:
         self._eager = None
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        if wire is not None:
-            raise ValueError("dedicated servers carry full-precision buckets: use no codec")
+    def _reduce(self, bucket: GradientBucket) -> None:
         if bucket.index == 0:
             self.syncs += 1
             if self.me == 0:  # every synchronization starts with trainer 0 saying whether the servers step in it
@@ -166,7 +163,7 @@ class DedicatedServerTransport(Transport):
                     received[t] = (grads, their_flags)
         return works, received
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+    def _share(self, bucket: GradientBucket) -> None:
         """The owners' averaged gradients (and the combined used-flags, from the bucket's first owner)."""
         self._receive_shares(bucket, Tag.AVERAGED, with_flags=True)
 
@@ -243,9 +240,6 @@ class DedicatedServerTransport(Transport):
                 self.stats.add(received=(e - s) * bucket.buffer.element_size())
                 self._from_host(bucket, [(s, e)])
         return bad
-
-    def _all_reduce(self, tensor: Tensor, bucket: GradientBucket) -> None:
-        raise ConfigurationError("dedicated servers run without compression: codecs have no all-reduce there")
 
     # ------------------------------------------------------------------ trainer 0's control messages
     def control(self, kind: int, optimizer_index: int = 0, payload: Any = None) -> None:

@@ -1,26 +1,28 @@
 """Transports: how the averaged values of a gradient bucket reach the ranks.
 
 A transport is one axis of a synchronization scheme (see ``docs/architecture.md``): the same buckets, codec and
-consistency model can travel over any of them. Every transport offers two exchanges on a
+consistency model can travel over any of them. Every :class:`Transport` offers two exchanges on a
 :class:`~lightning_dp.comm.buckets.GradientBucket`:
 
 - :meth:`Transport.reduce`: every gradient element of the bucket is averaged on the rank that owns it, and the
   used-flags are combined so that a flag is non-zero where any rank used the parameter (averaged with the
   gradients by the ring, the central server and every shared-memory transport; summed everywhere by the sharded
-  servers over sockets).
-  :meth:`Transport.owned` tells which gradient elements this rank owns afterwards.
+  servers over sockets). :meth:`Transport.owned` tells which gradient elements this rank owns afterwards.
 - :meth:`Transport.share`: the owners send their elements to every rank. After ``reduce`` and ``share`` every
   rank holds the whole averaged bucket. A parameter-server scheme also uses ``share`` to send updated weights:
   owners pack their parameters into the bucket, ``share``, and everyone unpacks.
 
-Both take an optional ``wire`` dtype (a codec's, see :mod:`lightning_dp.comm.codecs.base`): the bucket's values travel
-rounded to it. ``reduce(bucket, wire)`` then expects each rank's values already divided by the group size and
-exactly representable in ``wire`` and *sums* them, adding in the bucket's own dtype (float32) wherever a rank adds
-what arrived: the servers add every contribution in float32; the ring's partial sums are rounded to ``wire`` at
-each hop, because they travel. ``share(bucket, wire)`` rounds the owners' values to ``wire``, their own copies
-included. Both take an optional ``residual`` (the bucket's shape) that gains what this rank's own roundings lost
-(the ring's partial sums, the owners' rounded averages), for a codec's error feedback.
-:meth:`Transport.all_reduce` averages any tensor no larger than a bucket (a low-rank codec's factors).
+A :class:`CodecTransport` also carries a compressing codec's encoded buckets (:mod:`lightning_dp.comm.codecs`):
+its ``reduce_encoded`` and ``share_encoded`` take a ``wire_dtype`` the values travel rounded to.
+``reduce_encoded`` expects each rank's values already divided by the group size and exactly representable in
+``wire_dtype`` and *sums* them, adding in the bucket's own dtype (float32) wherever a rank adds what arrived: the
+servers add every contribution in float32; the ring's partial sums are rounded to ``wire_dtype`` at each hop,
+because they travel. ``share_encoded`` rounds the owners' values to ``wire_dtype``, their own copies included.
+Both take an optional ``residual`` (the bucket's shape) that gains what this rank's own roundings lost (the ring's
+partial sums, the owners' rounded averages), for a codec's error feedback. :meth:`CodecTransport.all_reduce`
+averages any tensor no larger than a bucket (a low-rank codec's factors). The transports that carry full-precision
+buckets only (shared memory inside one machine, dedicated servers) are plain :class:`Transport` kinds, and a
+compressing codec refuses them when it is bound.
 
 Every exchange counts its bytes in the :class:`~lightning_dp.comm.stats.CommStats` given at construction, and
 every reduction is bit-identical on all ranks that hold its result. Buckets on a CUDA device travel over a gloo
@@ -84,35 +86,23 @@ class Transport(ABC):
     def _default_staging(self, buckets: Sequence[GradientBucket]) -> Staging:
         return staging_for(dist.get_backend(self.group), buckets)
 
-    def reduce(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
-        """Average ``bucket.buffer`` over all ranks, at least on the elements this rank owns (with ``wire``: sum
-        values already divided by the group size, see the module docstring)."""
-        with self.staging.bucket(bucket, residual) as (staged, staged_residual):
-            self._reduce(staged, wire, staged_residual)
+    def reduce(self, bucket: GradientBucket) -> None:
+        """Average ``bucket.buffer`` over all ranks, at least on the elements this rank owns."""
+        with self.staging.bucket(bucket, None) as (staged, _):
+            self._reduce(staged)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
-        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank), rounded to
-        ``wire`` if given."""
-        with self.staging.bucket(bucket, residual) as (staged, staged_residual):
-            self._share(staged, wire, staged_residual)
-
-    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
-        """Average the 1-D contiguous ``tensor`` (of ``bucket``'s dtype and at most its length) over all ranks, in
-        place and bit-identical everywhere. May use ``bucket``'s memory: its contents are undefined afterwards."""
-        with self.staging.tensor(tensor, bucket) as (staged, staged_bucket):
-            self._all_reduce(staged, staged_bucket)
+    def share(self, bucket: GradientBucket) -> None:
+        """Every rank receives the owners' values of ``bucket`` (those of :meth:`owned` on each rank)."""
+        with self.staging.bucket(bucket, None) as (staged, _):
+            self._share(staged)
 
     @abstractmethod
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+    def _reduce(self, bucket: GradientBucket) -> None:
         """:meth:`reduce` on the staged bucket."""
 
     @abstractmethod
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+    def _share(self, bucket: GradientBucket) -> None:
         """:meth:`share` on the staged bucket."""
-
-    @abstractmethod
-    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
-        """:meth:`all_reduce` on the staged tensor and bucket."""
 
     @abstractmethod
     def owned(self, bucket: GradientBucket) -> Segment:
@@ -130,3 +120,47 @@ class Transport(ABC):
 
     def close(self) -> None:  # noqa: B027 - most transports hold nothing to release
         """Release what :meth:`bind` set up (shared memory); the transport is not used afterwards."""
+
+
+class CodecTransport(Transport):
+    """A transport a compressing codec can run over: its exchanges also carry buckets rounded to a codec's
+    ``wire_dtype`` (see the module docstring), and it averages any tensor no larger than a bucket (a low-rank codec's
+    factors). A kind implements ``_reduce_encoded``, ``_share_encoded`` and ``_all_reduce``; its plain exchanges are
+    the encoded ones without a ``wire_dtype``."""
+
+    def reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        """:meth:`reduce` of values rounded to ``wire_dtype``: each rank's values, already divided by the group size
+        and exactly representable in ``wire_dtype``, are *summed*; ``residual`` gains what this rank's own roundings
+        lost."""
+        with self.staging.bucket(bucket, residual) as (staged, staged_residual):
+            self._reduce_encoded(staged, wire_dtype, staged_residual)
+
+    def share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        """:meth:`share` of the owners' values rounded to ``wire_dtype`` (their own copies included); ``residual``
+        gains what the rounding lost."""
+        with self.staging.bucket(bucket, residual) as (staged, staged_residual):
+            self._share_encoded(staged, wire_dtype, staged_residual)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        """Average the 1-D contiguous ``tensor`` (of ``bucket``'s dtype and at most its length) over all ranks, in
+        place and bit-identical everywhere. May use ``bucket``'s memory: its contents are undefined afterwards."""
+        with self.staging.tensor(tensor, bucket) as (staged, staged_bucket):
+            self._all_reduce(staged, staged_bucket)
+
+    def _reduce(self, bucket: GradientBucket) -> None:
+        self._reduce_encoded(bucket, None, None)
+
+    def _share(self, bucket: GradientBucket) -> None:
+        self._share_encoded(bucket, None, None)
+
+    @abstractmethod
+    def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        """:meth:`reduce_encoded` on the staged bucket."""
+
+    @abstractmethod
+    def _share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        """:meth:`share_encoded` on the staged bucket."""
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        """:meth:`all_reduce` on the staged tensor and bucket."""

@@ -130,12 +130,12 @@ class HierarchicalAllReduce:
         flat: torch.Tensor,
         slot: int,
         op: ReduceOpName = "sum",
-        wire: torch.dtype | None = None,
+        wire_dtype: torch.dtype | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Reduce ``flat`` over all ranks into ``slot``'s current result region (returned); on return its
         :meth:`slice` holds the reduced values (over every node), the rest is not yet defined. Finish with
-        :meth:`gather`. ``wire``: the dtype the rings across nodes send (see
+        :meth:`gather`. ``wire_dtype``: the dtype the rings across nodes send (see
         :func:`~lightning_dp.comm.transports.ring.ring_allreduce`); inside a node values are added in ``flat``'s dtype.
         ``residual`` (``flat``'s shape) gains what this rank's roundings on those rings lost."""
         self._check(op, flat)
@@ -147,8 +147,8 @@ class HierarchicalAllReduce:
         self.memory.barrier()
         lo, hi = self.slice(numel)
         if hi > lo:
-            lost = residual[lo:hi] if residual is not None else None
-            self._sum_slice(slot, numel, dtype, lo, hi, result[lo:hi], op, wire, lost)
+            slice_residual = residual[lo:hi] if residual is not None else None
+            self._sum_slice(slot, numel, dtype, lo, hi, result[lo:hi], op, wire_dtype, slice_residual)
         return result
 
     def gather(
@@ -193,7 +193,7 @@ class HierarchicalAllReduce:
         hi: int,
         out: torch.Tensor,
         op: ReduceOpName,
-        wire: torch.dtype | None,
+        wire_dtype: torch.dtype | None,
         residual: torch.Tensor | None,
     ) -> None:
         key = (slot, numel, dtype)
@@ -209,7 +209,9 @@ class HierarchicalAllReduce:
                 total.add_(part)
             out.copy_(total.div_(self.size))
             if self.cross_ring is not None:
-                ring_allreduce(out, op="sum", stats=self.stats, ring=self.cross_ring, wire=wire, residual=residual)
+                ring_allreduce(
+                    out, op="sum", stats=self.stats, ring=self.cross_ring, wire_dtype=wire_dtype, residual=residual
+                )
             return
         if len(parts) == 1:
             out.copy_(parts[0])
@@ -218,7 +220,9 @@ class HierarchicalAllReduce:
             for part in parts[2:]:
                 out.add_(part)
         if self.cross_ring is not None:
-            ring_allreduce(out, op="sum", stats=self.stats, ring=self.cross_ring, wire=wire, residual=residual)
+            ring_allreduce(
+                out, op="sum", stats=self.stats, ring=self.cross_ring, wire_dtype=wire_dtype, residual=residual
+            )
         if average:
             out.div_(self.size)
 

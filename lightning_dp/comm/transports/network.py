@@ -10,33 +10,36 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.stats import CommStats
-from lightning_dp.comm.transports.base import Segment, Transport, balanced_shards
+from lightning_dp.comm.transports.base import CodecTransport, Segment, balanced_shards
 from lightning_dp.comm.transports.ring import ReduceOpName, chunk_bounds, ring_allreduce
 from lightning_dp.comm.transports.shards import pull_shards, pull_weights, push_gradients, push_shards
 
 
-class RingTransport(Transport):
+class RingTransport(CodecTransport):
     """Ring all-reduce: every rank holds the whole average after :meth:`reduce`; :meth:`share` has nothing to do.
     Each rank moves ``2 (N - 1) / N S`` bytes per bucket of ``S`` bytes."""
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        op: ReduceOpName = "avg" if wire is None else "sum"
-        ring_allreduce(bucket.buffer, op=op, stats=self.stats, ring=self.ring, wire=wire, residual=residual)
+    def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        op: ReduceOpName = "avg" if wire_dtype is None else "sum"
+        ring_allreduce(bucket.buffer, op=op, stats=self.stats, ring=self.ring, wire_dtype=wire_dtype, residual=residual)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
-    def share(self, bucket: GradientBucket, wire: torch.dtype | None = None, residual: Tensor | None = None) -> None:
+    def share(self, bucket: GradientBucket) -> None:
         pass  # nothing to stage either
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+    def share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        pass
+
+    def _share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
         pass
 
     def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         ring_allreduce(tensor, op="avg", stats=self.stats, ring=self.ring)
 
 
-class CentralServerTransport(Transport):
+class CentralServerTransport(CodecTransport):
     """One server rank: :meth:`reduce` is a fan-in to it (it averages in rank order), :meth:`share` a fan-out of
     its bucket, used-flags included. The server moves ``(N - 1) S`` bytes each way, a worker ``S``."""
 
@@ -48,21 +51,21 @@ class CentralServerTransport(Transport):
     def is_server(self) -> bool:
         return self.rank == self.server
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        push_gradients(bucket.buffer, self.server, self.group, self.stats, wire=wire)
+    def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        push_gradients(bucket.buffer, self.server, self.group, self.stats, wire_dtype=wire_dtype)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        pull_weights(bucket.buffer, self.server, self.group, self.stats, wire=wire, residual=residual)
+    def _share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        pull_weights(bucket.buffer, self.server, self.group, self.stats, wire_dtype=wire_dtype, residual=residual)
 
     def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         push_gradients(tensor, self.server, self.group, self.stats)
         pull_weights(tensor, self.server, self.group, self.stats)
 
 
-class ShardedServerTransport(Transport):
+class ShardedServerTransport(CodecTransport):
     """N servers, one per rank: every bucket is cut into N shards of equal length (:func:`balanced_shards`) and
     rank ``i`` owns shard ``i``. :meth:`reduce` pushes
     each shard to its owner, which averages it, and sums the used-flags everywhere (the P flags travel to every
@@ -77,17 +80,18 @@ class ShardedServerTransport(Transport):
     def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         self.segments = balanced_shards(buckets, self.size)
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+    def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
         gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
-        push_shards(gradients, segments, self.group, self.stats, wire, everywhere=bucket.flags)
+        push_shards(gradients, segments, self.group, self.stats, wire_dtype, everywhere=bucket.flags)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         start, end = self.segments[bucket.index][self.rank]
         return (start, end)
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        lost = residual[: bucket.grad_numel] if residual is not None else None
-        pull_shards(bucket.buffer[: bucket.grad_numel], self.segments[bucket.index], self.group, self.stats, wire, lost)
+    def _share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
+        gradient_residual = residual[: bucket.grad_numel] if residual is not None else None
+        pull_shards(gradients, segments, self.group, self.stats, wire_dtype, gradient_residual)
 
     def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
         segments = chunk_bounds(tensor.numel(), self.size)

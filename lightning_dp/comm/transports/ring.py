@@ -103,21 +103,21 @@ def _pipelined_phase(
     reduce: bool,
     tag_base: int,
     stats: CommStats | None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,
 ) -> None:
     """``N - 1`` ring steps; at step ``s`` chunk ``send_chunk(s)`` goes right and ``recv_chunk(s)`` arrives from
     the left (added in place when ``reduce``, else copied). Step ``s + 1`` sends what step ``s`` received, piece
-    by piece, as soon as that piece is ready. With ``wire`` the pieces travel in that dtype (each send a rounded
+    by piece, as soon as that piece is ready. With ``wire_dtype`` the pieces travel in that dtype (each send a rounded
     copy) and arrive into ``flat``'s dtype; ``residual`` (``flat``'s shape) gains what the rounding of each send
     lost."""
     n = ring.size
     num_pieces, largest_piece, piece = _pieces(flat, ring)
-    converts = wire is not None and wire != flat.dtype
-    # received pieces wait here to be added (reduce) or converted (wire); otherwise they land in place
+    converts = wire_dtype is not None and wire_dtype != flat.dtype
+    # received pieces wait here to be added (reduce) or converted (wire_dtype); otherwise they land in place
     staged = reduce or converts
     scratch = torch.empty(
-        num_pieces * largest_piece if staged else 0, dtype=wire if converts else flat.dtype, device=flat.device
+        num_pieces * largest_piece if staged else 0, dtype=wire_dtype if converts else flat.dtype, device=flat.device
     )
     sends: list[tuple[dist.Work | None, torch.Tensor]] = []  # a converted send buffer lives until its send is done
 
@@ -125,7 +125,7 @@ def _pipelined_phase(
         s0, s1 = piece(send_chunk(step), p)
         r0, r1 = piece(recv_chunk(step), p)
         target = scratch[p * largest_piece : p * largest_piece + r1 - r0] if staged else flat[r0:r1]
-        outgoing = flat[s0:s1].to(wire) if converts else flat[s0:s1]
+        outgoing = flat[s0:s1].to(wire_dtype) if converts else flat[s0:s1]
         if converts and residual is not None:
             residual[s0:s1].add_(flat[s0:s1] - outgoing.to(flat.dtype))  # (mixed-dtype ops are slower)
         receive, sent = ring.exchange(outgoing, target, tag_base + p, stats)
@@ -160,14 +160,14 @@ def ring_reduce_scatter(
     ring: Ring,
     op: ReduceOpName = "sum",
     stats: CommStats | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """Reduce-scatter phase, in place on the 1-D contiguous ``flat``.
 
     Returns the ``(start, end)`` slice of ``flat`` that this rank now holds fully reduced (divided by the group
     size when ``op == "avg"``; 16-bit floats are divided before summing, see :func:`divides_first`). The other
-    chunks hold partial sums. With ``wire`` (a narrower dtype than ``flat``'s) partial sums travel rounded to it
+    chunks hold partial sums. With ``wire_dtype`` (a narrower dtype than ``flat``'s) partial sums travel rounded to it
     and every addition runs in ``flat``'s dtype; ``residual`` gains what this rank's roundings lost (error
     feedback: add it to the next contribution and no rounding is lost for good).
     """
@@ -175,7 +175,7 @@ def ring_reduce_scatter(
     predivide = op == "avg" and divides_first(flat.dtype)
     if predivide:
         flat.div_(n)
-    _pipelined_phase(flat, ring, lambda s: (r - s) % n, lambda s: (r - s - 1) % n, True, 0, stats, wire, residual)
+    _pipelined_phase(flat, ring, lambda s: (r - s) % n, lambda s: (r - s - 1) % n, True, 0, stats, wire_dtype, residual)
     start, end = chunk_bounds(flat.numel(), n)[(r + 1) % n]
     if op == "avg" and not predivide:
         flat[start:end].div_(n)
@@ -186,20 +186,20 @@ def ring_allgather(
     flat: torch.Tensor,
     ring: Ring,
     stats: CommStats | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,
 ) -> None:
     """All-gather phase, in place: rank ``r`` starts owning chunk ``(r + 1) % N`` and ends with every chunk. With
-    ``wire`` the owner first rounds its chunk to that dtype (``residual`` gains what that lost), so every rank ends
-    with the same (rounded) values."""
+    ``wire_dtype`` the owner first rounds its chunk to that dtype (``residual`` gains what that lost), so every rank
+    ends with the same (rounded) values."""
     n, r = ring.size, ring.rank
-    if wire is not None and wire != flat.dtype:
+    if wire_dtype is not None and wire_dtype != flat.dtype:
         start, end = chunk_bounds(flat.numel(), n)[(r + 1) % n]
-        rounded = flat[start:end].to(wire)
+        rounded = flat[start:end].to(wire_dtype)
         if residual is not None:
             residual[start:end].add_(flat[start:end] - rounded.to(flat.dtype))
         flat[start:end].copy_(rounded)
-    _pipelined_phase(flat, ring, lambda s: (r + 1 - s) % n, lambda s: (r - s) % n, False, 64, stats, wire)
+    _pipelined_phase(flat, ring, lambda s: (r + 1 - s) % n, lambda s: (r - s) % n, False, 64, stats, wire_dtype)
 
 
 def ring_allreduce(
@@ -208,7 +208,7 @@ def ring_allreduce(
     op: ReduceOpName = "sum",
     stats: CommStats | None = None,
     ring: Ring | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place over ``group`` with the ring algorithm and return it.
@@ -217,9 +217,9 @@ def ring_allreduce(
     a group of one rank leaves the tensor as it is (``avg`` divides by 1). Non-contiguous tensors are reduced
     through a contiguous copy. The result is bit-identical on every rank.
 
-    ``wire``: a narrower floating dtype the messages travel in (e.g. ``torch.bfloat16`` for a float32 tensor):
-    each rank adds what arrives in ``tensor``'s own dtype, partial sums are rounded to ``wire`` at each of the
-    ``N - 1`` hops, and the result is the reduced value rounded to ``wire`` once more, on every rank alike.
+    ``wire_dtype``: a narrower floating dtype the messages travel in (e.g. ``torch.bfloat16`` for a float32 tensor):
+    each rank adds what arrives in ``tensor``'s own dtype, partial sums are rounded to ``wire_dtype`` at each of the
+    ``N - 1`` hops, and the result is the reduced value rounded to ``wire_dtype`` once more, on every rank alike.
     ``residual`` (contiguous, ``tensor``'s shape) gains what this rank's roundings lost.
     """
     _check_op(op, tensor)
@@ -227,9 +227,9 @@ def ring_allreduce(
     if ring.size == 1 or tensor.numel() == 0:
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    lost = residual.view(-1) if residual is not None else None
-    ring_reduce_scatter(flat, ring, op, stats, wire, lost)
-    ring_allgather(flat, ring, stats, wire, lost)
+    flat_residual = residual.view(-1) if residual is not None else None
+    ring_reduce_scatter(flat, ring, op, stats, wire_dtype, flat_residual)
+    ring_allgather(flat, ring, stats, wire_dtype, flat_residual)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor

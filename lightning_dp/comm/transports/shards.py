@@ -20,7 +20,7 @@ values on every rank in one round (votes, used-flags).
 The sums run in rank order on the serving rank, and the result is then copied, so every rank ends with the
 same bits.
 
-``wire`` (optional, every exchange): a narrower floating dtype the messages travel in. Pushes then send each
+``wire_dtype`` (optional, every exchange): a narrower floating dtype the messages travel in. Pushes then send each
 rank's values rounded to it and the server *sums* what arrives in the buffer's own dtype (the caller divided by
 the group size beforehand, see :class:`~lightning_dp.comm.codecs.base.HalfPrecisionCodec`); pulls round the server's
 values to it, its own copy included, so every rank ends with the same bits.
@@ -67,23 +67,25 @@ def _sum_in_rank_order(contributions: Iterable[torch.Tensor], out: torch.Tensor)
     out.copy_(total)
 
 
-def _combine(contributions: Iterable[torch.Tensor], size: int, out: torch.Tensor, wire: torch.dtype | None) -> None:
-    if wire is None:
+def _combine(
+    contributions: Iterable[torch.Tensor], size: int, out: torch.Tensor, wire_dtype: torch.dtype | None
+) -> None:
+    if wire_dtype is None:
         _average_in_rank_order(contributions, size, out)
     else:
         _sum_in_rank_order(contributions, out)
 
 
-def _on_wire(tensor: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
-    """``tensor`` as it travels: itself, or a copy rounded to ``wire``."""
-    return tensor if wire is None or wire == tensor.dtype else tensor.to(wire)
+def _on_wire(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as it travels: itself, or a copy rounded to ``wire_dtype``."""
+    return tensor if wire_dtype is None or wire_dtype == tensor.dtype else tensor.to(wire_dtype)
 
 
-def _round_to(tensor: torch.Tensor, wire: torch.dtype | None, residual: torch.Tensor | None = None) -> None:
-    """Round ``tensor`` in place to what ``wire`` can hold (the sender keeps what the receivers get); ``residual``
+def _round_to(tensor: torch.Tensor, wire_dtype: torch.dtype | None, residual: torch.Tensor | None = None) -> None:
+    """Round ``tensor`` in place to what ``wire_dtype`` can hold (the sender keeps what the receivers get); ``residual``
     gains what that lost."""
-    if wire is not None and wire != tensor.dtype:
-        rounded = tensor.to(wire)
+    if wire_dtype is not None and wire_dtype != tensor.dtype:
+        rounded = tensor.to(wire_dtype)
         if residual is not None:
             residual.add_(tensor - rounded.to(tensor.dtype))
         tensor.copy_(rounded)
@@ -100,10 +102,10 @@ def push_gradients(
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     scratch: Sequence[torch.Tensor] | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> None:
     """Fan-in: on group rank ``server`` leave the average of every rank's ``buffer`` (1-D); others only send.
-    With ``wire``: the sum, see the module docstring.
+    With ``wire_dtype``: the sum, see the module docstring.
 
     ``scratch`` (optional, server only) are ``N - 1`` receive buffers of ``buffer``'s size and the wire's dtype.
     """
@@ -111,14 +113,14 @@ def push_gradients(
     if size == 1 or buffer.numel() == 0:
         return
     if rank != server:
-        outgoing = _on_wire(buffer, wire)
+        outgoing = _on_wire(buffer, wire_dtype)
         wait_for(post([("send", outgoing, server, 0)], group)[0], group, server, "push gradients to")
         if stats is not None:
             stats.add(sent=_nbytes(outgoing))
         return
     peers = [r for r in range(size) if r != server]
     if scratch is None:
-        scratch = [torch.empty_like(buffer, dtype=wire or buffer.dtype) for _ in peers]
+        scratch = [torch.empty_like(buffer, dtype=wire_dtype or buffer.dtype) for _ in peers]
     works = post([("recv", scratch[k], peer, 0) for k, peer in enumerate(peers)], group)
 
     def arriving() -> Iterator[torch.Tensor]:  # in rank order; each add waits only for its own message
@@ -130,7 +132,7 @@ def push_gradients(
                 wait_for(works[k], group, peer_rank, "receive gradients from")
                 yield scratch[k]
 
-    _combine(arriving(), size, buffer, wire)
+    _combine(arriving(), size, buffer, wire_dtype)
     if stats is not None:
         stats.add(received=_nbytes(scratch[0]) * len(peers))
 
@@ -140,24 +142,24 @@ def pull_weights(
     server: int,
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,
 ) -> None:
-    """Fan-out: every rank's ``buffer`` becomes a copy of the server's (rounded to ``wire``, the server's too;
+    """Fan-out: every rank's ``buffer`` becomes a copy of the server's (rounded to ``wire_dtype``, the server's too;
     the server's ``residual`` gains what that lost)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1 or buffer.numel() == 0:
         return
     if rank == server:
-        _round_to(buffer, wire, residual)
-        outgoing = _on_wire(buffer, wire)
+        _round_to(buffer, wire_dtype, residual)
+        outgoing = _on_wire(buffer, wire_dtype)
         peers = [p for p in range(size) if p != server]
         sends = post([("send", outgoing, p, 0) for p in peers], group)
         _wait([(work, p, "send weights to") for work, p in zip(sends, peers)], group)
         if stats is not None:
             stats.add(sent=_nbytes(outgoing) * (size - 1))
     else:
-        incoming = _on_wire(buffer, wire)
+        incoming = _on_wire(buffer, wire_dtype)
         wait_for(post([("recv", incoming, server, 0)], group)[0], group, server, "pull weights from")
         if incoming is not buffer:
             buffer.copy_(incoming)
@@ -197,11 +199,11 @@ def push_shards(
     segments: Sequence[Segment],
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     everywhere: torch.Tensor | None = None,
 ) -> None:
     """Sharded fan-in: ``buffer[segments[i]]`` goes to rank ``i``; this rank's own segment ends up averaged (with
-    ``wire``: summed, see the module docstring).
+    ``wire_dtype``: summed, see the module docstring).
 
     ``segments`` has one ``(start, end)`` per group rank, the same on every rank. Other segments of ``buffer`` are
     left as they were. ``everywhere`` (optional, small, e.g. used-flags) travels in the same message round to every
@@ -210,11 +212,11 @@ def push_shards(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
         return
-    dtype = wire or buffer.dtype
+    dtype = wire_dtype or buffer.dtype
     mine = buffer[segments[rank][0] : segments[rank][1]]
     scratch = {peer: torch.empty_like(mine, dtype=dtype) for peer in range(size) if peer != rank and mine.numel()}
     ops = [("recv", scratch[p], p, 0) for p in sorted(scratch)]
-    ops += [("send", _on_wire(buffer[s:e], wire), p, 0) for p, (s, e) in enumerate(segments) if p != rank]
+    ops += [("send", _on_wire(buffer[s:e], wire_dtype), p, 0) for p, (s, e) in enumerate(segments) if p != rank]
     actions = ["receive a gradient shard from" if kind == "recv" else "push a gradient shard to" for kind, *_ in ops]
     flags: dict[int, torch.Tensor] = {}
     if everywhere is not None and everywhere.numel():
@@ -225,7 +227,7 @@ def push_shards(
     element = torch.empty((), dtype=dtype).element_size()
     sent = sum(e - s for p, (s, e) in enumerate(segments) if p != rank) * element
     if mine.numel():
-        _combine([mine if peer == rank else scratch[peer] for peer in range(size)], size, mine, wire)
+        _combine([mine if peer == rank else scratch[peer] for peer in range(size)], size, mine, wire_dtype)
     if stats is not None:
         stats.add(sent=sent, received=mine.numel() * element * (size - 1))
     if flags:
@@ -240,23 +242,23 @@ def pull_shards(
     segments: Sequence[Segment],
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
-    wire: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,
 ) -> None:
     """Sharded fan-out: this rank's segment goes to every peer; every other segment arrives from its server
-    (rounded to ``wire``, the owner's copy too; ``residual``, ``buffer``'s shape, gains what that lost)."""
+    (rounded to ``wire_dtype``, the owner's copy too; ``residual``, ``buffer``'s shape, gains what that lost)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
         return
     start, end = segments[rank]
-    _round_to(buffer[start:end], wire, residual[start:end] if residual is not None else None)
-    incoming = {p: _on_wire(buffer[s:e], wire) for p, (s, e) in enumerate(segments) if p != rank}
-    outgoing = _on_wire(buffer[start:end], wire)
+    _round_to(buffer[start:end], wire_dtype, residual[start:end] if residual is not None else None)
+    incoming = {p: _on_wire(buffer[s:e], wire_dtype) for p, (s, e) in enumerate(segments) if p != rank}
+    outgoing = _on_wire(buffer[start:end], wire_dtype)
     ops = [("recv", incoming[p], p, 0) for p in sorted(incoming)]
     ops += [("send", outgoing, p, 0) for p in range(size) if p != rank]
     actions = ["pull a weight shard from" if kind == "recv" else "send a weight shard to" for kind, *_ in ops]
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
-    if wire is not None and wire != buffer.dtype:
+    if wire_dtype is not None and wire_dtype != buffer.dtype:
         for p, (s, e) in enumerate(segments):
             if p != rank:
                 buffer[s:e].copy_(incoming[p])

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.stats import CommStats
-from lightning_dp.comm.transports.base import Segment, Transport, balanced_shards
+from lightning_dp.comm.transports.base import CodecTransport, Segment, Transport, balanced_shards
 from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce, overlap
 from lightning_dp.comm.transports.ring import ReduceOpName
 
@@ -58,36 +58,31 @@ class _SharedMemoryTransport(Transport):
     def crosses_network(self) -> bool:
         return self.exchange.layout.num_nodes > 1
 
-    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
-        self.exchange.all_reduce(tensor, bucket.index, "avg")
-
-    @staticmethod
-    def _refuse_wire(wire: torch.dtype | None) -> None:
-        if wire is not None:
-            raise ValueError("inside one node buckets do not travel on a wire: use no codec (see crosses_network)")
-
     def close(self) -> None:
         if self._exchange is not None:
             self._exchange.close()
             self._exchange = None
 
 
-class SharedMemoryTransport(_SharedMemoryTransport):
+class SharedMemoryTransport(_SharedMemoryTransport, CodecTransport):
     """The ring's contract (every rank holds the whole average after :meth:`reduce`) at memory speed inside a node:
     each local rank sums ``1/L`` of the bucket from every rank's input region, then every rank copies the result.
     Across nodes (hierarchical) local rank ``i`` of every node all-reduces its slice on a ring of its own, so a
     rank moves ``2 (M - 1) / M S / L`` bytes over the network for ``M`` nodes. Nodes must have equal rank counts."""
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        op: ReduceOpName = "avg" if wire is None else "sum"
-        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, op, wire, residual)
+    def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
+        op: ReduceOpName = "avg" if wire_dtype is None else "sum"
+        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, op, wire_dtype, residual)
         self.exchange.gather(bucket.buffer, bucket.index, result)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
+    def _share_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
         pass
+
+    def _all_reduce(self, tensor: torch.Tensor, bucket: GradientBucket) -> None:
+        self.exchange.all_reduce(tensor, bucket.index, "avg")
 
 
 class SharedMemoryServerTransport(_SharedMemoryTransport):
@@ -112,8 +107,7 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def is_server(self) -> bool:
         return self.rank == self.server
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        self._refuse_wire(wire)
+    def _reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         if self.is_server:  # it reads every slice; each other rank's slice is read by the server alone
             self.exchange.gather(bucket.buffer, bucket.index, result, [(0, bucket.buffer.numel())], sent=0)
@@ -124,8 +118,7 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel) if self.is_server else (0, 0)
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        self._refuse_wire(wire)
+    def _share(self, bucket: GradientBucket) -> None:
         region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
         everything = (0, bucket.buffer.numel())
         if self.is_server:
@@ -148,8 +141,7 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
         super()._bind(buckets)
         self.segments = balanced_shards(buckets, self.size)
 
-    def _reduce(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        self._refuse_wire(wire)
+    def _reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
         numel = bucket.buffer.numel()
         flags = (bucket.grad_numel, numel)  # every rank reads every flag
@@ -162,8 +154,7 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
         start, end = self.segments[bucket.index][self.rank]
         return (start, end)
 
-    def _share(self, bucket: GradientBucket, wire: torch.dtype | None, residual: Tensor | None) -> None:
-        self._refuse_wire(wire)
+    def _share(self, bucket: GradientBucket) -> None:
         region = self.exchange.share_region(bucket.index, bucket.buffer.numel(), bucket.buffer.dtype)
         start, end = self.owned(bucket)
         region[start:end].copy_(bucket.buffer[start:end])
