@@ -14,15 +14,8 @@ import sys
 import warnings
 from typing import Any
 
-from lightning_dp.comm.errors import (
-    ConfigurationError,
-    LightningDPError,
-    NonFiniteGradientError,
-    PeerUnreachableError,
-    ReplicaMismatchError,
-    SparseGradientError,
-    UnsupportedChangeError,
-)
+from lightning_dp.comm import errors as _errors
+from lightning_dp.comm.errors import *  # noqa: F403 - the error family is part of the top-level API
 
 __version__ = "0.1.0"
 
@@ -36,14 +29,8 @@ _STRATEGY_EXPORTS = (
 
 __all__ = [
     *_STRATEGY_EXPORTS,
-    "CommMonitor",
-    "ConfigurationError",
-    "LightningDPError",
-    "NonFiniteGradientError",
-    "PeerUnreachableError",
-    "ReplicaMismatchError",
-    "SparseGradientError",
-    "UnsupportedChangeError",
+    "CommMonitor",  # noqa: F405 - defined on first access (see __getattr__)
+    *_errors.__all__,
     "__version__",
 ]
 

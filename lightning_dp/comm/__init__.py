@@ -7,15 +7,6 @@ Collectives (:mod:`.ring`, :mod:`.parameter_server`), the transports and codecs 
 
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.codecs import Codec
-from lightning_dp.comm.errors import (
-    ConfigurationError,
-    LightningDPError,
-    NonFiniteGradientError,
-    PeerUnreachableError,
-    ReplicaMismatchError,
-    SparseGradientError,
-    UnsupportedChangeError,
-)
 from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout
 from lightning_dp.comm.stats import CommStats, SyncStats
 from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport, Transport
@@ -34,21 +25,14 @@ __all__ = [
     "CentralServerTransport",
     "Codec",
     "CommStats",
-    "ConfigurationError",
     "GradientBucket",
-    "LightningDPError",
-    "NonFiniteGradientError",
-    "PeerUnreachableError",
-    "ReplicaMismatchError",
     "Ring",
     "RingTransport",
     "ShardLayout",
     "ShardedOptimizer",
     "ShardedServerTransport",
-    "SparseGradientError",
     "SyncStats",
     "Transport",
-    "UnsupportedChangeError",
     "any_rank",
     "chunk_bounds",
     "pull_shards",

@@ -17,14 +17,11 @@ import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -45,7 +42,7 @@ from lightning_dp.comm.transports.shards import any_rank
 from lightning_dp.comm.transports.shm import SharedMemoryUnavailable
 from lightning_dp.strategies.inspection import sparse_gradient_modules
 from lightning_dp.strategies.options import check_choice, check_count, check_flag, check_positive
-from lightning_dp.strategies.processes import DEFAULT_TIMEOUT, ProcessGroupStrategy
+from lightning_dp.strategies.processes import ProcessGroupStrategy
 
 #: values of the ``intra_node`` option
 INTRA_NODE = ("shm", "ring")
@@ -74,7 +71,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         error_feedback: keep what compression lost on this rank and add it to the next step's gradients.
         powersgd_rank: the rank ``r`` of PowerSGD's factors.
         powersgd_warmup_steps: synchronizations that run uncompressed before PowerSGD starts.
-        process_group_backend, timeout, start_method: see :class:`~.processes.ProcessGroupStrategy`.
+        **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` and Lightning's ``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin`` (see
+            :class:`~.processes.ProcessGroupStrategy`).
     """
 
     #: whether every rank holds the averaged gradients and steps its own optimizer (then it checks them for NaN/inf
@@ -85,11 +84,6 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     def __init__(
         self,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
         intra_node: Literal["shm", "ring"] = "shm",
@@ -97,20 +91,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         error_feedback: bool = True,
         powersgd_rank: int = 4,
         powersgd_warmup_steps: int = 10,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
         self.intra_node = check_choice("intra_node", intra_node, INTRA_NODE)

@@ -63,13 +63,12 @@ class ParameterServerBase(DataParallelStrategy):
 
     def __init__(
         self,
-        *args: Any,
         staleness: int | None = 0,
         num_servers: int = 0,
         start_servers: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
         try:
             self.staleness = check_staleness(staleness)
         except ValueError as error:

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.cost import Wire
@@ -91,19 +90,3 @@ def encoding_transport(transport: Transport, name: str) -> CodecTransport:
             "only; use compression='none'"
         )
     return transport
-
-
-def _drop_nonfinite(state: Tensor) -> None:
-    """Zero what an overflowing step (inf/NaN gradients, skipped by a gradient scaler) left in a codec's state, so
-    that it does not poison every later step."""
-    torch.nan_to_num_(state, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _check_fits(saved: dict[int, Tensor], into: dict[int, Tensor], what: str) -> None:
-    if sorted(saved) != sorted(into) or any(saved[b].shape != into[b].shape for b in into):
-        raise ValueError(f"the saved {what} do not fit this run's gradient buckets")
-
-
-def _restore(saved: dict[int, Tensor], into: dict[int, Tensor]) -> None:
-    for b, tensor in into.items():
-        tensor.copy_(saved[b])

@@ -9,14 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.codecs.base import (
-    Codec,
-    _check_fits,
-    _drop_nonfinite,
-    _restore,
-    check_compressible,
-    encoding_transport,
-)
+from lightning_dp.comm.codecs.base import Codec, check_compressible, encoding_transport
+from lightning_dp.comm.codecs.state import check_fits, drop_nonfinite, restore_state
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.transports.base import Transport
 
@@ -105,7 +99,7 @@ class HalfPrecisionCodec(Codec):
         encoding_transport(transport, self.name).reduce_encoded(bucket, self.dtype, residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
-            _drop_nonfinite(residual)
+            drop_nonfinite(residual)
 
     def _hold_unused(self, bucket: GradientBucket, residual: Tensor) -> None:
         """Move the residual of each parameter this rank did not use into :attr:`held` (sent now, it could be dropped
@@ -131,7 +125,7 @@ class HalfPrecisionCodec(Codec):
         encoding_transport(transport, self.name).share_encoded(bucket, self.dtype, residual)
         if residual is not None:
             residual[bucket.grad_numel :].zero_()
-            _drop_nonfinite(residual)
+            drop_nonfinite(residual)
 
     def before_update(self, bucket: GradientBucket, transport: Transport) -> None:
         start, end = transport.owned(bucket)
@@ -188,7 +182,7 @@ class HalfPrecisionCodec(Codec):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         residuals, master = state.get("residuals", {}), state.get("master", {})
-        _check_fits(residuals, self.residuals, "error-feedback residuals")
+        check_fits(residuals, self.residuals, "error-feedback residuals")
         for b, tensor in master.items():
             start, end = self._owned.get(b, (0, 0))
             if tensor.shape != (end - start,):
@@ -196,7 +190,7 @@ class HalfPrecisionCodec(Codec):
         held = state.get("held", {})
         if any(t.shape != (self._grad_numel.get(b, -1),) for b, t in held.items()):
             raise ValueError("the saved held residuals do not fit this run's gradient buckets")
-        _restore(residuals, self.residuals)
+        restore_state(residuals, self.residuals)
         self.held = {b: t.to(self._device, copy=True) for b, t in held.items()}
         self.holding = {b: set(h) for b, h in state.get("holding", {}).items()}
         self.master = {b: t.to(self._device, copy=True) for b, t in master.items()}

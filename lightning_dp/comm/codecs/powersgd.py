@@ -9,14 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.codecs.base import (
-    Codec,
-    _check_fits,
-    _drop_nonfinite,
-    _restore,
-    check_compressible,
-    encoding_transport,
-)
+from lightning_dp.comm.codecs.base import Codec, check_compressible, encoding_transport
+from lightning_dp.comm.codecs.state import check_fits, drop_nonfinite, restore_state
 from lightning_dp.comm.transports.base import Transport
 
 
@@ -174,7 +168,7 @@ class PowerSGDCodec(Codec):
                 q[:, dead] = fresh[q_offset : q_offset + cols * r].view(cols, r)[:, dead]
             q_offset += cols * r
         if residual is not None:
-            _drop_nonfinite(residual)
+            drop_nonfinite(residual)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         if not self._everywhere.get(bucket.index, False):
@@ -196,8 +190,8 @@ class PowerSGDCodec(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if sorted(state.get("steps", {})) != sorted(self.steps):
             raise ValueError("the saved PowerSGD state does not fit this run's gradient buckets")
-        _check_fits(state.get("residuals", {}), self.residuals, "error-feedback residuals")
-        _check_fits(state.get("factors", {}), self.factors, "PowerSGD factors")
-        _restore(state["residuals"], self.residuals)
-        _restore(state["factors"], self.factors)
+        check_fits(state.get("residuals", {}), self.residuals, "error-feedback residuals")
+        check_fits(state.get("factors", {}), self.factors, "PowerSGD factors")
+        restore_state(state["residuals"], self.residuals)
+        restore_state(state["factors"], self.factors)
         self.steps = dict(state["steps"])

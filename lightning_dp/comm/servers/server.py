@@ -127,7 +127,7 @@ class DedicatedServer:
         bad = first_nonfinite([(pc.param, pc.tensor.grad) for pc in pieces if pc.tensor.grad is not None]) is not None
         if bad:
             for piece in pieces:
-                piece.tensor.grad = None
+                piece.tensor.grad = None  # this bucket's pieces only: the others step with their own buckets
         else:
             clip = control["clip"]
             if clip is not None:  # by value only: an armed step never clips by norm
@@ -217,14 +217,8 @@ class DedicatedServer:
                 self.members.wait(work, 0, "receive gradients from")
             self._take_gradients(sharded.pieces)
         clip = None if self.plan.full_gradients else control["clip"]
-        squares = float(sharded.squared_norm()) if clip is not None and clip[0] == "norm" else 0.0
-        total, bad = self.members_vote(squares, sharded.has_nonfinite_gradient())
-        if bad:
-            for piece in sharded.pieces:
-                piece.tensor.grad = None
+        if not sharded.voted_step(clip, self.members_vote, **control["kwargs"]):
             return
-        sharded.apply_clip_(clip, total)
-        sharded.step(**control["kwargs"])
         self.steps += 1
         for b in mine:
             self._send_and_wait(b, Tag.WEIGHTS, self.layout.storage)

@@ -14,7 +14,7 @@ on that element's gradient and state.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,7 +253,9 @@ class ShardedOptimizer:
 
     def squared_norm(self) -> Tensor:
         """The sum of the squares of this rank's gradient pieces (float64, one element)."""
-        squares = torch.zeros(1, dtype=torch.float64, device=self._device)
+        # a dedicated server's template parameters are meta tensors; its pieces live on the CPU
+        device = self._device if self._device.type != "meta" else torch.device("cpu")
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
         for _, grad in self.gradients():
             squares += grad.detach().double().pow(2).sum()
         return squares
@@ -287,6 +289,25 @@ class ShardedOptimizer:
         else:
             self.scale_to_norm_(value, torch.tensor(squares, dtype=torch.float64))
 
+    def voted_step(
+        self, clip: tuple[str, float] | None, vote: Callable[[float, bool], tuple[float, bool]], **kwargs: Any
+    ) -> bool:
+        """The servers' step: Lightning's clipping request ``clip`` (see :meth:`apply_clip_`) and a NaN/inf verdict
+        agreed by every server through ``vote(squares, bad) -> (summed squares, any bad)`` (collective), then the
+        update. On a bad verdict the pieces' gradients are dropped and nothing changes. Returns whether it stepped."""
+        squares = float(self.squared_norm()) if clip is not None and clip[0] == "norm" else 0.0
+        total, bad = vote(squares, self.has_nonfinite_gradient())
+        if bad:
+            self.clear_gradients()
+            return False
+        self.apply_clip_(clip, total)
+        self.step(**kwargs)
+        return True
+
+    def clear_gradients(self) -> None:
+        for piece in self.pieces:
+            piece.tensor.grad = None
+
     def step(self, scale: Mapping[str, float] | None = None, **kwargs: Any) -> None:
         """One update of this rank's pieces with their gradients (then dropped), under ``optimizer``'s current
         hyperparameters, those named in ``scale`` multiplied by their factor (e.g. ``{"lr": 0.5}``)."""
@@ -298,8 +319,7 @@ class ShardedOptimizer:
                 if key in shard_group and factor != 1.0:
                     shard_group[key] = shard_group[key] * factor
         self.shard.step(**kwargs)
-        for piece in self.pieces:
-            piece.tensor.grad = None
+        self.clear_gradients()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

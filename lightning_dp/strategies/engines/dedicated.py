@@ -246,15 +246,8 @@ class DedicatedEngine(StepEngine):
             self.transport.control(Control.STEP, index, control)
             if s.full_gradients:
                 self.transport.send_edited(buckets)
-        clip = None if s.full_gradients else self._clip
-        squares = float(sharded.squared_norm()) if clip is not None and clip[0] == "norm" else 0.0
-        total, bad = self.transport.vote(squares, sharded.has_nonfinite_gradient())
-        if bad:
-            for piece in sharded.pieces:
-                piece.tensor.grad = None
+        if not sharded.voted_step(None if s.full_gradients else self._clip, self.transport.vote, **kwargs):
             s.raise_nonfinite(None)
-        sharded.apply_clip_(clip, total)
-        sharded.step(**kwargs)
         start = time.perf_counter()
         self.pull(buckets)
         s.end_step(blocking_seconds=time.perf_counter() - start)
@@ -292,10 +285,14 @@ class DedicatedEngine(StepEngine):
                 "LightningModule.optimizer_step), or in on_before_optimizer_step, which makes the servers wait for "
                 "the hooks"
             )
-        own_bad = sharded.has_nonfinite_gradient()
-        if any_rank(own_bad, self.transport.ring, s.root_device) or bad_servers:
-            for piece in sharded.pieces:
-                piece.tensor.grad = None
+        own_bad, ring = False, self.transport.ring
+
+        def vote(squares: float, bad: bool) -> tuple[float, bool]:  # clipping by value only: no squares to sum
+            nonlocal own_bad
+            own_bad = bad
+            return squares, any_rank(bad, ring, s.root_device) or bool(bad_servers)
+
+        if not sharded.voted_step(self._clip, vote, **control["kwargs"]):
             seen = ", ".join([self.transport.members.name(m) for m in bad_servers] + (["a trainer"] if own_bad else []))
             assert s.lightning_module is not None
             raise NonFiniteGradientError(
@@ -304,8 +301,6 @@ class DedicatedEngine(StepEngine):
                 "update each share as its gradients arrive (num_servers > 0 without clipping by norm), so the other "
                 "shares on the servers took this step: resume from a checkpoint, not from this state"
             )
-        sharded.apply_clip_(self._clip, 0.0)
-        sharded.step(**control["kwargs"])
         start = time.perf_counter()
         buckets = s.buckets_of(optimizer)
         for bucket in buckets:  # the servers' shares arrived during backward; the trainers' now
