@@ -36,7 +36,7 @@ def test_private_symbols_exist_with_the_signatures_used():
 
     reset = inspect.getsource(_TrainingEpochLoop.reset)
     assert "isinstance(loader, _Stateful)" in reset and _NOT_RESUMABLE in reset
-    # the popen launcher's launch is repeated with an observer that waits before it kills (processes._ScriptLauncher)
+    # the popen launcher's launch is repeated with an observer that waits before it kills (launchers.ScriptLauncher)
     launch = inspect.getsource(compat._SubprocessScriptLauncher.launch)
     assert "_launch_process_observer(self.procs)" in launch and "_set_num_threads_if_needed(" in launch
     assert "self._child_processes" in inspect.getsource(compat._ChildProcessObserver._terminate_all)

@@ -33,21 +33,20 @@ from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cluster.fingerprint import check_replicas_match
 from lightning_dp.comm.codecs import CODEC_NAMES, Codec, check_compressible, make_codec
 from lightning_dp.comm.cost import Scheme, Wire, rank_traffic
-from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError, UnsupportedChangeError
+from lightning_dp.comm.errors import NonFiniteGradientError, UnsupportedChangeError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.stats import SyncStats
 from lightning_dp.comm.transports import Transport
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.comm.transports.shards import any_rank
 from lightning_dp.comm.transports.shm import SharedMemoryUnavailable
-from lightning_dp.strategies.inspection import sparse_gradient_modules
+from lightning_dp.strategies.codec_state import load_codec_state, with_codec_states
+from lightning_dp.strategies.inspection import refuse_sparse_gradients
 from lightning_dp.strategies.options import check_choice, check_count, check_flag, check_positive
 from lightning_dp.strategies.processes import ProcessGroupStrategy
 
 #: values of the ``intra_node`` option
 INTRA_NODE = ("shm", "ring")
-#: the checkpoint entry holding every rank's codec state
-CODEC_STATE_KEY = "lightning_dp_codec"
 
 
 class DataParallelStrategy(ProcessGroupStrategy):
@@ -121,7 +120,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._refuse_sparse_gradients()
+            refuse_sparse_gradients(self.model, f"strategy {self.strategy_name!r}")
             self.full_gradients = self._gradients_everywhere(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -139,17 +138,6 @@ class DataParallelStrategy(ProcessGroupStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             if self._every_rank_steps and self._checks_finite_gradients():
                 self._restore_precision.append(wrap_closure_of(self.precision_plugin, self._raise_if_nonfinite))
-
-    def _refuse_sparse_gradients(self) -> None:
-        assert self.model is not None
-        sparse = sparse_gradient_modules(self.model)
-        if sparse:
-            raise ConfigurationError(
-                f"strategy {self.strategy_name!r} does not support sparse gradients, but {', '.join(sparse)} "
-                "produce them (nn.Embedding / nn.EmbeddingBag with sparse=True): its gradient buckets are dense. Use "
-                "sparse=False (the same updates for SGD, Adam and the other dense optimizers), or strategy='ddp' "
-                "to keep sparse gradients (e.g. for torch.optim.SparseAdam)."
-            )
 
     def _gradients_everywhere(self, trainer: pl.Trainer) -> bool:
         """Whether every rank must hold the averaged gradients in ``param.grad`` after backward."""
@@ -459,14 +447,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ checkpoints: the codec's state of every rank
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's, plus every rank's codec state (error-feedback residuals, low-rank factors, the servers'
-        full-precision weights) gathered to rank 0 under :data:`CODEC_STATE_KEY`, for a full (not weights-only)
+        """Lightning's, plus every rank's codec state (see :mod:`.codec_state`) for a full (not weights-only)
         checkpoint. Collective, as Lightning calls it on every rank."""
         if "optimizer_states" in checkpoint and type(self.codec) is not Codec:
-            gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(self.codec.state_dict(), gathered, dst=0)
-            if gathered is not None:
-                checkpoint = {**checkpoint, CODEC_STATE_KEY: {"codec": self.codec.name, "ranks": gathered}}
+            checkpoint = with_codec_states(checkpoint, self.codec, self.world_size, self.is_global_zero)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -479,20 +463,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         super().load_optimizer_state_dict(checkpoint)
 
     def _load_codec_state(self, checkpoint: Mapping[str, Any]) -> None:
-        saved = checkpoint.get(CODEC_STATE_KEY)
         if type(self.codec) is Codec:
             return
         assert self.transport is not None and self.reducer is not None
-        problem = None
-        if saved is None:
-            problem = "the checkpoint holds no codec state"
-        elif saved["codec"] != self.codec.name or len(saved["ranks"]) != self.world_size:
-            problem = f"the checkpoint's codec state is for {saved['codec']!r} on {len(saved['ranks'])} ranks"
-        else:
-            try:
-                self.codec.load_state_dict(saved["ranks"][self.global_rank])
-            except ValueError as error:
-                problem = f"rank {self.global_rank}: {error}"
+        problem = load_codec_state(checkpoint, self.codec, self.world_size, self.global_rank)
         if any_rank(problem is not None, self.transport.ring, self.root_device):  # every rank starts afresh alike
             if problem is not None:
                 warnings.warn(

@@ -6,6 +6,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from lightning_dp.comm.errors import ConfigurationError
 
 #: hooks in which a LightningModule or a callback reads or edits ``param.grad`` (``on_before_zero_grad`` sees the
 #: step's gradients after the step)
@@ -33,3 +36,15 @@ def sparse_gradient_modules(module: torch.nn.Module) -> list[str]:
     embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     return [name or type(module).__name__ for name, m in module.named_modules()
             if isinstance(m, embeddings) and m.sparse and m.weight.requires_grad]  # fmt: skip
+
+
+def refuse_sparse_gradients(model: nn.Module, owner: str) -> None:
+    """Raise :class:`ConfigurationError` naming ``owner`` when ``model`` produces sparse gradients (dense buckets)."""
+    sparse = sparse_gradient_modules(model)
+    if sparse:
+        raise ConfigurationError(
+            f"{owner} does not support sparse gradients, but {', '.join(sparse)} produce them (nn.Embedding / "
+            "nn.EmbeddingBag with sparse=True): its gradient buckets are dense. Use sparse=False (the same updates for "
+            "SGD, Adam and the other dense optimizers), or strategy='ddp' to keep sparse gradients (e.g. for "
+            "torch.optim.SparseAdam)."
+        )

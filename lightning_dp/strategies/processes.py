@@ -9,13 +9,8 @@ traffic, and names the lost peer when one of Lightning's collectives fails. It k
 from __future__ import annotations
 
 import atexit
-import contextlib
-import multiprocessing.process
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, cast
 
@@ -35,28 +30,26 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import (
-    _ChildProcessObserver,
     _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _MultiProcessingLauncher,
-    _set_num_threads_if_needed,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
     trainer_of,
 )
 from lightning_dp.comm.cluster.peers import PeerDirectory, naming_lost_peer
 from lightning_dp.comm.cluster.rendezvous import (
-    LAUNCH_VARIABLE,
-    die_with_parent,
     init_bound_process_group,
-    launcher_pid,
-    new_launch,
-    set_launch,
     this_launch,
 )
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.transports.shm import NodeLayout
+from lightning_dp.strategies.launchers import (
+    EXIT_GRACE_SECONDS,
+    ProcessLauncher,
+    ScriptLauncher,
+    die_with_launcher,
+    wait_for_exit,
+)
 from lightning_dp.strategies.options import check_backend_for_devices, check_choice, check_timeout
 from lightning_dp.strategies.resume import resume_mid_epoch, stop_silencing
 
@@ -65,8 +58,6 @@ BACKENDS = ("gloo", "nccl")
 #: how long a rank waits for a peer by default: long enough for a slow checkpoint write on rank 0, short enough
 #: that a dead peer or a cut link ends the run within minutes
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-#: how long a failing launcher lets the ranks it started fail on their own before it kills them
-EXIT_GRACE_SECONDS = 5.0
 
 
 class ProcessGroupStrategy(DDPStrategy):
@@ -215,9 +206,9 @@ class ProcessGroupStrategy(DDPStrategy):
             return
         self._check_world_size(self.num_nodes * self.num_processes)
         if self._start_method == "popen":
-            self._launcher = _ScriptLauncher(env, self.num_processes, self.num_nodes)
+            self._launcher = ScriptLauncher(env, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _ProcessLauncher(self, start_method=self._start_method)
+            self._launcher = ProcessLauncher(self, start_method=self._start_method)
 
     def _check_world_size(self, world_size: int) -> None:
         """Validate options against the number of processes (subclasses)."""
@@ -235,7 +226,7 @@ class ProcessGroupStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         # the accelerator first (it selects the CUDA device NCCL binds to), then the process groups; DDPStrategy's
         # own version would join them before the device is set
-        _die_with_launcher()
+        die_with_launcher()
         self._wait_for_started_ranks()
         ParallelStrategy.setup_environment(self)
         self.setup_distributed()
@@ -249,7 +240,7 @@ class ProcessGroupStrategy(DDPStrategy):
             return
         assert self._timeout is not None
         # those still running after it are ended by the parent-death signal as this process exits
-        atexit.register(_wait_for_exit, processes, self._timeout.total_seconds())
+        atexit.register(wait_for_exit, processes, self._timeout.total_seconds())
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -258,7 +249,7 @@ class ProcessGroupStrategy(DDPStrategy):
         one), then they are killed."""
         super().on_exception(exception)
         processes = getattr(self._launcher, "procs", [])
-        _wait_for_exit(processes, EXIT_GRACE_SECONDS)
+        wait_for_exit(processes, EXIT_GRACE_SECONDS)
         for process in processes:
             if process.poll() is None if isinstance(process, subprocess.Popen) else process.is_alive():
                 process.kill()
@@ -379,93 +370,3 @@ _external_groups_told: list[object] = []
 def _own_scope() -> str | None:
     """The job scope of the current default group if this process joined it itself (``None``: another party did)."""
     return next((scope for group, scope in _joined_default_group if group is dist.group.WORLD), None)
-
-
-def _wait_for_exit(processes: list[Any], seconds: float) -> None:
-    """Wait until each of ``processes`` (``subprocess.Popen`` or ``multiprocessing`` processes) has exited, for
-    ``seconds`` at most in all."""
-    deadline = time.monotonic() + seconds
-    for process in processes:
-        left = max(0.0, deadline - time.monotonic())
-        if isinstance(process, subprocess.Popen):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(left)
-        elif isinstance(process, multiprocessing.process.BaseProcess):
-            process.join(left)
-
-
-@contextmanager
-def _launch_variable_for_children() -> Iterator[None]:
-    """While this process starts ranks: a fresh launch (:func:`~lightning_dp.comm.cluster.rendezvous.new_launch`) in the
-    environment they inherit, and only theirs (torchrun, srun or Ray runs started later from this process must not
-    see it)."""
-    before = os.environ.get(LAUNCH_VARIABLE)
-    os.environ[LAUNCH_VARIABLE] = new_launch()
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(LAUNCH_VARIABLE, None)
-        else:
-            os.environ[LAUNCH_VARIABLE] = before
-
-
-class _ScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's ``popen`` launcher, handing the ranks it starts their launch (this process, rank 0, keeps it),
-    with an observer that lets the surviving ranks report why they fail before it kills them."""
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
-            _GracefulObserver(main_pid=os.getpid(), child_processes=self.procs).start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
-
-    @override
-    def _call_children_scripts(self) -> None:
-        with _launch_variable_for_children():
-            super()._call_children_scripts()
-
-
-class _GracefulObserver(_ChildProcessObserver):
-    """Lightning's observer of the ranks rank 0 started: when one dies, the others (rank 0 included) get
-    :data:`EXIT_GRACE_SECONDS` to fail on their own and say which peer they lost, then all are killed."""
-
-    @override
-    def _terminate_all(self) -> None:
-        deadline = time.monotonic() + EXIT_GRACE_SECONDS
-        _wait_for_exit(self._child_processes, EXIT_GRACE_SECONDS)
-        time.sleep(max(0.0, deadline - time.monotonic()))  # rank 0, this process, reports meanwhile
-        super()._terminate_all()
-
-
-class _ProcessLauncher(_MultiProcessingLauncher):
-    """Lightning's ``spawn`` / ``fork`` / ``forkserver`` launcher, handing the ranks it starts their launch: as an
-    attribute of the launcher they receive, not through the environment (a fork server keeps the environment it
-    started with)."""
-
-    launch_of_ranks: str | None = None
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        self.launch_of_ranks = new_launch()
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        finally:
-            set_launch(None)  # this process is not a rank of it
-
-    @override
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        set_launch(self.launch_of_ranks)
-        super()._wrapping_function(process_idx, *args, **kwargs)
-
-
-def _die_with_launcher() -> None:
-    """In a rank that Lightning's launcher started (popen: another rank's process; spawn / fork: the main process):
-    die with the launcher, even when it gets SIGKILL. Otherwise such ranks outlive a failed launch and wait, then
-    join whatever job next serves their port."""
-    parent = launcher_pid()
-    if parent is not None and parent != os.getpid():
-        die_with_parent(parent)

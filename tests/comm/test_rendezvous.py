@@ -71,13 +71,13 @@ def test_a_launch_is_handed_only_to_the_ranks_it_starts(monkeypatch):
     import lightning as L
 
     from lightning_dp.comm.cluster import rendezvous
-    from lightning_dp.strategies.processes import _launch_variable_for_children
+    from lightning_dp.strategies.launchers import launch_variable_for_children
 
     monkeypatch.delenv(rendezvous.LAUNCH_VARIABLE, raising=False)
     monkeypatch.setattr(rendezvous, "_launch", None)
     L.Trainer(strategy="ring_allreduce", accelerator="cpu", devices=2, logger=False)  # configures the launcher
     assert rendezvous.LAUNCH_VARIABLE not in os.environ
-    with _launch_variable_for_children():
+    with launch_variable_for_children():
         handed = os.environ[rendezvous.LAUNCH_VARIABLE]
         assert rendezvous.this_launch() == handed and rendezvous.launcher_pid() == os.getpid()
     assert rendezvous.LAUNCH_VARIABLE not in os.environ

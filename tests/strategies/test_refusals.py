@@ -92,15 +92,16 @@ def test_sparse_gradients_are_refused_at_setup(strategy_name):
     import torch
     from lightning.pytorch.strategies import StrategyRegistry
 
-    strategy = StrategyRegistry[strategy_name]["strategy"]()
-    strategy.model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+    from lightning_dp.strategies.inspection import refuse_sparse_gradients
+
+    owner = f"strategy {StrategyRegistry[strategy_name]['strategy'].strategy_name!r}"
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
     with pytest.raises(
         ValueError,
         match=rf"strategy '{strategy_name}' does not support sparse gradients, but 0 .*sparse=False.*strategy='ddp'",
     ):
-        strategy._refuse_sparse_gradients()
-    strategy.model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
-    strategy._refuse_sparse_gradients()
+        refuse_sparse_gradients(sparse, owner)
+    refuse_sparse_gradients(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1)), owner)
 
 
 @pytest.mark.multiprocess
