@@ -121,7 +121,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             refuse_sparse_gradients(self.model, f"strategy {self.strategy_name!r}")
-            self.full_gradients = self._gradients_everywhere(trainer)
+            self.full_gradients = self._needs_full_gradients(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -139,7 +139,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             if self._every_rank_steps and self._checks_finite_gradients():
                 self._restore_precision.append(wrap_closure_of(self.precision_plugin, self._raise_if_nonfinite))
 
-    def _gradients_everywhere(self, trainer: pl.Trainer) -> bool:
+    def _needs_full_gradients(self, trainer: pl.Trainer) -> bool:
         """Whether every rank must hold the averaged gradients in ``param.grad`` after backward."""
         return True
 

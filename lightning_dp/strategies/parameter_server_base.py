@@ -120,7 +120,7 @@ class ParameterServerBase(DataParallelStrategy):
         self.engine.check_devices(self.parallel_devices or [])
 
     @override
-    def _gradients_everywhere(self, trainer: pl.Trainer) -> bool:
+    def _needs_full_gradients(self, trainer: pl.Trainer) -> bool:
         assert self.lightning_module is not None
         return self.engine.full_gradients(trainer, gradient_readers(trainer, self.lightning_module))
 

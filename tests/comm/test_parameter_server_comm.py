@@ -99,7 +99,7 @@ def _one_round_sums(rank, world_size):
     gradients = torch.full((2,), float(rank))
     flags = torch.tensor([1.0 if rank == 0 else 0.0, 1.0])
     segments = shard_segments([2], [4], world_size)[0]
-    push_shards(gradients, segments, everywhere=flags)
+    push_shards(gradients, segments, summed=flags)
     assert flags.tolist() == [1.0, float(world_size)]
     start, end = segments[rank]
     assert torch.equal(gradients[start:end], torch.full((end - start,), (world_size - 1) / 2))

@@ -81,7 +81,8 @@ class PowerSGDCodec(Codec):
         self.steps: dict[int, int] = {}
         self.residuals: dict[int, Tensor] = {}
         self.factors: dict[int, Tensor] = {}
-        self._everywhere: dict[int, bool] = {}
+        #: per bucket index: whether its last reduction was compressed (every rank then holds the whole average)
+        self._averaged_everywhere: dict[int, bool] = {}
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         super().bind(buckets, transport)
@@ -110,7 +111,7 @@ class PowerSGDCodec(Codec):
         index = bucket.index
         compressing = self._compressing(bucket)
         self.steps[index] += 1
-        self._everywhere[index] = compressing
+        self._averaged_everywhere[index] = compressing
         if not compressing:
             transport.reduce(bucket)
             return
@@ -171,7 +172,7 @@ class PowerSGDCodec(Codec):
             drop_nonfinite(residual)
 
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
-        if not self._everywhere.get(bucket.index, False):
+        if not self._averaged_everywhere.get(bucket.index, False):
             transport.share(bucket)
 
     def wire_bytes(self, bucket: GradientBucket) -> int:

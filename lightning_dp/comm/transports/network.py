@@ -82,7 +82,7 @@ class ShardedServerTransport(CodecTransport):
 
     def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
         gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]
-        push_shards(gradients, segments, self.group, self.stats, wire_dtype, everywhere=bucket.flags)
+        push_shards(gradients, segments, self.group, self.stats, wire_dtype, summed=bucket.flags)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         start, end = self.segments[bucket.index][self.rank]

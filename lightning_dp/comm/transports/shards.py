@@ -167,7 +167,7 @@ def pull_weights(
             stats.add(received=_nbytes(incoming))
 
 
-def _everywhere_ops(tensor: torch.Tensor, rank: int, size: int, tag: int) -> tuple[list, dict[int, torch.Tensor]]:
+def _to_every_peer_ops(tensor: torch.Tensor, rank: int, size: int, tag: int) -> tuple[list, dict[int, torch.Tensor]]:
     """The sends and receives of a direct exchange of ``tensor`` with every peer, and the receive buffers."""
     incoming = {peer: torch.empty_like(tensor) for peer in range(size) if peer != rank}
     ops = [("recv", incoming[p], p, tag) for p in sorted(incoming)]
@@ -185,7 +185,7 @@ def sum_everywhere(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1 or tensor.numel() == 0:
         return tensor
-    ops, incoming = _everywhere_ops(tensor, rank, size, tag=1)
+    ops, incoming = _to_every_peer_ops(tensor, rank, size, tag=1)
     actions = ["receive a vote from" if kind == "recv" else "send a vote to" for kind, *_ in ops]
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
     _sum_in_rank_order((tensor if p == rank else incoming[p] for p in range(size)), tensor)
@@ -200,13 +200,13 @@ def push_shards(
     group: dist.ProcessGroup | None = None,
     stats: CommStats | None = None,
     wire_dtype: torch.dtype | None = None,
-    everywhere: torch.Tensor | None = None,
+    summed: torch.Tensor | None = None,
 ) -> None:
     """Sharded fan-in: ``buffer[segments[i]]`` goes to rank ``i``; this rank's own segment ends up averaged (with
     ``wire_dtype``: summed, see the module docstring).
 
     ``segments`` has one ``(start, end)`` per group rank, the same on every rank. Other segments of ``buffer`` are
-    left as they were. ``everywhere`` (optional, small, e.g. used-flags) travels in the same message round to every
+    left as they were. ``summed`` (optional, small, e.g. used-flags) travels in the same message round to every
     peer and becomes the sum over all ranks on every rank (as :func:`sum_everywhere`).
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -219,8 +219,8 @@ def push_shards(
     ops += [("send", _on_wire(buffer[s:e], wire_dtype), p, 0) for p, (s, e) in enumerate(segments) if p != rank]
     actions = ["receive a gradient shard from" if kind == "recv" else "push a gradient shard to" for kind, *_ in ops]
     flags: dict[int, torch.Tensor] = {}
-    if everywhere is not None and everywhere.numel():
-        flag_ops, flags = _everywhere_ops(everywhere, rank, size, tag=2)
+    if summed is not None and summed.numel():
+        flag_ops, flags = _to_every_peer_ops(summed, rank, size, tag=2)
         ops += flag_ops
         actions += ["receive used-flags from" if kind == "recv" else "send used-flags to" for kind, *_ in flag_ops]
     _wait([(w, op[2], a) for w, op, a in zip(post(ops, group), ops, actions)], group)
@@ -231,10 +231,10 @@ def push_shards(
     if stats is not None:
         stats.add(sent=sent, received=mine.numel() * element * (size - 1))
     if flags:
-        assert everywhere is not None
-        _sum_in_rank_order((everywhere if p == rank else flags[p] for p in range(size)), everywhere)
+        assert summed is not None
+        _sum_in_rank_order((summed if p == rank else flags[p] for p in range(size)), summed)
         if stats is not None:
-            stats.add(sent=_nbytes(everywhere) * (size - 1), received=_nbytes(everywhere) * (size - 1))
+            stats.add(sent=_nbytes(summed) * (size - 1), received=_nbytes(summed) * (size - 1))
 
 
 def pull_shards(

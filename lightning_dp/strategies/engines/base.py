@@ -32,6 +32,11 @@ class StepEngine:
         #: the staleness this rank saw at each of its steps (always 0 when synchronous)
         self.staleness_seen = StalenessRecord()
 
+    @property
+    def name(self) -> str:
+        """The strategy's name, for messages."""
+        return self.strategy.strategy_name
+
     # ------------------------------------------------------------------ set-up
     def check_devices(self, devices: list[torch.device]) -> None:
         """Refuse devices the engine cannot run on (before any process starts)."""
@@ -42,12 +47,12 @@ class StepEngine:
     def full_gradients(self, trainer: pl.Trainer, readers: list[str]) -> bool:
         """Whether every rank must hold the averaged gradients after backward: when any rank's run reads them
         (``readers``: this rank's readers); every rank must send the same messages, so one rank decides for all."""
-        s = self.strategy
-        assert s.gradient_group is not None
-        anyone = any_rank(bool(readers), Ring(s.gradient_group), s.root_device)
+        strategy = self.strategy
+        assert strategy.gradient_group is not None
+        anyone = any_rank(bool(readers), Ring(strategy.gradient_group), strategy.root_device)
         if readers:
             rank_zero_info(
-                f"{s.strategy_name}: every rank receives the averaged gradients after backward (more traffic per "
+                f"{self.name}: every rank receives the averaged gradients after backward (more traffic per "
                 f"step) because gradients are read or edited before the optimizer step by: {', '.join(readers)}"
             )
         return anyone

@@ -85,8 +85,7 @@ class DedicatedEngine(StepEngine):
 
     # ------------------------------------------------------------------ set-up
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        s = self.strategy
-        owner = f"strategy {s.strategy_name!r} with num_servers={self.num_servers}"
+        owner = f"strategy {self.name!r} with num_servers={self.num_servers}"
         for optimizer in optimizers:
             check_importable(type(optimizer), owner)
             if not self.trainers_serve and self.num_servers > 1 and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
@@ -103,67 +102,67 @@ class DedicatedEngine(StepEngine):
     def setup_gradient_sync(self) -> None:
         """Buckets as usual, travelling to the servers: start (trainer 0, ``start_servers``) and join the servers,
         hand them the plan and the weights."""
-        s = self.strategy
-        assert s.model is not None
-        self.run_key = next_run_key(s.job_scope)
+        strategy = self.strategy
+        assert strategy.model is not None
+        self.run_key = next_run_key(strategy.job_scope)
         self.processes, self.transport, self.layout, self.optimizers = [], None, None, []
         self.closed, self.stopped, self.final_states = False, False, None
-        s.reducer = reducer = s.new_reducer()
-        if s.intra_node == "shm" and s.ranks_on_this_node > 1:
-            rank_zero_info(f"{s.strategy_name}: with num_servers={self.num_servers} buckets travel through sockets "
+        strategy.reducer = reducer = strategy.new_reducer()
+        if strategy.intra_node == "shm" and strategy.ranks_on_this_node > 1:
+            rank_zero_info(f"{self.name}: with num_servers={self.num_servers} buckets travel through sockets "
                            "(intra_node='shm' applies to num_servers=0)")  # fmt: skip
-        env = s.cluster_environment
-        assert env is not None and s.lightning_module is not None
-        timeout = s.timeout
-        n, k = s.world_size, self.num_servers
+        env = strategy.cluster_environment
+        assert env is not None and strategy.lightning_module is not None
+        timeout = strategy.timeout
+        n, k = strategy.world_size, self.num_servers
         dtypes = {b.buffer.dtype for b in reducer.buckets}
         if len(dtypes) > 1:
             raise ConfigurationError(
-                f"strategy {s.strategy_name!r} with num_servers={k} needs every trainable parameter in one dtype, got "
+                f"strategy {self.name!r} with num_servers={k} needs every trainable parameter in one dtype, got "
                 f"{sorted(str(d) for d in dtypes)}"
             )
-        scope = s.job_scope or EXTERNAL_SCOPE
+        scope = strategy.job_scope or EXTERNAL_SCOPE
         if self.is_trainer_zero and self.start_servers:
             self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
                                                  timeout.total_seconds(), scope)  # fmt: skip
         # where another party created the default group no record names the scope: servers started by hand need one
-        publish = s.job_scope is None and self.is_trainer_zero and not self.start_servers
+        publish = strategy.job_scope is None and self.is_trainer_zero and not self.start_servers
         store = run_store(env.main_address, env.main_port, self.run_key, timeout, scope=scope, publish=publish)
         if self.is_trainer_zero:
             store.set("num_trainers", str(n))
             store.set("num_servers", str(k))
         started = time.perf_counter()
-        members = MemberGroup(store, s.global_rank, n, k, timeout)
+        members = MemberGroup(store, strategy.global_rank, n, k, timeout)
         shares = member_shares(n, k, trainers_serve=self.trainers_serve)
-        transport = DedicatedServerTransport(members, shares, not self.trainers_serve, s.gradient_group, s.sync_stats,
-                                             timeout)  # fmt: skip
+        transport = DedicatedServerTransport(members, shares, not self.trainers_serve, strategy.gradient_group,
+                                             strategy.sync_stats, timeout)  # fmt: skip
         transport.bind(reducer.buckets)
-        self.transport = s.transport = transport
-        optimizers = [unwrap_optimizer(o) for o in s.optimizers]
+        self.transport = strategy.transport = transport
+        optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
         if self.is_trainer_zero:
             store.set("plan", pickle.dumps(self._plan(reducer, optimizers)))  # type: ignore[arg-type]  # bytes are fine
-        owner = f"strategy {s.strategy_name!r}"
-        self.layout = ShardLayout(reducer.buckets, transport.segments, s.global_rank, owner)
-        self.optimizers = [ShardedOptimizer(o, self.layout, s.gradient_group, owner) for o in optimizers]
+        owner = f"strategy {self.name!r}"
+        self.layout = ShardLayout(reducer.buckets, transport.segments, strategy.global_rank, owner)
+        self.optimizers = [ShardedOptimizer(o, self.layout, strategy.gradient_group, owner) for o in optimizers]
         self._groups = [len(o.param_groups) for o in optimizers]
         self.eager = self._eager_possible(optimizers)
         self.send_weights(reducer.buckets)
         rank_zero_info(
-            f"{s.strategy_name}: {n} trainers and {k} dedicated servers (joined in {time.perf_counter() - started:.1f} "
+            f"{self.name}: {n} trainers and {k} dedicated servers (joined in {time.perf_counter() - started:.1f} "
             f"s); each trainer serves {shares[0]:.1%} of the gradients, each server {shares[-1]:.1%}"
         )
-        s.mark_synchronized(reducer.params)
-        s.sync_stats.bucket_bytes = sum(b.nbytes for b in reducer.buckets)
-        self._restore_clipping = replace_clipping(s.precision_plugin, self._clip_request("norm"),
+        strategy.mark_synchronized(reducer.params)
+        strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in reducer.buckets)
+        self._restore_clipping = replace_clipping(strategy.precision_plugin, self._clip_request("norm"),
                                                   self._clip_request("value"))  # fmt: skip
 
     def _eager_possible(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         """Whether nothing between backward and the step can change the update, so the servers may apply it bucket
         by bucket as the gradients arrive, overlapping the pull with the push: automatic optimization of one
         optimizer, nothing reading gradients before the step, no clipping by norm (a global quantity)."""
-        s = self.strategy
-        assert s.lightning_module is not None
-        trainer = s.lightning_module.trainer
+        strategy = self.strategy
+        assert strategy.lightning_module is not None
+        trainer = strategy.lightning_module.trainer
         clip_val = trainer.gradient_clip_val or 0.0
         algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm")
         if clip_val > 0 and algorithm == "norm":
@@ -171,7 +170,7 @@ class DedicatedEngine(StepEngine):
         self._static_clip = ("value", float(clip_val)) if clip_val > 0 else None
         # stepping bucket by bucket is one step only for optimizers that update each element on its own
         elementwise = len(optimizers) == 1 and type(optimizers[0]) in ELEMENTWISE_OPTIMIZERS
-        return s.lightning_module.automatic_optimization and not s.full_gradients and elementwise
+        return strategy.lightning_module.automatic_optimization and not strategy.full_gradients and elementwise
 
     def _plan(self, reducer: BucketReducer, optimizers: list[torch.optim.Optimizer]) -> ServerPlan:
         params = list(reducer.params)
@@ -217,13 +216,13 @@ class DedicatedEngine(StepEngine):
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         """One optimizer step with the servers (see :mod:`lightning_dp.comm.servers`)."""
-        s = self.strategy
-        assert self.transport is not None and self.layout is not None and s.reducer is not None
-        s.check_trainable_unchanged(optimizer)
-        index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
+        strategy = self.strategy
+        assert self.transport is not None and self.layout is not None and strategy.reducer is not None
+        strategy.check_trainable_unchanged(optimizer)
+        index = [unwrap_optimizer(o) for o in strategy.optimizers].index(optimizer)
         if len(optimizer.param_groups) != self._groups[index]:
             raise UnsupportedChangeError(
-                f"strategy {s.strategy_name!r} with num_servers={self.num_servers}: {type(optimizer).__name__} gained "
+                f"strategy {self.name!r} with num_servers={self.num_servers}: {type(optimizer).__name__} gained "
                 "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
             )
         if self.eager:
@@ -232,33 +231,33 @@ class DedicatedEngine(StepEngine):
             return self._eager_step(optimizer, closure, model, control)
         sharded = self.optimizers[index]
         result = closure()
-        fresh = s.reducer.consume()
-        if fresh and not s.full_gradients:  # once per synchronization, for every optimizer's pieces
+        fresh = strategy.reducer.consume()
+        if fresh and not strategy.full_gradients:  # once per synchronization, for every optimizer's pieces
             self.layout.take_bucket_gradients()
         self._clip = None
-        after_closure(s.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
-        buckets = s.buckets_of(optimizer)
-        if s.full_gradients:
+        after_closure(strategy.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        buckets = strategy.buckets_of(optimizer)
+        if strategy.full_gradients:
             sharded.take_param_gradients()
         if self.is_trainer_zero:  # the hyperparameters as the step will use them (after every hook)
             control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
                        "kwargs": kwargs}  # fmt: skip
             self.transport.control(Control.STEP, index, control)
-            if s.full_gradients:
+            if strategy.full_gradients:
                 self.transport.send_edited(buckets)
-        if not sharded.voted_step(None if s.full_gradients else self._clip, self.transport.vote, **kwargs):
-            s.raise_nonfinite(None)
+        if not sharded.voted_step(None if strategy.full_gradients else self._clip, self.transport.vote, **kwargs):
+            strategy.raise_nonfinite(None)
         start = time.perf_counter()
         self.pull(buckets)
-        s.end_step(blocking_seconds=time.perf_counter() - start)
+        strategy.end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
     def _eager_step(
         self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, control: dict[str, Any]
     ) -> Any:
         """The servers step each bucket during backward (armed); the trainers step their own shares after it."""
-        s = self.strategy
-        assert self.transport is not None and self.layout is not None and s.reducer is not None
+        strategy = self.strategy
+        assert self.transport is not None and self.layout is not None and strategy.reducer is not None
         sharded = self.optimizers[0]
         self.transport.arm(control)
         try:
@@ -268,18 +267,18 @@ class DedicatedEngine(StepEngine):
         waited = time.perf_counter()
         bad_servers = self.transport.finish_eager()  # the servers' shares: what backward left to wait for
         waited = time.perf_counter() - waited
-        if s.reducer.consume():
+        if strategy.reducer.consume():
             self.layout.take_bucket_gradients()
         self._clip = None
-        after_closure(s.precision_plugin, model, optimizer)  # hooks that read nothing; clipping is recorded
+        after_closure(strategy.precision_plugin, model, optimizer)  # hooks that read nothing; clipping is recorded
         if self._clip != self._static_clip:
             raise UnsupportedChangeError(
-                f"strategy {s.strategy_name!r}: gradient clipping changed during fit ({self._static_clip} at set-up, "
+                f"strategy {self.name!r}: gradient clipping changed during fit ({self._static_clip} at set-up, "
                 f"{self._clip} now), after the servers had applied the set-up's"
             )
         if [hyperparameters(g) for g in optimizer.param_groups] != control["hyperparameters"]:
             raise UnsupportedChangeError(
-                f"strategy {s.strategy_name!r} with num_servers={self.num_servers}: the optimizer's hyperparameters "
+                f"strategy {self.name!r} with num_servers={self.num_servers}: the optimizer's hyperparameters "
                 "(e.g. the learning rate) changed during the step's forward or backward, after the servers had applied "
                 "them to the gradients as they arrived. Change them before the step starts (an LR scheduler, or "
                 "LightningModule.optimizer_step), or in on_before_optimizer_step, which makes the servers wait for "
@@ -290,25 +289,26 @@ class DedicatedEngine(StepEngine):
         def vote(squares: float, bad: bool) -> tuple[float, bool]:  # clipping by value only: no squares to sum
             nonlocal own_bad
             own_bad = bad
-            return squares, any_rank(bad, ring, s.root_device) or bool(bad_servers)
+            return squares, any_rank(bad, ring, strategy.root_device) or bool(bad_servers)
 
         if not sharded.voted_step(self._clip, vote, **control["kwargs"]):
             seen = ", ".join([self.transport.members.name(m) for m in bad_servers] + (["a trainer"] if own_bad else []))
-            assert s.lightning_module is not None
+            assert strategy.lightning_module is not None
             raise NonFiniteGradientError(
-                f"non-finite (NaN or infinite) averaged gradient at global step {s.lightning_module.global_step} (seen "
-                f"by {seen}); every trainer stops here with its weights as before the step, all finite. The servers "
-                "update each share as its gradients arrive (num_servers > 0 without clipping by norm), so the other "
-                "shares on the servers took this step: resume from a checkpoint, not from this state"
+                f"non-finite (NaN or infinite) averaged gradient at global step "
+                f"{strategy.lightning_module.global_step} (seen by {seen}); every trainer stops here with its "
+                "weights as before the step, all finite. The servers update each share as its gradients arrive "
+                "(num_servers > 0 without clipping by norm), so the other shares on the servers took this step: "
+                "resume from a checkpoint, not from this state"
             )
         start = time.perf_counter()
-        buckets = s.buckets_of(optimizer)
+        buckets = strategy.buckets_of(optimizer)
         for bucket in buckets:  # the servers' shares arrived during backward; the trainers' now
             bucket.pack_params(*self.transport.owned(bucket))
         self.transport.share_weights_all(buckets, from_servers=False)
         for bucket in buckets:
             bucket.unpack_params()
-        s.end_step(blocking_seconds=waited + time.perf_counter() - start)
+        strategy.end_step(blocking_seconds=waited + time.perf_counter() - start)
         return result
 
     def pull(self, buckets: list[GradientBucket]) -> None:
@@ -329,23 +329,23 @@ class DedicatedEngine(StepEngine):
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The full optimizer state on trainer 0, from every trainer's and server's share (collective)."""
-        s = self.strategy
-        index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
+        strategy = self.strategy
+        index = [unwrap_optimizer(o) for o in strategy.optimizers].index(optimizer)
         sharded = self.optimizers[index]
         if self.closed or self.stopped:
             if self.final_states is None:
-                raise RuntimeError(f"strategy {s.strategy_name!r}: the servers stopped before training ended; their "
+                raise RuntimeError(f"strategy {self.name!r}: the servers stopped before training ended; their "
                                    "optimizer state is lost")  # fmt: skip
             return self.final_states[index]
-        assert s.lightning_module is not None and self.transport is not None
-        if s.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+        assert strategy.lightning_module is not None and self.transport is not None
+        if strategy.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             rank_zero_warn(
-                f"strategy {s.strategy_name!r}: a checkpoint written while the run fails holds no optimizer state "
+                f"strategy {self.name!r}: a checkpoint written while the run fails holds no optimizer state "
                 "(it lives on the servers and cannot be gathered now); its weights are trainer 0's"
             )
             return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
-        gathered: list | None = [None] * s.world_size if self.is_trainer_zero else None
-        dist.gather_object(sharded.local_state(), gathered, group=s.gradient_group, group_dst=0)
+        gathered: list | None = [None] * strategy.world_size if self.is_trainer_zero else None
+        dist.gather_object(sharded.local_state(), gathered, group=strategy.gradient_group, group_dst=0)
         if gathered is None:
             return {}
         sharded.merge_states(gathered + self.transport.server_states(index))

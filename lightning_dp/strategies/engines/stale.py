@@ -79,41 +79,38 @@ class StaleEngine(StepEngine):
 
     # ------------------------------------------------------------------ set-up
     def check_devices(self, devices: list[torch.device]) -> None:
-        s = self.strategy
         if any(d.type != "cpu" for d in devices):
             raise ConfigurationError(
-                f"strategy {s.strategy_name!r} with staleness={self.staleness!r} runs on CPU devices only "
+                f"strategy {self.name!r} with staleness={self.staleness!r} runs on CPU devices only "
                 f"(accelerator='cpu'); got {devices[0]}. Use staleness=0 on GPUs."
             )
 
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        s = self.strategy
         for optimizer in optimizers:
             if any("lr" not in group for group in optimizer.param_groups):
                 raise ConfigurationError(
-                    f"strategy {s.strategy_name!r} with staleness={self.staleness!r} scales each arriving "
+                    f"strategy {self.name!r} with staleness={self.staleness!r} scales each arriving "
                     f"gradient's learning rate, but {type(optimizer).__name__} has no 'lr' in its parameter groups"
                 )
 
     def full_gradients(self, trainer: pl.Trainer, readers: list[str]) -> bool:
-        s = self.strategy
         if readers:
             rank_zero_info(
-                f"{s.strategy_name}: with staleness={self.staleness!r} each rank's gradient travels alone, so "
+                f"{self.name}: with staleness={self.staleness!r} each rank's gradient travels alone, so "
                 f"{', '.join(readers)} see and edit this rank's own gradient (not the average of all ranks)"
             )
         return False
 
     def setup_gradient_sync(self) -> None:
-        s = self.strategy
-        assert s.model is not None
-        params = [p for p in s.model.parameters() if p.requires_grad]
+        strategy = self.strategy
+        assert strategy.model is not None
+        params = [p for p in strategy.model.parameters() if p.requires_grad]
         if len({p.dtype for p in params}) > 1:
             raise ConfigurationError(
-                f"strategy {s.strategy_name!r} with staleness={self.staleness!r} needs every trainable parameter "
+                f"strategy {self.name!r} with staleness={self.staleness!r} needs every trainable parameter "
                 f"in one dtype, got {sorted(str(d) for d in {p.dtype for p in params})}"
             )
-        cap = int(s.bucket_cap_mb * 1024 * 1024)
+        cap = int(strategy.bucket_cap_mb * 1024 * 1024)
         buckets = [GradientBucket(i, [params[j] for j in group]) for i, group in enumerate(assign_buckets(params, cap))]
         segments = self.served_segments(buckets)
         if self._groups is None:  # collective: every rank creates them in the same order
@@ -122,21 +119,23 @@ class StaleEngine(StepEngine):
             self._groups = (push_group, reply_group)  # type: ignore[assignment]
         assert self._groups is not None
         push_group, reply_group = self._groups
-        owner = f"strategy {s.strategy_name!r}"
-        layout = ShardLayout(buckets, segments, s.global_rank, owner, own_storage=True)
-        optimizers = [ShardedOptimizer(unwrap_optimizer(o), layout, s.gradient_group, owner) for o in s.optimizers]
-        push_layout = PushLayout(buckets, segments, s.world_size)
+        owner = f"strategy {self.name!r}"
+        layout = ShardLayout(buckets, segments, strategy.global_rank, owner, own_storage=True)
+        optimizers = [
+            ShardedOptimizer(unwrap_optimizer(o), layout, strategy.gradient_group, owner) for o in strategy.optimizers
+        ]
+        push_layout = PushLayout(buckets, segments, strategy.world_size)
         server = None
-        if s.global_rank in push_layout.servers:
-            server = StalenessServer(layout, optimizers, push_layout, s.global_rank, s.world_size, self.staleness,
-                                     push_group, reply_group, s.sync_stats)  # fmt: skip
-        client = StalenessClient(push_layout, s.global_rank, push_group, reply_group, server, s.timeout.total_seconds(),
-                                 s.sync_stats)  # fmt: skip
+        if strategy.global_rank in push_layout.servers:
+            server = StalenessServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
+                                     self.staleness, push_group, reply_group, strategy.sync_stats)  # fmt: skip
+        client = StalenessClient(push_layout, strategy.global_rank, push_group, reply_group, server,
+                                 strategy.timeout.total_seconds(), strategy.sync_stats)  # fmt: skip
         self.buckets, self.layout, self.optimizers, self.client, self.server = (
             buckets, layout, optimizers, client, server
         )  # fmt: skip
-        s.mark_synchronized(params)
-        s.sync_stats.bucket_bytes = sum(b.nbytes for b in buckets)
+        strategy.mark_synchronized(params)
+        strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in buckets)
         if server is not None:
             server.start()
 
@@ -154,20 +153,19 @@ class StaleEngine(StepEngine):
         return self.buckets  # the reducer is closed: each worker pushes these buckets itself
 
     def check_measurable(self) -> None:
-        s = self.strategy
         raise RuntimeError(
-            f"measure_exchange_seconds times a synchronous exchange; strategy {s.strategy_name!r} runs with "
+            f"measure_exchange_seconds times a synchronous exchange; strategy {self.name!r} runs with "
             f"staleness={self.staleness!r}, whose workers exchange alone (see sync_stats for their seconds)"
         )
 
     # ------------------------------------------------------------------ the step
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         """One step of a worker: its own gradient (hooks and clipping applied) to the servers, new weights back."""
-        s = self.strategy
+        strategy = self.strategy
         assert self.client is not None
-        s.check_trainable_unchanged(optimizer)
+        strategy.check_trainable_unchanged(optimizer)
         result = closure()
-        after_closure(s.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        after_closure(strategy.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
         with self._lock():
             for sharded in self.optimizers:
                 sharded.follow_param_groups()
@@ -175,14 +173,14 @@ class StaleEngine(StepEngine):
         bad = first_nonfinite(grads)
         if bad is not None:
             self.client.close(StopReason.NONFINITE)
-            s.raise_nonfinite(bad)
+            strategy.raise_nonfinite(bad)
         start = time.perf_counter()
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 bucket.fill(i, p.grad)
-        index = [unwrap_optimizer(o) for o in s.optimizers].index(optimizer)
+        index = [unwrap_optimizer(o) for o in strategy.optimizers].index(optimizer)
         self.staleness_seen.add(self.client.push(index))
-        s.end_step(blocking_seconds=time.perf_counter() - start)
+        strategy.end_step(blocking_seconds=time.perf_counter() - start)
         return result
 
     # ------------------------------------------------------------------ Lightning's loop
@@ -190,28 +188,28 @@ class StaleEngine(StepEngine):
         """Every rank gets the servers' weights, holding every update so far, and rank 0's buffers (collective; a no-op
         once the servers have stopped). Before the first push (the sanity check) the servers take rank 0's weights
         instead, so that edits made after set-up (``on_fit_start``) are kept."""
-        s = self.strategy
+        strategy = self.strategy
         if not self._serving:
             return
-        assert self.client is not None and s.lightning_module is not None and s.model is not None
-        if s.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+        assert self.client is not None and strategy.lightning_module is not None and strategy.model is not None
+        if strategy.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             return  # a checkpoint on exception: the other ranks are not at this flush, and the run is stopping
         if self.client.clock == 0:
             self._resync_servers()
         else:
             self.client.flush()
-        buffers = list(s.model.buffers())
-        if s.broadcast_buffers and buffers:
-            broadcast_tensors(buffers, src=0, group=s.gradient_group)
+        buffers = list(strategy.model.buffers())
+        if strategy.broadcast_buffers and buffers:
+            broadcast_tensors(buffers, src=0, group=strategy.gradient_group)
 
     def _resync_servers(self) -> None:
         """Every rank and every server takes rank 0's weights as they are now; returns when all have (collective)."""
-        s = self.strategy
-        assert self.layout is not None and s.model is not None
-        broadcast_tensors([p.data for p in s.model.parameters()], src=0, group=s.gradient_group)
+        strategy = self.strategy
+        assert self.layout is not None and strategy.model is not None
+        broadcast_tensors([p.data for p in strategy.model.parameters()], src=0, group=strategy.gradient_group)
         with self._lock():
             self.layout.read_storage()
-        dist.barrier(group=s.gradient_group)
+        dist.barrier(group=strategy.gradient_group)
 
     def on_train_start(self) -> None:
         if self._serving:
@@ -242,20 +240,20 @@ class StaleEngine(StepEngine):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The servers' full optimizer state for ``optimizer``, consolidated on rank 0 (collective)."""
-        s = self.strategy
-        assert self.client is not None and s.lightning_module is not None
+        strategy = self.strategy
+        assert self.client is not None and strategy.lightning_module is not None
         sharded = next(o for o in self.optimizers if o.optimizer is optimizer)
-        if s.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+        if strategy.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
             # a checkpoint on exception: the other ranks are not here to gather with; stop them first
             self.client.close(StopReason.ERROR)
             rank_zero_warn(
-                f"strategy {s.strategy_name!r}: a checkpoint written while the run fails holds no optimizer state "
+                f"strategy {self.name!r}: a checkpoint written while the run fails holds no optimizer state "
                 "(the servers' state is spread over the ranks and cannot be gathered now); its weights are rank 0's"
             )
             return {"state": {}, "param_groups": sharded.optimizer.state_dict()["param_groups"]}
         with self._lock():
             sharded.consolidate_state_dict(to=0)
-        return sharded.state_dict() if s.is_global_zero else {}
+        return sharded.state_dict() if strategy.is_global_zero else {}
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Each server takes its share of a full (standard layout) optimizer state."""

@@ -32,20 +32,20 @@ class SynchronousEngine(StepEngine):
         self.strategy.setup_bucket_exchange()
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
-        s = self.strategy
-        s.check_trainable_unchanged(optimizer)
+        strategy = self.strategy
+        strategy.check_trainable_unchanged(optimizer)
         result = closure()
         self.gradients_before_hooks(optimizer)
-        after_closure(s.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        after_closure(strategy.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
         self.gradients_after_hooks(optimizer)
         self.check_server_gradients(optimizer)
-        assert s.transport is not None
-        for bucket in s.buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
-            s.codec.before_update(bucket, s.transport)
+        assert strategy.transport is not None
+        for bucket in strategy.buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
+            strategy.codec.before_update(bucket, strategy.transport)
         self.server_update(optimizer, **kwargs)
         start = time.perf_counter()
         self.pull(optimizer)
-        s.end_step(blocking_seconds=time.perf_counter() - start)
+        strategy.end_step(blocking_seconds=time.perf_counter() - start)
         self.staleness_seen.add(0)
         return result
 
@@ -65,21 +65,21 @@ class SynchronousEngine(StepEngine):
 
     def check_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Only servers see averaged gradients: they vote (one tiny all-reduce) so every rank decides alike."""
-        s = self.strategy
-        assert s.transport is not None
+        strategy = self.strategy
+        assert strategy.transport is not None
         bad = first_nonfinite(self.server_gradients(optimizer))
-        if any_rank(bad is not None, s.transport.ring, s.root_device):
-            s.raise_nonfinite(bad)
+        if any_rank(bad is not None, strategy.transport.ring, strategy.root_device):
+            strategy.raise_nonfinite(bad)
 
     def pull(self, optimizer: torch.optim.Optimizer) -> None:
         """Every rank receives the new weights of ``optimizer``'s parameters from their servers."""
-        s = self.strategy
-        assert s.transport is not None
-        for bucket in s.buckets_of(optimizer):
-            start, end = s.transport.owned(bucket)
+        strategy = self.strategy
+        assert strategy.transport is not None
+        for bucket in strategy.buckets_of(optimizer):
+            start, end = strategy.transport.owned(bucket)
             bucket.pack_params(start, end)
-            s.codec.share_weights(bucket, s.transport)
-            if s.codec.rewrites_weights or not s.transport.owns_all(bucket):
+            strategy.codec.share_weights(bucket, strategy.transport)
+            if strategy.codec.rewrites_weights or not strategy.transport.owns_all(bucket):
                 bucket.unpack_params()
 
     def exchange_weights(self) -> None:
@@ -114,11 +114,11 @@ class CentralServerEngine(SynchronousEngine):
         return [unwrap_optimizer(o) for o in self.strategy.optimizers] if self.is_server else []
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        s = self.strategy
+        strategy = self.strategy
         state = optimizer.state_dict() if self.is_server else {}
         if self.server_rank == 0:
             return state
-        gathered: list[dict] | None = [{} for _ in range(s.world_size)] if s.is_global_zero else None
+        gathered: list[dict] | None = [{} for _ in range(strategy.world_size)] if strategy.is_global_zero else None
         dist.gather_object(state, gathered, dst=0)
         return gathered[self.server_rank] if gathered is not None else {}
 
@@ -146,15 +146,18 @@ class ShardedServerEngine(SynchronousEngine):
 
     def setup_gradient_sync(self) -> None:
         super().setup_gradient_sync()
-        s = self.strategy
-        assert s.reducer is not None
-        assert isinstance(s.transport, (ShardedServerTransport, SharedMemoryShardedTransport))
-        owner = f"strategy {s.strategy_name!r}"
-        self.layout = ShardLayout(s.reducer.buckets, s.transport.segments, s.transport.rank, owner)
+        strategy = self.strategy
+        assert strategy.reducer is not None
+        assert isinstance(strategy.transport, (ShardedServerTransport, SharedMemoryShardedTransport))
+        owner = f"strategy {self.name!r}"
+        self.layout = ShardLayout(strategy.reducer.buckets, strategy.transport.segments, strategy.transport.rank, owner)
         self.sharded_optimizers = [
-            ShardedOptimizer(unwrap_optimizer(o), self.layout, s.gradient_group, owner) for o in s.optimizers
+            ShardedOptimizer(unwrap_optimizer(o), self.layout, strategy.gradient_group, owner)
+            for o in strategy.optimizers
         ]
-        self._restore_clipping = replace_clipping(s.precision_plugin, self._clip_grad_by_norm, self._clip_grad_by_value)
+        self._restore_clipping = replace_clipping(
+            strategy.precision_plugin, self._clip_grad_by_norm, self._clip_grad_by_value
+        )
 
     def close_gradient_sync(self) -> None:
         if self._restore_clipping is not None:
@@ -168,12 +171,12 @@ class ShardedServerEngine(SynchronousEngine):
         raise KeyError("optimizer is not one of the strategy's optimizers")
 
     def gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
-        s = self.strategy
-        assert s.reducer is not None and self.layout is not None
+        strategy = self.strategy
+        assert strategy.reducer is not None and self.layout is not None
         self._sharded(optimizer).follow_param_groups()
         # once per synchronization, for every optimizer's pieces: the pull after this step overwrites the buckets,
         # and a step without a backward (nothing fresh) keeps no gradient
-        if not s.full_gradients and s.reducer.consume():
+        if not strategy.full_gradients and strategy.reducer.consume():
             self.layout.take_bucket_gradients()
 
     def gradients_after_hooks(self, optimizer: torch.optim.Optimizer) -> None:
