@@ -21,14 +21,13 @@ import json
 import os
 import pickle
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, run_in_hosts, server_command
 from benchmarks.report import pyplot, save
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,20 +139,9 @@ def measure(
     with emulated_hosts(n + k, rate_mbit, delay_ms) as hosts:
         worker = [sys.executable, "-m", "benchmarks.dedicated_servers", "--worker"]
         sizes = [str(size_mb), str(bucket_mb), str(repeats), str(port), str(out)]
-        procs = [subprocess.Popen(["ip", "netns", "exec", hosts[r], *worker, str(r), str(n), str(k), *sizes], env=env)
-                 for r in range(n)]  # fmt: skip
-        procs += [subprocess.Popen(["ip", "netns", "exec", hosts[n + j], sys.executable, "-m", "lightning_dp.server",
-                                    "--master-addr", f"{SUBNET}.1", "--master-port", str(port), "--server-index",
-                                    str(j), "--num-servers", str(k)], env=env) for j in range(k)]  # fmt: skip
-        try:
-            for p in procs:
-                p.wait(timeout=900)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"n={n} k={k}: a process failed: exit codes {[p.returncode for p in procs]}")
+        trainers = [(hosts[r], [*worker, str(r), str(n), str(k), *sizes]) for r in range(n)]
+        dedicated = [(hosts[n + j], server_command(f"{SUBNET}.1", port, j, k)) for j in range(k)]
+        run_in_hosts([*trainers, *dedicated], env, 900)
     from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_time
 
     measured = json.loads(out.read_text())

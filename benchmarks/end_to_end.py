@@ -260,7 +260,7 @@ def run_emulated(
     model: str, hosts: int, rate_mbit: float, strategy: str, steps: int, warmup: int, tmp: Path
 ) -> list[dict]:
     """One Lightning node per emulated host (network namespace), links shaped to ``rate_mbit``."""
-    from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
+    from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, node_ranks, run_in_hosts, server_command
 
     result_dir = tmp / f"emulated-{model}-{hosts}-{strategy}"
     env = {
@@ -273,48 +273,13 @@ def run_emulated(
     }
     servers = int(strategy.partition("#")[2].partition("@")[0] or 0)  # dedicated servers, each on a host of its own
     with emulated_hosts(hosts + servers, rate_mbit) as namespaces:
-        procs = [
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns, *worker_command(model, strategy, 1, steps, warmup, result_dir, hosts)],
-                env={**env, "NODE_RANK": str(rank)},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for rank, ns in enumerate(namespaces[:hosts])
+        trainers = [
+            (ns, worker_command(model, strategy, 1, steps, warmup, result_dir, hosts)) for ns in namespaces[:hosts]
         ]
-        procs += [
-            subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    sys.executable,
-                    "-m",
-                    "lightning_dp.server",
-                    "--master-addr",
-                    f"{SUBNET}.1",
-                    "--master-port",
-                    env["MASTER_PORT"],
-                    "--server-index",
-                    str(j),
-                    "--num-servers",
-                    str(servers),
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            for j, ns in enumerate(namespaces[hosts:])
-        ]
-        try:
-            codes = [p.wait(timeout=1800) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-    if any(codes):
-        raise RuntimeError(f"{strategy} on emulated hosts failed: exit codes {codes}")
+        dedicated = [(ns, server_command(f"{SUBNET}.1", env["MASTER_PORT"], j, servers))
+                     for j, ns in enumerate(namespaces[hosts:])]  # fmt: skip
+        run_in_hosts([*trainers, *dedicated], env, 1800, [*node_ranks(hosts), *([{}] * servers)],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(hosts)]
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 SUBNET = "10.77.0"
 PREFIX = "lddp"
@@ -164,10 +167,26 @@ def delayed_hosts(
         build.cleanup()
 
 
-def run_in_hosts(commands: list[tuple[str, list[str]]], env: dict[str, str], timeout: float) -> None:
-    """Run each ``(namespace, argv)`` inside its namespace at once and wait for all (at most ``timeout`` seconds
-    each); kill what is left on any failure, and raise naming the exit codes if any command failed."""
-    procs = [subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env) for ns, argv in commands]
+def start_in_hosts(
+    commands: Sequence[tuple[str, list[str]]],
+    env: Mapping[str, str],
+    extra_env: Sequence[Mapping[str, str]] | None = None,
+    **popen: Any,
+) -> list[subprocess.Popen]:
+    """Start each ``(namespace, argv)`` inside its namespace, with ``env`` (plus ``extra_env[i]`` for command
+    ``i``) and ``popen``'s keyword arguments."""
+    extra = list(extra_env) if extra_env is not None else [{}] * len(commands)
+    if len(extra) != len(commands):
+        raise ValueError(f"{len(commands)} commands but {len(extra)} extra environments")
+    return [
+        subprocess.Popen(["ip", "netns", "exec", ns, *argv], env={**env, **more}, **popen)
+        for (ns, argv), more in zip(commands, extra)
+    ]
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    """Wait for each of ``procs`` (at most ``timeout`` seconds each); kill what is left on any failure, and raise
+    naming the exit codes if any failed."""
     try:
         for p in procs:
             p.wait(timeout=timeout)
@@ -177,3 +196,25 @@ def run_in_hosts(commands: list[tuple[str, list[str]]], env: dict[str, str], tim
                 p.kill()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in procs]}")
+
+
+def run_in_hosts(
+    commands: Sequence[tuple[str, list[str]]],
+    env: Mapping[str, str],
+    timeout: float,
+    extra_env: Sequence[Mapping[str, str]] | None = None,
+    **popen: Any,
+) -> None:
+    """:func:`start_in_hosts`, then :func:`wait_all`."""
+    wait_all(start_in_hosts(commands, env, extra_env, **popen), timeout)
+
+
+def node_ranks(count: int) -> list[dict[str, str]]:
+    """``NODE_RANK`` for each of ``count`` hosts, one Lightning node each (``extra_env`` of :func:`start_in_hosts`)."""
+    return [{"NODE_RANK": str(rank)} for rank in range(count)]
+
+
+def server_command(master_addr: str, master_port: int | str, index: int, num_servers: int) -> list[str]:
+    """``python -m lightning_dp.server`` joining the trainers at ``master_addr:master_port`` as server ``index``."""
+    return [sys.executable, "-m", "lightning_dp.server", "--master-addr", master_addr, "--master-port",
+            str(master_port), "--server-index", str(index), "--num-servers", str(num_servers)]  # fmt: skip

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.netns import IFNAME, SUBNET, emulated_hosts
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, node_ranks, server_command, start_in_hosts
 from tests.helpers.launch import BATCH, REPO, load_ranks, subprocess_env
 from tests.helpers.netns import skip_without_netns
 from tests.helpers.replicas import assert_identical_replicas
@@ -20,30 +20,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
 def start_nodes(hosts, args, port, devices=1):
     env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
-    return [
-        subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                sys.executable,
-                "-m",
-                "tests.scripts.fit",
-                "--devices",
-                str(devices),
-                "--num-nodes",
-                str(len(hosts)),
-                *args,
-            ],
-            cwd=REPO,
-            env={**env, "NODE_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for rank, ns in enumerate(hosts)
-    ]
+    fit = [sys.executable, "-m", "tests.scripts.fit", "--devices", str(devices), "--num-nodes", str(len(hosts)), *args]
+    return start_in_hosts([(ns, fit) for ns in hosts], env, node_ranks(len(hosts)), cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
 def finish(nodes, timeout):
@@ -97,11 +76,8 @@ def test_trainers_on_two_hosts_with_a_server_started_by_the_cli_on_a_third(tmp_p
     with emulated_hosts(3, rate_mbit=1000) as hosts:
         args = ["--strategy", "parameter_server", "--num-servers", "1", "--external-servers", "--out", str(tmp_path)]
         nodes = start_nodes(hosts[:2], args, port=port)
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", hosts[2], sys.executable, "-m", "lightning_dp.server", "--master-addr",
-             f"{SUBNET}.1", "--master-port", str(port), "--server-index", "0", "--num-servers", "1"],
-            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+        [server] = start_in_hosts([(hosts[2], server_command(f"{SUBNET}.1", port, 0, 1))], subprocess_env(),
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         outputs = finish([*nodes, server], timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert server.returncode == 0 and "server 0 done after 4 steps" in outputs[2], outputs[2][-3000:]
