@@ -120,6 +120,12 @@ class MemberGroup:
 
         wait_naming_peer(self.backend.allreduce([tensor]), self.name(self.rank), "reach", lost, timeout)
 
+    def vote(self, squares: float, bad: bool, timeout: timedelta | None = None) -> tuple[float, bool]:
+        """Every member: the sum of the squared gradient norms of every share, and whether any share is not finite."""
+        tensor = torch.tensor([squares, 1.0 if bad else 0.0], dtype=torch.float64)
+        self.all_reduce_sum(tensor, timeout)
+        return float(tensor[0]), bool(tensor[1] > 0)
+
     def send_object(self, obj: Any, member: int, timeout: timedelta | None = None, tag: int = Tag.OBJECT) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)

@@ -217,7 +217,7 @@ class DedicatedServer:
                 self.members.wait(work, 0, "receive gradients from")
             self._take_gradients(sharded.pieces)
         clip = None if self.plan.full_gradients else control["clip"]
-        if not sharded.voted_step(clip, self.members_vote, **control["kwargs"]):
+        if not sharded.voted_step(clip, self.members.vote, **control["kwargs"]):
             return
         self.steps += 1
         for b in mine:
@@ -230,8 +230,3 @@ class DedicatedServer:
                 n = piece.tensor.numel()
                 grad = self.gradients[piece.storage_start : piece.storage_start + n].view_as(piece.tensor)
                 piece.tensor.grad = grad.clone() if used else None
-
-    def members_vote(self, squares: float, bad: bool) -> tuple[float, bool]:
-        tensor = torch.tensor([squares, 1.0 if bad else 0.0], dtype=torch.float64)
-        self.members.all_reduce_sum(tensor)
-        return float(tensor[0]), bool(tensor[1] > 0)

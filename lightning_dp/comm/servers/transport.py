@@ -279,10 +279,8 @@ class DedicatedServerTransport(Transport):
         self.members.wait_all(works, self.timeout)
 
     def vote(self, squares: float, bad: bool) -> tuple[float, bool]:
-        """Every member: the sum of the squared gradient norms of every share, and whether any share is not finite."""
-        tensor = torch.tensor([squares, 1.0 if bad else 0.0], dtype=torch.float64)
-        self.members.all_reduce_sum(tensor, self.timeout)
-        return float(tensor[0]), bool(tensor[1] > 0)
+        """:meth:`MemberGroup.vote` within the strategy's timeout."""
+        return self.members.vote(squares, bad, self.timeout)
 
     def stop_servers(self) -> None:
         """Trainer 0: tell every server the run is over and wait until each has taken it in."""
