@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -66,3 +71,20 @@ class SyncStats(CommStats):
         self.comm_seconds += comm_seconds
         self.exposed_comm_seconds += waited_seconds
         self.steps += 1
+
+
+def fastest_run(fn: Callable[[], None], group: dist.ProcessGroup | None, device: torch.device, repeats: int) -> float:
+    """Seconds the fastest of ``repeats`` runs of ``fn`` takes when every rank of ``group`` starts it together (a
+    barrier before each; on a CUDA ``device`` the device's work is waited for, not only the launches)."""
+    best = float("inf")
+    cuda = device.type == "cuda"
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if cuda:  # NCCL returns before its kernels finish: time the device work, not the launches
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -21,27 +21,26 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cluster.fingerprint import check_replicas_match
-from lightning_dp.comm.codecs import CODEC_NAMES, Codec, check_compressible, make_codec
+from lightning_dp.comm.codecs import CODEC_NAMES, Codec
 from lightning_dp.comm.cost import Scheme, Wire, rank_traffic
-from lightning_dp.comm.errors import NonFiniteGradientError, UnsupportedChangeError
+from lightning_dp.comm.errors import UnsupportedChangeError
 from lightning_dp.comm.nonfinite import first_nonfinite
-from lightning_dp.comm.stats import SyncStats
+from lightning_dp.comm.stats import SyncStats, fastest_run
 from lightning_dp.comm.transports import Transport
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.comm.transports.shards import any_rank
 from lightning_dp.comm.transports.shm import SharedMemoryUnavailable
-from lightning_dp.strategies.codec_state import load_codec_state, with_codec_states
-from lightning_dp.strategies.inspection import refuse_sparse_gradients
+from lightning_dp.strategies.codec_state import choose_codec, load_codec_state, with_codec_states
+from lightning_dp.strategies.inspection import nonfinite_gradient_error, refuse_sparse_gradients
 from lightning_dp.strategies.options import check_choice, check_count, check_flag, check_positive
 from lightning_dp.strategies.processes import ProcessGroupStrategy
 
@@ -203,17 +202,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     def _make_codec(self, transport: Transport, buckets: list[GradientBucket]) -> Codec:
         """The ``compression`` option's codec, where buckets cross a network (see :attr:`Transport.crosses_network`)."""
-        if self.compression == "none":
-            return Codec()
-        check_compressible(buckets, self.compression)  # wherever the run happens to be: the same answer
-        if not transport.crosses_network:
-            rank_zero_info(
-                f"strategy {self.strategy_name!r}: compression={self.compression!r} has nothing to compress: every "
-                "bucket of this run stays inside one machine's shared memory, so it runs uncompressed (full "
-                "precision). Use intra_node='ring' to compress between the ranks of one machine anyway."
-            )
-            return Codec()
-        return make_codec(self.compression, self.error_feedback, self.powersgd_rank, self.powersgd_warmup_steps)
+        return choose_codec(f"strategy {self.strategy_name!r}", self.compression, transport, buckets,
+                            self.error_feedback, self.powersgd_rank, self.powersgd_warmup_steps)  # fmt: skip
 
     def _may_overlap_backward(self) -> bool:
         """Gradient traffic runs on its own process group; under NCCL it may not overlap a backward that issues
@@ -321,15 +311,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         return getattr(self.precision_plugin, "scaler", None) is None
 
     def raise_nonfinite(self, param: Tensor | None) -> None:
+        """Raise :class:`NonFiniteGradientError` for this step (naming ``param`` if given)."""
         assert self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        where = (
-            f" (rank {self.global_rank} saw it in parameter {names.get(id(param), '?')!r})" if param is not None else ""
-        )
-        raise NonFiniteGradientError(
-            f"non-finite (NaN or infinite) averaged gradient at global step {self.lightning_module.global_step}"
-            f"{where}; every rank stops here, before the optimizer step, so the weights are still finite"
-        )
+        raise nonfinite_gradient_error(self.lightning_module, param, self.global_rank)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -403,23 +387,18 @@ class DataParallelStrategy(ProcessGroupStrategy):
         bucket contents undefined (under ``ring_allreduce`` also ``param.grad``, a view into them) and the weights
         as the servers hold them; a compressing codec's state is restored afterwards."""
         assert self.reducer is not None, "call it while fitting"
-        best = float("inf")
-        cuda = self.root_device.type == "cuda"
         codec_state = self.codec.state_dict()
-        for _ in range(repeats):
-            dist.barrier(group=self.gradient_group)
-            if cuda:  # NCCL returns before its kernels finish: time the device work, not the launches
-                torch.cuda.synchronize(self.root_device)
-            start = time.perf_counter()
-            for bucket in self.reducer.buckets:
-                self._reduce_bucket(bucket)
-            self._exchange_weights()
-            if cuda:
-                torch.cuda.synchronize(self.root_device)
-            best = min(best, time.perf_counter() - start)
+        best = fastest_run(self._synchronize, self.gradient_group, self.root_device, repeats)
         self.codec.load_state_dict(codec_state)
         self.sync_stats.reset()
         return best
+
+    def _synchronize(self) -> None:
+        """One synchronization without a step: every bucket's exchange, then the weights'."""
+        assert self.reducer is not None
+        for bucket in self.reducer.buckets:
+            self._reduce_bucket(bucket)
+        self._exchange_weights()
 
     def _exchange_weights(self) -> None:
         """The weight traffic of a step after the gradient exchange (the parameter servers' pull)."""

@@ -1,5 +1,6 @@
-"""Every rank's codec state (error-feedback residuals, low-rank factors, the servers' full-precision weights) in a
-checkpoint, under :data:`CODEC_STATE_KEY`."""
+"""A strategy's codec: the one its ``compression`` option asks for where buckets cross a network, and every rank's
+codec state (error-feedback residuals, low-rank factors, the servers' full-precision weights) in a checkpoint, under
+:data:`CODEC_STATE_KEY`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_dp.comm.codecs import Codec
+from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.codecs import Codec, check_compressible, make_codec
+from lightning_dp.comm.transports import Transport
 
 #: the checkpoint entry holding every rank's codec state
 CODEC_STATE_KEY = "lightning_dp_codec"
@@ -37,3 +41,27 @@ def load_codec_state(checkpoint: Mapping[str, Any], codec: Codec, world_size: in
     except ValueError as error:
         return f"rank {rank}: {error}"
     return None
+
+
+def choose_codec(
+    owner: str,
+    compression: str,
+    transport: Transport,
+    buckets: list[GradientBucket],
+    error_feedback: bool,
+    powersgd_rank: int,
+    powersgd_warmup_steps: int,
+) -> Codec:
+    """The codec of ``compression`` for ``buckets`` over ``transport``; the identity (saying so, naming ``owner``)
+    where every bucket stays inside one machine's shared memory."""
+    if compression == "none":
+        return Codec()
+    check_compressible(buckets, compression)  # wherever the run happens to be: the same answer
+    if not transport.crosses_network:
+        rank_zero_info(
+            f"{owner}: compression={compression!r} has nothing to compress: every bucket of this run stays inside one "
+            "machine's shared memory, so it runs uncompressed (full precision). Use intra_node='ring' to compress "
+            "between the ranks of one machine anyway."
+        )
+        return Codec()
+    return make_codec(compression, error_feedback, powersgd_rank, powersgd_warmup_steps)

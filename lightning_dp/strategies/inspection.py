@@ -6,9 +6,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.errors import ConfigurationError, NonFiniteGradientError
 
 #: hooks in which a LightningModule or a callback reads or edits ``param.grad`` (``on_before_zero_grad`` sees the
 #: step's gradients after the step)
@@ -48,3 +48,13 @@ def refuse_sparse_gradients(model: nn.Module, owner: str) -> None:
             "SGD, Adam and the other dense optimizers), or strategy='ddp' to keep sparse gradients (e.g. for "
             "torch.optim.SparseAdam)."
         )
+
+
+def nonfinite_gradient_error(module: pl.LightningModule, param: Tensor | None, rank: int) -> NonFiniteGradientError:
+    """The error for a NaN/inf averaged gradient at ``module``'s current step, naming ``param`` (seen on ``rank``)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    where = f" (rank {rank} saw it in parameter {names.get(id(param), '?')!r})" if param is not None else ""
+    return NonFiniteGradientError(
+        f"non-finite (NaN or infinite) averaged gradient at global step {module.global_step}{where}; every rank "
+        "stops here, before the optimizer step, so the weights are still finite"
+    )
