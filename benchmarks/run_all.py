@@ -6,7 +6,8 @@
 The emulated-cluster, compression, dedicated-server and advisor-validation benchmarks need root (network
 namespaces); without it, they are skipped with a note. The accuracy parts of the compression and straggler
 benchmarks (`python -m benchmarks.compression --accuracy`, `python -m benchmarks.straggler --accuracy`, about 10 and
-6 minutes) run on their own; their tables are collected if present.
+6 minutes) and the example app's spread (`python -m benchmarks.app_accuracy`, about 15 minutes) run on their own;
+their tables are collected if present.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def main() -> None:
         print(f"== {module}", flush=True)
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
     names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
-             "straggler_accuracy", "dedicated_servers", "end_to_end_emulated", "advisor_validation")  # fmt: skip
+             "straggler_accuracy", "app_accuracy", "dedicated_servers", "end_to_end_emulated",
+             "advisor_validation")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

