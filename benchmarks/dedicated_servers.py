@@ -81,7 +81,7 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
 
     def dedicated_step() -> None:
         """What a step of the strategies does with nothing to wait for but the network: the servers step each
-        bucket as it arrives (see DedicatedServers._eager_step), the trainers their own shares after it."""
+        bucket as it arrives (see DedicatedEngine._eager_step), the trainers their own shares after it."""
         transport.arm(control)
         for bucket in buckets:  # the communication thread, bucket after bucket as backward fills them
             bucket.buffer[: bucket.grad_numel].copy_(gradients)

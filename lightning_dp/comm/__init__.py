@@ -1,8 +1,10 @@
 """Synchronization algorithms on plain ``torch.distributed`` (no Lightning import here).
 
-Collectives (:mod:`.ring`, :mod:`.parameter_server`), the transports and codecs built on them
-(:mod:`.transports`, :mod:`.codecs`), gradient buckets (:mod:`.buckets`), the sharded optimizer
-(:mod:`.sharded_optimizer`), and the error family (:mod:`.errors`).
+One folder per axis of a scheme: the transports and the collectives they run (:mod:`.transports`), the codecs
+(:mod:`.codecs`), the consistency models (:mod:`.consistency`), the servers (:mod:`.servers`: the sharded optimizer,
+dedicated server processes) and the cluster a job runs on (:mod:`.cluster`); beside them gradient buckets
+(:mod:`.buckets`), the cost model (:mod:`.cost`), the counters (:mod:`.stats`) and the error family
+(:mod:`.errors`).
 """
 
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket

@@ -22,7 +22,7 @@ same bits.
 
 ``wire_dtype`` (optional, every exchange): a narrower floating dtype the messages travel in. Pushes then send each
 rank's values rounded to it and the server *sums* what arrives in the buffer's own dtype (the caller divided by
-the group size beforehand, see :class:`~lightning_dp.comm.codecs.base.HalfPrecisionCodec`); pulls round the server's
+the group size beforehand, see :class:`~lightning_dp.comm.codecs.HalfPrecisionCodec`); pulls round the server's
 values to it, its own copy included, so every rank ends with the same bits.
 """
 
