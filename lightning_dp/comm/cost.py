@@ -189,7 +189,7 @@ class StepCost:
 # ---------------------------------------------------------------------------------------------------- dedicated servers
 def trainer_share(num_trainers: int, num_servers: int) -> float:
     """The fraction of the gradient bytes each trainer serves when ``num_servers`` dedicated servers take the rest,
-    the split that equalises every machine's traffic; ``1 / n`` without servers (see :mod:`lightning_dp.comm.servers`)."""
+    the split that equalises every machine's traffic; ``1 / n`` without servers (see :mod:`.servers`)."""
     n, k = num_trainers, num_servers
     if n == 1:
         return 1.0  # its own share costs no traffic at all
