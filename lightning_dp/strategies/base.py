@@ -13,6 +13,7 @@ A subclass provides :meth:`_make_transport`; a scheme whose servers run the opti
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -41,7 +42,13 @@ from lightning_dp.comm.transports.shards import any_rank
 from lightning_dp.comm.transports.shm import SharedMemoryUnavailable
 from lightning_dp.strategies.codec_state import choose_codec, load_codec_state, with_codec_states
 from lightning_dp.strategies.inspection import nonfinite_gradient_error, refuse_sparse_gradients
-from lightning_dp.strategies.options import check_choice, check_count, check_flag, check_positive
+from lightning_dp.strategies.options import (
+    check_choice,
+    check_count,
+    check_flag,
+    check_known_options,
+    check_positive,
+)
 from lightning_dp.strategies.processes import ProcessGroupStrategy
 
 #: values of the ``intra_node`` option
@@ -91,6 +98,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         powersgd_warmup_steps: int = 10,
         **kwargs: Any,
     ) -> None:
+        check_known_options(f"strategy {self.strategy_name!r}", kwargs, self._option_names())
         super().__init__(**kwargs)
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
@@ -111,6 +119,16 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self._synced_params: set[int] = set()
         #: undo what set-up changed in the precision plugin (run at teardown)
         self._restore_precision: list[Callable[[], None]] = []
+
+    @classmethod
+    def _option_names(cls) -> set[str]:
+        """Every keyword the constructors of this class and its bases up to :class:`ProcessGroupStrategy` take."""
+        names: set[str] = set()
+        for klass in cls.__mro__[: cls.__mro__.index(ProcessGroupStrategy) + 1]:
+            if "__init__" in vars(klass):
+                parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
+                names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return names - {"self"}
 
     # ------------------------------------------------------------------ model set-up
     @override

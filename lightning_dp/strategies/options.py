@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -20,8 +22,8 @@ def check_choice(option: str, value: Any, allowed: tuple) -> Any:
 
 
 def check_positive(option: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
-        raise ConfigurationError(f"{option} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise ConfigurationError(f"{option} must be a positive number, finite, got {value!r}")
     return float(value)
 
 
@@ -41,6 +43,8 @@ def check_timeout(value: timedelta | float | None, default: timedelta) -> timede
     if value is None:
         return default
     if isinstance(value, timedelta):
+        if value <= timedelta(0):
+            raise ConfigurationError(f"timeout must be a positive duration, got {value.total_seconds():g} seconds")
         return value
     return timedelta(seconds=check_positive("timeout", value))
 
@@ -61,3 +65,13 @@ def check_backend_for_devices(backend: str | None, devices: list[torch.device]) 
                 f"process_group_backend='nccl' needs CUDA devices, but this run trains on {other[0]}: NCCL moves GPU "
                 "memory only. Use process_group_backend='gloo' (the default on CPU), or accelerator='gpu'."
             )
+
+
+def check_known_options(owner: str, given: Iterable[str], known: Iterable[str]) -> None:
+    """Refuse options ``owner`` does not take, naming them and the ones it does (rather than Python's bare
+    ``TypeError`` from deep in the constructors)."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigurationError(
+            f"{owner} has no option {', '.join(map(repr, unknown))}; its options: {', '.join(sorted(known))}"
+        )

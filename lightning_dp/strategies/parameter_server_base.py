@@ -75,6 +75,12 @@ class ParameterServerBase(DataParallelStrategy):
             raise ConfigurationError(str(error)) from None
         self.num_servers = check_count("num_servers", num_servers, 0)
         self.start_servers = check_flag("start_servers", start_servers)
+        if not self.start_servers and not self.num_servers:
+            raise ConfigurationError(
+                "start_servers=False says the dedicated servers are started elsewhere, but num_servers=0 asks for "
+                "none: set num_servers to the number of servers started with python -m lightning_dp.server, or leave "
+                "start_servers=True"
+            )
         if self.num_servers and self.staleness != 0:
             raise ConfigurationError(
                 f"num_servers={self.num_servers} needs staleness=0 (dedicated servers run the synchronous step); got "

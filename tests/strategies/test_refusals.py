@@ -1,9 +1,16 @@
 """What a scheme cannot run is refused with an error that names the strategy, the option or the optimizer."""
 
+from datetime import timedelta
+
 import lightning as L
 import pytest
 
-from lightning_dp import ParameterServerStrategy, ShardedParameterServerStrategy
+from lightning_dp import (
+    ConfigurationError,
+    ParameterServerStrategy,
+    RingAllReduceStrategy,
+    ShardedParameterServerStrategy,
+)
 from tests.helpers.launch import run_script
 
 
@@ -161,3 +168,38 @@ def test_nccl_gradient_traffic_waits_for_backward_when_backward_issues_collectiv
         pass
     assert strategy.reducer.overlap is False
     strategy.reducer.close()
+
+
+FINITE = "must be a positive number, finite, got"
+DURATION = "timeout must be a positive duration, got"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "cls, options, message",
+    [
+        (RingAllReduceStrategy, {"bucket_cap_mb": float("inf")}, f"bucket_cap_mb {FINITE} inf"),
+        (RingAllReduceStrategy, {"bucket_cap_mb": float("nan")}, f"bucket_cap_mb {FINITE} nan"),
+        (RingAllReduceStrategy, {"timeout": timedelta(0)}, f"{DURATION} 0 seconds"),
+        (RingAllReduceStrategy, {"timeout": timedelta(seconds=-5)}, f"{DURATION} -5 seconds"),
+        (RingAllReduceStrategy, {"timeout": float("inf")}, f"timeout {FINITE} inf"),
+        (ShardedParameterServerStrategy, {"server_rank": 1}, "'sharded_ps' has no option 'server_rank'; its options: "),
+        (RingAllReduceStrategy, {"staleness": 2}, "'ring_allreduce' has no option 'staleness'; its options: accel"),
+        (ParameterServerStrategy, {"start_servers": False}, "start_servers=False .* num_servers=0 asks for none"),
+    ],
+)
+def test_bad_options_are_refused_at_construction_naming_the_option(cls, options, message):
+    with pytest.raises(ConfigurationError, match=message):
+        cls(**options)
+
+
+@pytest.mark.unit
+def test_every_documented_option_gets_past_the_check_of_known_options():
+    sharded = ShardedParameterServerStrategy(staleness=None, bucket_cap_mb=4, intra_node="ring",
+                                             broadcast_buffers=False, timeout=10, process_group_backend="gloo",
+                                             start_method="spawn")  # fmt: skip
+    assert sharded.staleness is None and sharded.timeout == timedelta(seconds=10)
+    central = ParameterServerStrategy(server_rank=1, num_servers=0, compression="bf16", error_feedback=False)
+    assert central.server_rank == 1 and central.compression == "bf16"
+    ring = RingAllReduceStrategy(compression="powersgd", powersgd_rank=2, powersgd_warmup_steps=0, accelerator=None)
+    assert ring.powersgd_rank == 2
