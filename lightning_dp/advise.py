@@ -130,6 +130,7 @@ class Advice:
     def table(self) -> str:
         m, t = self.measured, self.topology
         link = m.link
+        width = max([len("scheme"), *(len(p.scheme.label()) for p in self.predictions)]) + 2  # the longest name
         lines = [
             f"lightning-dp advise: {self.model}, {sum(m.bucket_bytes) / 2**20:.2f} MiB of gradient buckets "
             f"({len(m.bucket_bytes)} buckets), {t.world_size} ranks = {t.num_nodes} machine(s) × {t.ranks_per_node}",
@@ -138,14 +139,14 @@ class Advice:
             f"{m.backward_seconds * 1e3:.1f} ms, optimizer {m.optimizer_seconds * 1e3:.1f} ms, optimizer state "
             f"{m.optimizer_state_bytes / 2**20:.2f} MiB in one process",
             "",
-            f"{'#':>2}  {'scheme':<44}{'comm ms':>10}{'exposed ms':>12}{'step ms':>10}{'rounds':>8}"
+            f"{'#':>2}  {'scheme':<{width}}{'comm ms':>10}{'exposed ms':>12}{'step ms':>10}{'rounds':>8}"
             f"{'state MiB':>11}  notes",
         ]
         for i, p in enumerate(self.predictions):
             lines.append(
-                f"{i + 1:>2}  {p.scheme.label():<44}{p.cost.seconds * 1e3:>10.2f}{p.exposed_seconds * 1e3:>12.2f}"
-                f"{p.step_seconds * 1e3:>10.2f}{p.cost.rounds:>8}{p.optimizer_state_bytes / 2**20:>11.2f}  "
-                f"{'; '.join(p.notes)}"
+                f"{i + 1:>2}  {p.scheme.label():<{width}}{p.cost.seconds * 1e3:>10.2f}"
+                f"{p.exposed_seconds * 1e3:>12.2f}{p.step_seconds * 1e3:>10.2f}{p.cost.rounds:>8}"
+                f"{p.optimizer_state_bytes / 2**20:>11.2f}  {'; '.join(p.notes)}"
             )
         lines += ["", f"recommended: {self.best.scheme.label()} — {self.reason}"]
         lines += [f"note: {n}" for n in self.notes]

@@ -107,3 +107,16 @@ def test_bad_input_is_named():
     out = subprocess.run([sys.executable, "-m", "lightning_dp.advise", "latency_ms=10"], cwd=REPO,
                          env=subprocess_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode != 0 and "give both latency_ms and bandwidth_mbit" in out.stderr
+
+
+@pytest.mark.unit
+def test_the_table_keeps_every_number_under_its_header_whatever_the_scheme_names():
+    model = nn.Linear(64, 32)
+    table = advise(model, None, 2, 2, measured=_measured(model, Link(0.001, 1.25e8))).table().splitlines()
+    header = next(line for line in table if line.startswith(" #  scheme"))
+    rows = [line for line in table if line[:2].strip().isdigit()]
+    assert len(rows) == len(candidate_schemes(Topology(2, 2))) and max(len(r.split("  ")[1]) for r in rows) > 44
+    for column in ("comm ms", "exposed ms", "step ms", "rounds", "state MiB"):
+        end = header.index(column) + len(column)  # numbers are right-aligned under their column's last character
+        for row in rows:
+            assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (column, row)
