@@ -116,8 +116,13 @@ def memory_copy_seconds(size_mb: float, repeats: int) -> float:
     return statistics.median(samples)
 
 
+#: why MPI's Allreduce is missing from the results, per world size (mpiexec could not run it)
+MPI_SKIPPED: dict[int, str] = {}
+
+
 def run_mpi(world_size: int, sizes_mb, repeats) -> list[dict]:
-    """MPI's Allreduce through ``mpiexec`` (benchmarks/mpi_allreduce.py); none when mpi4py is not installed."""
+    """MPI's Allreduce through ``mpiexec`` (benchmarks/mpi_allreduce.py); none when mpi4py is not installed, or
+    when mpiexec fails (the reason is printed and kept in :data:`MPI_SKIPPED` for the report)."""
     import importlib.util
     import json
     import shutil
@@ -129,7 +134,15 @@ def run_mpi(world_size: int, sizes_mb, repeats) -> list[dict]:
         return []
     cmd = [mpiexec, "-n", str(world_size), sys.executable, "-m", "benchmarks.mpi_allreduce", "--sizes-mb"]
     cmd += [str(s) for s in sizes_mb] + ["--repeats", str(repeats)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+        said = (error.stderr or "").strip().splitlines()[-1:] if isinstance(error.stderr, str) else []
+        what = f"exited {error.returncode}" if isinstance(error, subprocess.CalledProcessError) else "timed out"
+        reason = f"mpiexec {what}{': ' + said[0] if said else ''}"
+        MPI_SKIPPED[world_size] = reason
+        print(f"MPI's Allreduce skipped for N = {world_size}: {reason}", file=sys.stderr, flush=True)
+        return []
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -193,6 +206,7 @@ def write_report(rows: list[dict], out: Path) -> None:
         "| gloo busbw | MPI busbw | memory copy GB/s | p2p GB/s | central PS busbw | sharded PS busbw |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    skipped = [f"MPI skipped for N = {n}: {reason}" for n, reason in sorted(MPI_SKIPPED.items())]
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
     for n, size in sorted({key(r) for r in rows}):
         by = {r["op"]: r for r in rows if key(r) == (n, size)}
@@ -205,6 +219,8 @@ def write_report(rows: list[dict], out: Path) -> None:
             f"{by['memory_copy']['bandwidth_GBps']:.2f} | {by['p2p']['bandwidth_GBps']:.2f} | "
             f"{by['central_ps']['busbw_GBps']:.2f} | {by['sharded_ps']['busbw_GBps']:.2f} |"
         )
+    if skipped:
+        lines += ["", *skipped]
     save(out, "collectives", rows, lines)
     plot(rows, out)
 

@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added to each link (netem)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--servers", type=int, nargs="+", default=None, help="only these k (default 0 .. n)")
+    parser.add_argument("--servers", type=int, nargs="+", default=None,
+                        help="only these k (default 0 .. n); k = 0 (the ring baseline) always runs")  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -175,7 +176,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.trainers:
             ring = None
-            for k in range(n + 1) if args.servers is None else args.servers:
+            for k in range(n + 1) if args.servers is None else sorted({0, *args.servers}):
                 row = measure(
                     n, k, args.size_mb, args.bucket_mb, args.rate_mbit, args.delay_ms, args.repeats, Path(tmp)
                 )
