@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
 from lightning_dp.hydra_support import _config_flags
@@ -95,11 +97,12 @@ def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
     if group == "trainer":
         assert OmegaConf.to_container(node, resolve=True)["devices"] == 2
     elif group == "callbacks":
-        assert all(instantiate(c) is not None for c in node.values())
+        assert (len(node) == 0) == (option == "none")
+        assert all(isinstance(instantiate(c), L.Callback) for c in node.values())
     elif group == "data":
-        instantiate(node, batch_size=4)
+        assert isinstance(instantiate(node, batch_size=4), L.LightningDataModule)
     else:
-        assert instantiate(node) is not None
+        assert isinstance(instantiate(node), {"model": L.LightningModule, "logger": Logger}[group])
 
 
 @pytest.mark.unit

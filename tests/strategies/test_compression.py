@@ -32,11 +32,13 @@ def test_16_bit_follows_one_process_with_half_the_bytes(tmp_path, strategy, comp
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * DEVICES, STEPS, "sgd", accumulate, clip=clip)
     stepped = ranks[0]["weights"][accumulate - 1 :: accumulate]
-    eps = 2.0**-8 if compression == "bf16" else 2.0**-11
-    for step, (got, want) in enumerate(zip(stepped, reference)):
-        # a few 16-bit roundings of each gradient, through SGD with momentum: well below the steps' size
-        torch.testing.assert_close(got, want, rtol=0, atol=40 * eps * 0.1, msg=f"step {step + 1}")
-    assert not torch.equal(stepped[0], stepped[-1])
+    assert len(stepped) == STEPS
+    # a few 16-bit roundings of each gradient, through SGD with momentum: a tenth of what one step moves the weights,
+    # so weights a step behind (or that did not move) fail, and so does a rank that trained on its own batch
+    tolerance = min((b - a).abs().max().item() for a, b in zip(reference, reference[1:])) / 10
+    assert (stepped[-1] - reference[-2]).abs().max() > tolerance  # the check can fail
+    for step, (got, want) in enumerate(zip(stepped, reference, strict=True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=f"step {step + 1}")
     # over all ranks, S bytes of buckets in float32: the ring sends 2 (N - 1) S / 2 in 16 bits; the central server
     # receives (N - 1) S / 2 and sends as much back; the sharded servers the same for the gradients ((N - 1) (S - F)),
     # and every rank sends its float32 flags to every peer (N (N - 1) F)
@@ -88,5 +90,5 @@ def test_resume_with_codec_state_equals_never_stopping(tmp_path, strategy, compr
     run_script("resume", *common, "--max-epochs", "2", "--out", str(tmp_path / "straight"))
     resumed, straight = load_ranks(tmp_path / "b", 2), load_ranks(tmp_path / "straight", 2)
     assert resumed[0]["global_step"] == straight[0]["global_step"]
-    for r, s in zip(resumed, straight):
+    for r, s in zip(resumed, straight, strict=True):
         assert torch.equal(r["weights"][-1], s["weights"][-1])

@@ -16,6 +16,9 @@ from tests.scripts.models import reference_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
 
+#: optimizer steps of tests/scripts/fit.py without --steps
+FIT_STEPS = 4
+
 
 def start_nodes(hosts, args, port, devices=1):
     env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
@@ -47,7 +50,8 @@ def test_equivalence_across_emulated_hosts(tmp_path, strategy):
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     ranks = load_ranks(tmp_path, 2)
     assert_identical_replicas(ranks)
-    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
+    assert len(ranks[0]["weights"]) == FIT_STEPS
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, FIT_STEPS, "sgd"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # every socket of each node is on its host's cluster address: nothing listens on 0.0.0.0 or loopback
     for rank, r in enumerate(ranks):
@@ -65,7 +69,8 @@ def test_hierarchical_ring_two_hosts_of_two_ranks(tmp_path):
     assert_identical_replicas(ranks)
     assert {r["transport"] for r in ranks} == {"SharedMemoryTransport"}
     assert [r["hierarchical"] for r in ranks] == [True] * 4
-    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 4, 3, "sgd")):
+    assert len(ranks[0]["weights"]) == FIT_STEPS
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 4, FIT_STEPS, "sgd"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -83,7 +88,8 @@ def test_trainers_on_two_hosts_with_a_server_started_by_the_cli_on_a_third(tmp_p
     assert server.returncode == 0 and "server 0 done after 4 steps" in outputs[2], outputs[2][-3000:]
     ranks = load_ranks(tmp_path, 2)
     assert_identical_replicas(ranks)
-    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
+    assert len(ranks[0]["weights"]) == FIT_STEPS
+    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, FIT_STEPS, "sgd"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -58,7 +58,8 @@ def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, opt
     ranks = load_ranks(tmp_path, devices)
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * devices, STEPS, optimizer, clip=clip)
-    for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference)):
+    assert len(ranks[0]["weights"]) == STEPS and not torch.equal(ranks[0]["weights"][0], ranks[0]["weights"][-1])
+    for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference, strict=True)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step + 1} differs from one process")
 
     # the reference post's bandwidth model; S = bytes of one rank's gradient buckets
@@ -75,7 +76,7 @@ def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, opt
         model = rank_traffic(Scheme(strategy, intra_node), n, s, rank, r["flag_bytes"], server)
         assert tuple(r["predicted_bytes"]) == pytest.approx(model)
         assert model == pytest.approx(want_bytes)
-        for moved, want in zip(r["last_step_bytes"], want_bytes):
+        for moved, want in zip(r["last_step_bytes"], want_bytes, strict=True):
             assert abs(moved - want) <= slack, (rank, moved, want)
 
     # optimizer state: SGD with momentum holds one buffer per element, AdamW two (plus a step counter)
