@@ -13,7 +13,6 @@ A subclass provides :meth:`_make_transport`; a scheme whose servers run the opti
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -48,6 +47,7 @@ from lightning_dp.strategies.options import (
     check_flag,
     check_known_options,
     check_positive,
+    constructor_options,
 )
 from lightning_dp.strategies.processes import ProcessGroupStrategy
 
@@ -98,7 +98,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         powersgd_warmup_steps: int = 10,
         **kwargs: Any,
     ) -> None:
-        check_known_options(f"strategy {self.strategy_name!r}", kwargs, self._option_names())
+        check_known_options(
+            f"strategy {self.strategy_name!r}", kwargs, constructor_options(type(self), ProcessGroupStrategy)
+        )
         super().__init__(**kwargs)
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
@@ -119,16 +121,6 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self._synced_params: set[int] = set()
         #: undo what set-up changed in the precision plugin (run at teardown)
         self._restore_precision: list[Callable[[], None]] = []
-
-    @classmethod
-    def _option_names(cls) -> set[str]:
-        """Every keyword the constructors of this class and its bases up to :class:`ProcessGroupStrategy` take."""
-        names: set[str] = set()
-        for klass in cls.__mro__[: cls.__mro__.index(ProcessGroupStrategy) + 1]:
-            if "__init__" in vars(klass):
-                parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
-                names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        return names - {"self"}
 
     # ------------------------------------------------------------------ model set-up
     @override

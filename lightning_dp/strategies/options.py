@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Iterable
@@ -75,3 +76,13 @@ def check_known_options(owner: str, given: Iterable[str], known: Iterable[str]) 
         raise ConfigurationError(
             f"{owner} has no option {', '.join(map(repr, unknown))}; its options: {', '.join(sorted(known))}"
         )
+
+
+def constructor_options(cls: type, up_to: type) -> set[str]:
+    """Every keyword the constructors of ``cls`` and of its bases up to ``up_to`` (included) take."""
+    names: set[str] = set()
+    for klass in cls.__mro__[: cls.__mro__.index(up_to) + 1]:
+        if "__init__" in vars(klass):
+            parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
+            names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names - {"self"}
