@@ -10,7 +10,7 @@ same strategy uncompressed, ``vs torch`` over Lightning's ``ddp`` with torch's h
 (``bf16_compress_hook``, ``powerSGD_hook`` at rank 4, both compressing from the 3rd step), in the same run;
 torch's PowerSGD runs with one bucket (with several, its callbacks issue collectives in different orders on gloo).
 Bytes: what every rank sent in the last step, summed, over the uncompressed run's, beside the analytic ratio of
-the codec (:func:`lightning_dp.comm.codecs.compression_ratio`: 1/2 for 16 bits; for PowerSGD the factors
+the codec from the model's shapes alone (:func:`analytic_ratio`: 1/2 for 16 bits; for PowerSGD the factors
 ``(n + m) r`` per ``n x m`` matrix plus what stays uncompressed). Writes results/compression.{json,md}.
 
 Accuracy (no root; the ranks of one machine over sockets, ``strategy.intra_node=ring``, since shared memory leaves
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,11 +58,28 @@ STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps")
 CODECS = ("none", "bf16", "fp16", "powersgd")
 
 
+def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, strict: bool = False) -> int:
+    """Elements PowerSGD's two all-reduces carry for gradients of ``shapes`` (the paper's count, written from the
+    shapes alone): an ``n x m`` matrix (``n = shape[0]``, ``m`` the rest) travels as ``(n + m) r`` elements,
+    ``r = min(rank, n, m)``, when that is at most half of ``n m`` (under half for torch's hook, ``strict``);
+    everything else travels whole."""
+    total = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if len(shape) >= 2 else 0
+        m = numel // n if n else 0
+        r = min(rank, n, m)
+        factors = (n + m) * r
+        small_enough = 2 * factors < numel if strict else 2 * factors <= numel
+        total += factors if n and small_enough else numel
+    return total
+
+
 def analytic_ratio(model: str, strategy: str, codec: str) -> float:
-    """Bytes all ranks send in a step with ``codec`` over without it, for ``model``'s gradient buckets (default
-    bucket size) under ``strategy``, counting what each exchange moves (every sum below is times N - 1 over the
-    ranks): G gradient bytes and F flag bytes in float32, S = G + F, W PowerSGD's factors plus what it leaves
-    uncompressed (:func:`~lightning_dp.comm.codecs.compression_ratio`).
+    """Bytes all ranks send in a step with ``codec`` over without it, for ``model``'s trainable parameters in
+    float32 under ``strategy``, counting what each exchange moves (every sum below is times N - 1 over the ranks):
+    G gradient elements and F used-flags (one per parameter), S = G + F, W PowerSGD's factors plus what it leaves
+    uncompressed plus the flags (:func:`powersgd_elements`).
 
     - ring: 2 S; 16-bit S; PowerSGD 2 W (two all-reduces).
     - central server: S up and S down; 16-bit half of both; PowerSGD 2 W (its all-reduces are a push and a pull)
@@ -69,39 +87,24 @@ def analytic_ratio(model: str, strategy: str, codec: str) -> float:
     - sharded servers: G up, 2 F (the flags' ring), G down; 16-bit G / 2 each way; PowerSGD 2 W and G of weights.
     """
     from benchmarks.end_to_end import POWERSGD_RANK
-    from lightning_dp.comm.buckets import BucketReducer
-    from lightning_dp.comm.codecs import make_codec
 
     name = strategy.partition("+")[0].partition("@")[0]
-    if codec == "none" or name == "ddp":
-        return 0.5 if codec == "bf16" else 1.0 if codec == "none" else _ddp_powersgd_ratio(model)
-    reducer = BucketReducer(build_model(model).parameters(), lambda b: None)
-    reducer.close()
-    flags = sum(b.flags.numel() * b.buffer.element_size() for b in reducer.buckets)
-    total = sum(b.nbytes for b in reducer.buckets)
-    grads = total - flags
-    wire = sum(make_codec(codec, powersgd_rank=POWERSGD_RANK).wire_bytes(b) for b in reducer.buckets)
+    shapes = [tuple(p.shape) for p in build_model(model).parameters() if p.requires_grad]
+    grads = sum(math.prod(s) for s in shapes)
+    if codec == "none":
+        return 1.0
+    if name == "ddp":  # torch's hooks: no flags; its PowerSGD compresses a matrix only where that saves over half
+        return 0.5 if codec == "bf16" else powersgd_elements(shapes, POWERSGD_RANK, strict=True) / grads
+    flags = len(shapes)
+    total = grads + flags
     low_rank = codec == "powersgd"
+    wire = powersgd_elements(shapes, POWERSGD_RANK) + flags if low_rank else total / 2
     if name == "sharded_ps":
         plain = 2 * grads + 2 * flags
         return (2 * wire + grads if low_rank else grads + 2 * flags) / plain
     if name == "parameter_server":
         return (2 * wire + total if low_rank else total) / (2 * total)
     return (2 * wire if low_rank else total) / (2 * total)
-
-
-def _ddp_powersgd_ratio(model: str) -> float:
-    """PowerSGD's ratio for ``ddp``'s hook: the same factors, no flags."""
-    from benchmarks.end_to_end import POWERSGD_RANK
-    from lightning_dp.comm.buckets import BucketReducer
-    from lightning_dp.comm.codecs import make_codec
-
-    reducer = BucketReducer(build_model(model).parameters(), lambda b: None)
-    reducer.close()
-    codec = make_codec("powersgd", powersgd_rank=POWERSGD_RANK)
-    flags = sum(b.flags.numel() * b.buffer.element_size() for b in reducer.buckets)
-    wire = sum(codec.wire_bytes(b) for b in reducer.buckets)
-    return (wire - flags) / (sum(b.nbytes for b in reducer.buckets) - flags)
 
 
 def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -> list[dict]:

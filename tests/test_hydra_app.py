@@ -90,8 +90,6 @@ GROUP_OPTIONS = [
 @pytest.mark.unit
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
 def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
-    if option == "tensorboard":
-        pytest.importorskip("tensorboard", reason="the tensorboard logger needs `pip install tensorboard`")
     cfg = compose_train([f"{group}={option}", f"hydra.runtime.output_dir={tmp_path}"])
     node = resolved(cfg, group)
     if group == "trainer":

@@ -4,6 +4,7 @@ counters and the monitor's summary (run by tests/test_monitor.py as a subprocess
 import argparse
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import lightning as L
@@ -26,12 +27,21 @@ args = parser.parse_args()
 
 
 class CounterRecord(L.Callback):
-    """The strategy's counters after each optimizer step (after CommMonitor's hook: it comes later in the list)."""
+    """The strategy's counters after each optimizer step (after CommMonitor's hook: it comes later in the list),
+    and the wall-clock seconds from the start of training (then from the previous batch's end) to each batch's end."""
 
     def __init__(self) -> None:
         self.steps: list[list[int]] = []
+        self.batch_seconds: list[float] = []
+        self._last = 0.0
+
+    def on_train_start(self, trainer, pl_module):
+        self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        self.batch_seconds.append(now - self._last)
+        self._last = now
         stats = getattr(trainer.strategy, "sync_stats", None)
         if stats is not None:
             self.steps.append(list(stats.last_step_bytes))
@@ -75,7 +85,8 @@ if trainer.global_rank == 0:
     assert monitor.summary is not None
     summary = dataclasses.asdict(monitor.summary)
     Path(args.out, "result.json").write_text(json.dumps({
-        "counters": record.steps, "summary": summary, "log_dir": trainer.logger.log_dir,
+        "counters": record.steps, "batch_seconds": record.batch_seconds, "summary": summary,
+        "log_dir": trainer.logger.log_dir,
         "full_gradients": getattr(trainer.strategy, "full_gradients", None),
         "steps_bytes": list(getattr(trainer.strategy, "sync_stats", None).steps_bytes)
         if hasattr(trainer.strategy, "sync_stats")

@@ -72,10 +72,11 @@ def test_equals_single_process_and_counts_bytes(tmp_path, strategy, devices, opt
     slack = 4 * 4 * n * n + (n - 1) * ranks[0]["flag_bytes"]
     for rank, r in enumerate(ranks):
         want_bytes = expected_bytes(strategy, intra_node, n, s, rank, server, r["flag_bytes"])
-        # the cost model (what the strategy tells CommMonitor and advise) is the same model
+        # the cost model, and what the strategy tells CommMonitor and advise from it (its scheme, world size,
+        # server and flags), against this test's own formula
         model = rank_traffic(Scheme(strategy, intra_node), n, s, rank, r["flag_bytes"], server)
-        assert tuple(r["predicted_bytes"]) == pytest.approx(model)
         assert model == pytest.approx(want_bytes)
+        assert tuple(r["predicted_bytes"]) == pytest.approx(want_bytes)
         for moved, want in zip(r["last_step_bytes"], want_bytes, strict=True):
             assert abs(moved - want) <= slack, (rank, moved, want)
 
