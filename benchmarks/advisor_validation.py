@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.netns import IFNAME, LONG_FAT_TCP, SUBNET, delayed_hosts, run_in_hosts
-from benchmarks.report import command_line, pyplot
+from benchmarks.report import command_line, load, pyplot, save
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -259,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     if args.report:
-        saved = json.loads((out / "advisor_validation.json").read_text())
+        saved = load(out / "advisor_validation.json")
         rows, command = saved["rows"], saved["command"]
     else:
         if os.geteuid() != 0:
@@ -275,11 +275,7 @@ def main() -> None:
                         measured = measure(n, rate, latency, args.sizes_mb, args.repeats, Path(tmp))
                         print(json.dumps(measured), flush=True)
                         rows += measured
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "advisor_validation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    text = "\n".join([f"Command: `{command}`  ", *report_lines(rows)]) + "\n"
-    (out / "advisor_validation.md").write_text(text)
-    print(text, end="")
+    save(out, "advisor_validation", rows, report_lines(rows), command)
     plot_map(rows, out)
 
 

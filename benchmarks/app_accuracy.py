@@ -53,7 +53,9 @@ def run_app(overrides: list[str], timeout: float) -> dict:
         return json.loads((Path(tmp) / "run" / "metrics.json").read_text())
 
 
-def report(rows: list[dict], runs: int) -> list[str]:
+def report(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first)."""
+    runs = max(r["run"] for r in rows) + 1
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; `python "
         f"examples/train.py` with the overrides below (reference CNN, Adam, 10 epochs on the bundled digits), {runs} "
@@ -89,7 +91,7 @@ def main() -> None:
                          "staleness_max": seen["max"], "staleness_mean": seen["mean"],
                          "global_step": metrics["global_step"]})  # fmt: skip
             print(f"{name} run {run}: test accuracy {rows[-1]['test_acc']:.4f}, max staleness {seen['max']}")
-    save(args.out, "app_accuracy", rows, report(rows, args.runs))
+    save(args.out, "app_accuracy", rows, report(rows))
 
 
 if __name__ == "__main__":

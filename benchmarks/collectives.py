@@ -197,7 +197,8 @@ def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
     return rows
 
 
-def write_report(rows: list[dict], out: Path) -> None:
+def report_lines(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first); rows of op ``mpi_skipped`` say why MPI did not run."""
     lines = [
         f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}; gloo over loopback TCP; "
         "MPI: the MPICH wheel (its shared-memory transport inside the node)",
@@ -206,7 +207,8 @@ def write_report(rows: list[dict], out: Path) -> None:
         "| gloo busbw | MPI busbw | memory copy GB/s | p2p GB/s | central PS busbw | sharded PS busbw |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    skipped = [f"MPI skipped for N = {n}: {reason}" for n, reason in sorted(MPI_SKIPPED.items())]
+    skipped = [f"MPI skipped for N = {r['world_size']}: {r['reason']}" for r in rows if r["op"] == "mpi_skipped"]
+    rows = [r for r in rows if r["op"] != "mpi_skipped"]
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
     for n, size in sorted({key(r) for r in rows}):
         by = {r["op"]: r for r in rows if key(r) == (n, size)}
@@ -221,12 +223,12 @@ def write_report(rows: list[dict], out: Path) -> None:
         )
     if skipped:
         lines += ["", *skipped]
-    save(out, "collectives", rows, lines)
-    plot(rows, out)
+    return lines
 
 
 def plot(rows: list[dict], out: Path) -> None:
     """results/collectives.png: bus bandwidth against buffer size, one panel per N, one line per method."""
+    rows = [r for r in rows if r["op"] != "mpi_skipped"]
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
     plt = pyplot()
     if plt is None:
@@ -262,7 +264,9 @@ def main() -> None:
     for n in world_sizes:
         rows += run_local(n, sizes, repeats)
         add_peers(rows, n, sizes, repeats)
-    write_report(rows, Path(args.out))
+    rows += [{"world_size": n, "op": "mpi_skipped", "reason": reason} for n, reason in sorted(MPI_SKIPPED.items())]
+    save(args.out, "collectives", rows, report_lines(rows))
+    plot(rows, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "bytes_sent": sum(sent) if sent else None,
                         "analytic_ratio": analytic_ratio(model, spec, codec),
+                        "steps": steps,
                         "attempts": attempts,
                     }
                     if baseline is not None:
@@ -146,7 +147,9 @@ def throughput(models: list[str], rates: list[float], steps: int, warmup: int) -
     return rows
 
 
-def throughput_report(rows: list[dict], steps: int) -> list[str]:
+def throughput_report(rows: list[dict]) -> list[str]:
+    """The throughput table of ``rows`` (``Machine: ...`` first)."""
+    steps = rows[0]["steps"]
     lines = [
         f"Machine: {os.cpu_count()} CPUs; {HOSTS} hosts in network namespaces (one rank each), links shaped to the "
         f"rate both ways; {steps} timed steps per row, fake data",
@@ -158,9 +161,9 @@ def throughput_report(rows: list[dict], steps: int) -> list[str]:
     notes = [
         "",
         "`bytes / none`: all ranks' bytes of the last step over the same strategy's uncompressed run; `analytic`: "
-        "the same ratio from the codec and the strategy's exchanges (`analytic_ratio` in the script: the servers' "
-        "weights travel uncompressed under PowerSGD, the sharded servers' flags always in float32; for `ddp` the "
-        "codec's own ratio). `(k runs)`: the k-th run of the row succeeded.",
+        "the same ratio from the model's shapes and the strategy's exchanges (`analytic_ratio` in the script: the "
+        "servers' weights travel uncompressed under PowerSGD, the sharded servers' flags always in float32; for "
+        "`ddp` the hook's own ratio). `(k runs)`: the k-th run of the row succeeded.",
     ]
 
     def cell(r: dict, key: str, fmt: str = "{:.2f}") -> str:
@@ -273,7 +276,7 @@ def main() -> None:
     rates = args.rates_mbit or ([100.0] if args.quick else [1000.0, 100.0])
     steps = args.steps or (3 if args.quick else 5)
     rows = throughput(models, rates, steps, args.warmup)
-    save(out, "compression", rows, throughput_report(rows, steps))
+    save(out, "compression", rows, throughput_report(rows))
 
 
 if __name__ == "__main__":

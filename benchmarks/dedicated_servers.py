@@ -146,9 +146,9 @@ def measure(
 
     measured = json.loads(out.read_text())
     s, b = size_mb * 2**20, rate_mbit * 1e6 / 8
-    return {"trainers": n, "servers": k, "size_mb": size_mb, "rate_mbit": rate_mbit, "delay_ms": delay_ms,
-            "measured_s": measured["seconds"], "cpu_busy": measured["cpu_busy"],
-            "formula_s": communication_time(n, k, s, b)}  # fmt: skip
+    return {"trainers": n, "servers": k, "size_mb": size_mb, "bucket_mb": bucket_mb, "repeats": repeats,
+            "rate_mbit": rate_mbit, "delay_ms": delay_ms, "measured_s": measured["seconds"],
+            "cpu_busy": measured["cpu_busy"], "formula_s": communication_time(n, k, s, b)}  # fmt: skip
 
 
 def main() -> None:
@@ -186,10 +186,18 @@ def main() -> None:
                 row["ring_allreduce_s"], row["ring_cpu_busy"] = ring
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    name = "dedicated_servers" if args.rate_mbit == 1000 else f"dedicated_servers_{args.rate_mbit:g}mbit"
+    save(args.out, name, rows, report_lines(rows))
+    plot(rows, Path(args.out) / f"{name}.png")
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first)."""
+    r0 = rows[0]
     lines = [
         f"Machine: {os.cpu_count()} CPUs; every host a network namespace whose link is shaped with tc tbf to "
-        f"{args.rate_mbit:g} Mbit/s both ways plus {args.delay_ms:g} ms netem delay; S = {args.size_mb:g} MB of "
-        f"float32 gradients in buckets of {args.bucket_mb:g} MB; median of {args.repeats} steps",
+        f"{r0['rate_mbit']:g} Mbit/s both ways plus {r0['delay_ms']:g} ms netem delay; S = {r0['size_mb']:g} MB of "
+        f"float32 gradients in buckets of {r0['bucket_mb']:g} MB; median of {r0['repeats']} steps",
         "",
         "| trainers n | servers k | measured s | t(n, k) s | measured / t(n, k) | CPUs busy | ring_allreduce s "
         "| ring's CPUs busy | speed-up over ring (measured) | speed-up (formula) |",
@@ -203,15 +211,18 @@ def main() -> None:
             r["formula_s"],
             r["ring_allreduce_s"],
         )
-        formula = (2 * (n - 1) / n) / (t * args.rate_mbit * 1e6 / 8 / (args.size_mb * 2**20))
+        formula = (2 * (n - 1) / n) / (t * r["rate_mbit"] * 1e6 / 8 / (r["size_mb"] * 2**20))
         lines.append(f"| {n} | {k} | {m:.3f} | {t:.3f} | {m / t:.2f} | {r['cpu_busy']['dedicated']:.0%} | {ring:.3f} | "
                      f"{r['ring_cpu_busy']:.0%} | {ring / m:.2f} | {formula:.2f} |")  # fmt: skip
-    name = "dedicated_servers" if args.rate_mbit == 1000 else f"dedicated_servers_{args.rate_mbit:g}mbit"
-    save(args.out, name, rows, lines)
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Measured exchange time against the formula's, over the number of server hosts."""
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for n in args.trainers:
+        for n in sorted({r["trainers"] for r in rows}):
             sel = [r for r in rows if r["trainers"] == n]
             line = ax.plot(
                 [r["servers"] for r in sel], [r["measured_s"]["dedicated"] for r in sel], "o-", label=f"n={n} measured"
@@ -220,10 +231,10 @@ def main() -> None:
                     label=f"n={n} t(n, k)")  # fmt: skip
         ax.set_xlabel("dedicated server hosts k")
         ax.set_ylabel("seconds per step's exchange")
-        ax.set_title(f"{args.size_mb:g} MB at {args.rate_mbit:g} Mbit/s: measured vs formula")
+        ax.set_title(f"{rows[0]['size_mb']:g} MB at {rows[0]['rate_mbit']:g} Mbit/s: measured vs formula")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(Path(args.out) / f"{name}.png", dpi=120)
+        fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

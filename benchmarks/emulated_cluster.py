@@ -144,9 +144,15 @@ def main() -> None:
                 row = measure(n, size_mb, args.rate_mbit, args.repeats, Path(tmp), args.ranks_per_host, delay)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    name = "emulated_cluster" if args.ranks_per_host == 1 else "emulated_hierarchical"
+    save(args.out, name, rows, report_lines(rows))
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first)."""
     lines = [
         f"Machine: {os.cpu_count()} CPUs; hosts are network namespaces, each link shaped with tc tbf to "
-        f"{args.rate_mbit:g} Mbit/s in both directions (netem adds the delay); S = {size_mb:g} MB",
+        f"{rows[0]['rate_mbit']:g} Mbit/s in both directions (netem adds the delay); S = {rows[0]['size_mb']:g} MB",
         "",
         "| hosts × ranks | delay (ms) | scheme | measured s | analytic s | measured / analytic | vs ring |",
         "|---|---|---|---|---|---|---|",
@@ -156,8 +162,7 @@ def main() -> None:
             a = r["analytic_s"][scheme]
             lines.append(f"| {r['hosts']} × {r['ranks_per_host']} | {r['delay_ms']:g} | {scheme} | {m:.3f} | "
                          f"{a:.3f} | {m / a:.2f} | {m / r['measured_s']['ring_allreduce']:.2f} |")  # fmt: skip
-    name = "emulated_cluster" if args.ranks_per_host == 1 else "emulated_hierarchical"
-    save(args.out, name, rows, lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -283,7 +283,9 @@ def run_emulated(
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(hosts)]
 
 
-def emulated_report(rows: list[dict], hosts: int, rate_mbit: float, steps: int) -> list[str]:
+def emulated_report(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` from emulated hosts (``Machine: ...`` first)."""
+    hosts, rate_mbit, steps = rows[0]["hosts"], rows[0]["rate_mbit"], rows[0]["steps"]
     b = rate_mbit * 1e6 / 8
     lines = [
         f"Machine: {os.cpu_count()} CPUs; {hosts} hosts in network namespaces, links shaped to {rate_mbit:g} Mbit/s "
@@ -371,6 +373,9 @@ def main() -> None:
                     row = {
                         "model": model,
                         "strategy": strategy,
+                        "hosts": args.emulated_hosts,
+                        "rate_mbit": args.rate_mbit,
+                        "steps": steps,
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "sync_bytes": ranks[0]["sync_bytes"],
                         "comm_s_per_step": max(r["comm_seconds_per_step"] for r in ranks),
@@ -380,8 +385,7 @@ def main() -> None:
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-        lines = emulated_report(rows, args.emulated_hosts, args.rate_mbit, steps)
-        save(args.out, args.name or "end_to_end_emulated", rows, lines)
+        save(args.out, args.name or "end_to_end_emulated", rows, emulated_report(rows))
         return
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -393,6 +397,8 @@ def main() -> None:
                         "model": model,
                         "world_size": n,
                         "strategy": strategy,
+                        "steps": steps,
+                        "warmup": args.warmup,
                         "params": ranks[0]["params"],
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "peak_rss_mb_max": max(r["peak_rss_mb"] for r in ranks),
@@ -410,8 +416,14 @@ def main() -> None:
                     row["state_vs_ddp"] = [round(s / ddp_state, 3) if ddp_state else None for s in states]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
+    save(args.out, "end_to_end", rows, report_lines(rows))
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first)."""
+    steps, warmup = rows[0]["steps"], rows[0]["warmup"]
     lines = [
-        f"Machine: {os.cpu_count()} CPUs, gloo over loopback; {steps} timed steps after {args.warmup} warm-up steps",
+        f"Machine: {os.cpu_count()} CPUs, gloo over loopback; {steps} timed steps after {warmup} warm-up steps",
         "",
         "hidden comm: 1 - (time a rank waited for communication after its own backward, per step) / (the same exchange"
         " with every rank starting it together, measured in the same run), mean over ranks; waiting for a slower"
@@ -431,7 +443,7 @@ def main() -> None:
             f"{r['vs_ddp']:.2f} | {hidden} | {exposed} | {exchange} | {r['peak_rss_mb_max']:.0f} | "
             f"{r['optimizer_state_mb']} | {r['state_vs_ddp']} |"
         )
-    save(args.out, "end_to_end", rows, lines)
+    return lines
 
 
 if __name__ == "__main__":

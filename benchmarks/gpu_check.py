@@ -130,6 +130,12 @@ def run_end_to_end(model: str, strategies: list[str], accelerator: str, steps: i
     return rows
 
 
+def report_lines(records: list[dict]) -> list[str]:
+    """The report of the one record a run saves (``Machine: ...`` first)."""
+    record = records[0]
+    return report(record["machine"], record["tests"], record["end_to_end"], record["steps"], record["warmup"])
+
+
 def report(info: dict, tests: dict | None, rows: list[dict], steps: int, warmup: int) -> list[str]:
     gpus = ", ".join(info["gpus"]) or "none (CPU run)"
     lines = [
@@ -202,9 +208,10 @@ def main() -> None:
     tests = None if args.skip_tests else run_tests(TESTS_BUDGET_S)
     rows = run_end_to_end(args.model, args.strategies, args.accelerator, args.steps, args.warmup)
     seconds = time.monotonic() - start
-    record = {"machine": info, "tests": tests, "end_to_end": rows, "seconds": round(seconds, 1)}
+    record = {"machine": info, "tests": tests, "end_to_end": rows, "seconds": round(seconds, 1), "steps": args.steps,
+              "warmup": args.warmup}  # fmt: skip
     name = "gpu_check" if args.accelerator == "gpu" else "gpu_check_on_cpu"
-    save(args.out, name, [record], report(info, tests, rows, args.steps, args.warmup))
+    save(args.out, name, [record], report_lines([record]))
     print(summary(tests, rows, seconds))
     failed = tests is not None and (tests["timed_out"] or tests["exit_code"] not in (0, 5))
     sys.exit(1 if failed or any("error" in r for r in rows) else 0)

@@ -101,18 +101,24 @@ def main() -> None:
             rows.append({"strategy": strategy, "runs": args.runs, "finished": finished, "exact": exact, "hung": hung,
                          "seconds_per_run": seconds / args.runs})  # fmt: skip
             print(rows[-1], flush=True)
-    lines = [
+    save(args.out, "restarts", rows, report_lines(rows))
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first)."""
+    return [
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; torchrun "
         "`--nproc-per-node 2 --max-restarts 1`, rank 1 SIGKILLed once per run.",
         "",
-        "| strategy | runs | finished | exact (= uninterrupted weights) | seconds per run |",
-        "|---|---:|---:|---:|---:|",
+        "| strategy | runs | finished | exact (= uninterrupted weights) | hung (stopped after the run timeout) "
+        "| seconds per run |",
+        "|---|---:|---:|---:|---:|---:|",
         *(
-            f"| `{r['strategy']}` | {r['runs']} | {r['finished']} | {r['exact']} | {r['seconds_per_run']:.1f} |"
+            f"| `{r['strategy']}` | {r['runs']} | {r['finished']} | {r['exact']} | {r['hung']} "
+            f"| {r['seconds_per_run']:.1f} |"
             for r in rows
         ),  # fmt: skip
     ]
-    save(args.out, "restarts", rows, lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The benchmarks still run as ``python -m benchmarks.<name>`` (smallest settings; the numbers themselves are not
 asserted here)."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -9,6 +8,7 @@ import sys
 
 import pytest
 
+from benchmarks.report import rows as result_rows
 from tests.helpers.launch import PYTHONWARNINGS, REPO
 from tests.helpers.netns import skip_without_netns
 
@@ -23,7 +23,7 @@ def test_collectives_benchmark_runs(tmp_path):
     out = run(["-m", "benchmarks.collectives", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / "collectives.json").read_text())
+    rows = result_rows(tmp_path / "collectives.json")
     ops = {"p2p", "shm_allreduce", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps", "memory_copy"}
     assert {r["op"] for r in rows} - {"mpi_allreduce"} == ops  # MPI only where mpi4py is installed
     assert "| N | S (MB) |" in (tmp_path / "collectives.md").read_text()
@@ -36,7 +36,7 @@ def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
     out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    row = json.loads((tmp_path / "emulated_cluster.json").read_text())[0]
+    row = result_rows(tmp_path / "emulated_cluster.json")[0]
     # a rate limit of 1 Gbit/s really binds: the central server cannot beat the analytic time
     assert row["measured_s"]["central_ps"] >= 0.9 * row["analytic_s"]["central_ps"]
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -50,7 +50,7 @@ def test_emulated_hierarchical_benchmark_runs(tmp_path):
     out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--ranks-per-host", "2", "--size-mb", "4",
                "--repeats", "2", "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    row = json.loads((tmp_path / "emulated_hierarchical.json").read_text())[0]
+    row = result_rows(tmp_path / "emulated_hierarchical.json")[0]
     assert (row["hosts"], row["ranks_per_host"], row["world_size"]) == (2, 2, 4)
     assert set(row["measured_s"]) == {"hierarchical", "ring_allreduce", "gloo_all_reduce"}
     # the links bind: no scheme beats its analytic time (hierarchical: one link load of S, flat: 1.5)
@@ -66,7 +66,7 @@ def test_dedicated_servers_benchmark_runs_and_the_links_bind(tmp_path):
     out = run(["-m", "benchmarks.dedicated_servers", "--trainers", "2", "--servers", "0", "1", "--size-mb", "2",
                "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / "dedicated_servers.json").read_text())
+    rows = result_rows(tmp_path / "dedicated_servers.json")
     assert [(r["trainers"], r["servers"]) for r in rows] == [(2, 0), (2, 1)]
     for r in rows:  # no exchange beats the bandwidth bound of its split
         assert r["measured_s"]["dedicated"] >= 0.9 * r["formula_s"]
@@ -111,7 +111,7 @@ def test_advisor_validation_runs_on_delayed_links_and_cleans_up(tmp_path):
     out = run(["-m", "benchmarks.advisor_validation", "--hosts", "2", "--rates-mbit", "1000", "--latencies-ms", "5",
                "--sizes-mb", "1", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads((tmp_path / "advisor_validation.json").read_text())["rows"]
+    rows = result_rows(tmp_path / "advisor_validation.json")
     assert {r["scheme"] for r in rows} == {"ring_allreduce", "parameter_server", "sharded_ps"}
     # the switch delays every packet: the ping-pong measures the 5 ms (plus the software's own fraction of a ms)
     assert 0.005 <= rows[0]["latency_s"] < 0.010
@@ -130,7 +130,7 @@ def test_gpu_check_launches_run_on_cpus_and_it_refuses_without_cuda(tmp_path):
     out = run(["-m", "benchmarks.gpu_check", "--accelerator", "cpu", "--skip-tests", "--model", "reference_cnn",
                *strategies, "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    record = json.loads((tmp_path / "gpu_check_on_cpu.json").read_text())[0]
+    record = result_rows(tmp_path / "gpu_check_on_cpu.json")[0]
     rows = record["end_to_end"]
     assert [(r["world_size"], r["strategy"]) for r in rows] == [
         (n, s) for n in (1, 2) for s in ("ddp", "ring_allreduce")

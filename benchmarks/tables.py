@@ -1,0 +1,146 @@
+"""Render every result's markdown, and the result blocks in the READMEs and guides, from ``results/*.json``.
+
+    python -m benchmarks.tables            # rewrite results/<name>.md and every result block
+    python -m benchmarks.tables --check    # change nothing; exit 1 naming every file that is out of date
+
+A result block in a markdown file is the region between ``<!-- results: NAME -->`` (or ``<!-- results: NAME
+VIEW -->``) and ``<!-- /results -->``; it holds the command and machine of ``results/NAME.json`` and the table its
+benchmark's report function renders from the rows (or the named view of them). Prose never quotes a number a
+block does not show, so after a benchmark runs, this command brings every document up to date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.report import RESULTS, load, markdown, split_machine
+
+REPO = RESULTS.parents[1]
+#: the documents whose result blocks are rendered
+DOCUMENTS = ("README.md", "benchmarks/README.md", "docs/*.md")
+
+#: ``results/<name>.json`` -> ``module:function`` rendering its rows (``Machine: ...`` first, then the body)
+RENDERERS = {
+    "advisor_validation": "benchmarks.advisor_validation:report_lines",
+    "app_accuracy": "benchmarks.app_accuracy:report",
+    "collectives": "benchmarks.collectives:report_lines",
+    "compression": "benchmarks.compression:throughput_report",
+    "compression_accuracy": "benchmarks.compression:accuracy_report",
+    "dedicated_servers": "benchmarks.dedicated_servers:report_lines",
+    "emulated_cluster": "benchmarks.emulated_cluster:report_lines",
+    "emulated_hierarchical": "benchmarks.emulated_cluster:report_lines",
+    "end_to_end": "benchmarks.end_to_end:report_lines",
+    "end_to_end_emulated": "benchmarks.end_to_end:emulated_report",
+    "end_to_end_emulated_servers": "benchmarks.end_to_end:emulated_report",
+    "gpu_check": "benchmarks.gpu_check:report_lines",
+    "restarts": "benchmarks.restarts:report_lines",
+    "straggler": "benchmarks.straggler:throughput_report",
+    "straggler_accuracy": "benchmarks.straggler:accuracy_report",
+}
+
+BLOCK = re.compile(r"(<!-- results: (?P<name>\w+)(?: (?P<view>\w+))? -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+
+
+def _renderer(name: str) -> Callable[[list[dict]], list[str]]:
+    if name not in RENDERERS:
+        raise KeyError(f"no renderer for results/{name}.json; add it to benchmarks.tables.RENDERERS")
+    module, function = RENDERERS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def speedups(rows: list[dict]) -> list[str]:
+    """``end_to_end``'s steps/s of every strategy over ``ddp``'s, one row per model and N."""
+    strategies = [s for s in dict.fromkeys(r["strategy"] for r in rows) if s != "ddp"]
+    lines = [
+        "| model | N | " + " | ".join(f"`{s}`" for s in strategies) + " |",
+        "|---|---|" + "---|" * len(strategies),
+    ]
+    for model, n in dict.fromkeys((r["model"], r["world_size"]) for r in rows):
+        by = {r["strategy"]: r for r in rows if (r["model"], r["world_size"]) == (model, n)}
+        cells = [f"{by[s]['vs_ddp']:.2f}×" if s in by else "" for s in strategies]
+        lines.append(f"| {model} | {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def collectives_summary(rows: list[dict]) -> list[str]:
+    """The shared-memory all-reduce over gloo's and MPI's, as ranges over the table's rows."""
+    shm = [r for r in rows if r["op"] == "shm_allreduce"]
+    gloo = [r["vs_gloo"] for r in shm]
+    mpi = [r["vs_mpi"] for r in shm if "vs_mpi" in r]
+    two = sum(v >= 2 for v in gloo)
+    lines = [f"Shared memory over gloo: {min(gloo):.2f}–{max(gloo):.2f}× (2× or more in {two} of {len(gloo)} rows)."]
+    if mpi:
+        lines[0] += f" Over MPI: {min(mpi):.2f}–{max(mpi):.2f}× ({sum(v >= 1 for v in mpi)} of {len(mpi)} rows ≥ 1)."
+    return lines
+
+
+def app_accuracy_summary(rows: list[dict]) -> list[str]:
+    """The example app's test accuracy per setting, least and most, as one line."""
+    parts = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        acc = [100 * r["test_acc"] for r in rows if r["setting"] == setting]
+        spread = f"{min(acc):.1f} %" if min(acc) == max(acc) else f"{min(acc):.1f}–{max(acc):.1f} %"
+        parts.append(f"{setting} {spread}")
+    runs = statistics.median(sum(r["setting"] == s for r in rows) for s in {r["setting"] for r in rows})
+    return [f"Test accuracy over {runs:g} runs each: " + "; ".join(parts) + "."]
+
+
+#: ``(name, view)`` -> a function of the rows giving the block's body in place of the full report
+VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
+    ("end_to_end", "speedups"): speedups,
+    ("collectives", "summary"): collectives_summary,
+    ("app_accuracy", "summary"): app_accuracy_summary,
+}
+
+
+def render(name: str, view: str | None = None, results: Path = RESULTS) -> str:
+    """The markdown of ``results/<name>.json``: command, machine and the report (or ``view``) of its rows."""
+    record = load(results / f"{name}.json")
+    rows = record["rows"]
+    if view is None:
+        _, body = split_machine(_renderer(name)(rows))
+    elif (name, view) in VIEWS:
+        body = VIEWS[name, view](rows)
+    else:
+        raise KeyError(f"no view {view!r} of {name}; the views: {sorted(VIEWS)}")
+    return markdown(record["command"], record["machine"], body)
+
+
+def fill_blocks(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every result block rendered again."""
+    return BLOCK.sub(lambda m: m[1] + render(m["name"], m["view"], results) + m[5], text)
+
+
+def outputs(root: Path = REPO) -> dict[Path, str]:
+    """Every file this command writes, with its new contents."""
+    results = root / "benchmarks" / "results"
+    files = {results / f"{p.stem}.md": render(p.stem, None, results) for p in sorted(results.glob("*.json"))}
+    for pattern in DOCUMENTS:
+        for doc in sorted(root.glob(pattern)):
+            files[doc] = fill_blocks(doc.read_text(), results)
+    return files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is out of date")
+    args = parser.parse_args()
+    stale = []
+    for path, text in outputs().items():
+        if not path.exists() or path.read_text() != text:
+            stale.append(path.relative_to(REPO))
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        sys.exit("out of date (run python -m benchmarks.tables): " + ", ".join(map(str, stale)))
+    print(f"{'out of date' if args.check else 'rewrote'}: {', '.join(map(str, stale)) or 'nothing'}")
+
+
+if __name__ == "__main__":
+    main()
