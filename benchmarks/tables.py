@@ -114,7 +114,7 @@ def render(name: str, view: str | None = None, results: Path = RESULTS) -> str:
 
 def fill_blocks(text: str, results: Path = RESULTS) -> str:
     """``text`` with every result block rendered again."""
-    return BLOCK.sub(lambda m: m[1] + render(m["name"], m["view"], results) + m[5], text)
+    return BLOCK.sub(lambda m: m[1] + render(m["name"], m["view"], results) + "\n" + m[5], text)
 
 
 def outputs(root: Path = REPO) -> dict[Path, str]:

@@ -32,7 +32,7 @@ def test_a_changed_figure_in_a_document_is_found_and_rewritten(tmp_path):
                    "<!-- /results -->\nafter\n")  # fmt: skip
     assert "| 10 | 10 | 9 |" in doc.read_text()
     rendered = outputs(tmp_path)[doc]
-    assert rendered == "intro\n<!-- results: restarts -->\n" + good + "<!-- /results -->\nafter\n"
+    assert rendered == "intro\n<!-- results: restarts -->\n" + good + "\n<!-- /results -->\nafter\n"
 
 
 def test_a_saved_result_renders_to_the_markdown_the_benchmark_wrote(tmp_path):

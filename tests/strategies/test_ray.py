@@ -33,9 +33,9 @@ def test_every_strategy_under_ray_train_follows_ray_ddp(ray_run, variant):
     assert [r["world_size"] for r in ranks] == [2, 2]  # from Ray's context, not devices="auto" (one CPU)
     assert ranks[0]["strategy"] == ranks[1]["strategy"]
     assert len(ranks[0]["history"]) == len(reference[0]["history"]) == 4
-    for step, (mine, ddp) in enumerate(zip(ranks[0]["history"], reference[0]["history"])):
+    for step, (mine, ddp) in enumerate(zip(ranks[0]["history"], reference[0]["history"], strict=True)):
         torch.testing.assert_close(mine, ddp, **TOLERANCE, msg=lambda m: f"{variant}, step {step}: {m}")  # noqa: B023
-    for a, b in zip(ranks[0]["history"], ranks[1]["history"]):
+    for a, b in zip(ranks[0]["history"], ranks[1]["history"], strict=True):
         assert torch.equal(a, b)  # replicas bit-identical
 
 

@@ -1,6 +1,6 @@
 """``staleness=`` on the parameter servers: SSP and asynchronous training under Lightning.
 
-``staleness=0`` is today's synchronous step, bit for bit. With ``k >= 1`` and a straggler, fast ranks run ahead by at
+``staleness=0`` is the synchronous step. With ``k >= 1`` and a straggler, fast ranks run ahead by at
 most ``k`` steps (the record of every rank shows it), every rank ends with the same weights, Lightning's features
 keep working (validation, EarlyStopping, checkpoints, manual optimization, BatchNorm), a checkpoint taken mid-run
 resumes from exactly the servers' weights and optimizer state, and a killed rank is named by the others.
@@ -65,7 +65,7 @@ def test_staleness_zero_is_the_synchronous_step(tmp_path, strategy):
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * 2, STEPS, "adamw")
     assert len(ranks[0]["weights"]) == STEPS
-    for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference)):
+    for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference, strict=True)):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=f"step {step + 1} differs from one process")
     assert all(r["staleness_seen"] == {0: STEPS} for r in ranks) and ranks[0]["codec"] == "none"
 
