@@ -1,6 +1,6 @@
 """A real single-host SLURM cluster (Debian's ``slurm-wlm`` and ``munge``, on loopback, started here and stopped
 after): every strategy as one ``srun`` job under Lightning's ``SLURMEnvironment``, the same weights as Lightning's
-own launch; the example app as one ``sbatch`` job (``examples/slurm/train.sbatch``, the README's script) with one
+own launch; the example app as one ``sbatch`` job (``examples/slurm/train.sbatch``, docs/clusters.md's script) with one
 run folder."""
 
 from __future__ import annotations
