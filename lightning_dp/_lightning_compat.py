@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _set_num_threads_if_needed,
@@ -34,7 +33,6 @@ __all__ = [
     "_MultiProcessingLauncher",
     "_Stateful",
     "_SubprocessScriptLauncher",
-    "_destroy_dist_connection",
     "_distributed_is_initialized",
     "_get_default_process_group_backend_for_device",
     "_optimizers_to_device",

@@ -137,9 +137,9 @@ def test_default_run_reaches_the_readme_accuracy(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, compression", [("ring_allreduce", "powersgd")])
 def test_default_run_with_compression_reaches_the_readme_accuracy(tmp_path, strategy, compression):
-    """docs/example-app.md: the default run with each codec (over sockets, where there is something to compress) reaches 95 %;
-    here the codec that approximates most (~40 s), every strategy x codec in benchmarks/compression.py's accuracy
-    table; the 16-bit codecs' math is checked step by step against one process in tests/strategies."""
+    """docs/example-app.md: the default run with each codec (over sockets, where there is something to compress)
+    reaches 95 %; here the codec that approximates most (~40 s), every strategy x codec in benchmarks/compression.py's
+    accuracy table; the 16-bit codecs' math is checked step by step against one process in tests/strategies."""
     overrides = [f"strategy={strategy}", f"strategy.compression={compression}", "strategy.intra_node=ring"]
     run_app([*overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     summary = check_run_dir(tmp_path / "run")
@@ -166,8 +166,8 @@ def test_the_stale_bound_is_under_every_stored_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", ["4", "null"])
 def test_stale_and_asynchronous_servers_reach_the_readme_accuracy(tmp_path, staleness):
-    """docs/example-app.md: the default run with 4 processes under sharded_ps with staleness 4 (SSP) or none (asynchronous)
-    reaches :data:`STALE_ACCURACY` test accuracy after the same 10 epochs (~60 s each)."""
+    """docs/example-app.md: the default run with 4 processes under sharded_ps with staleness 4 (SSP) or none
+    (asynchronous) reaches :data:`STALE_ACCURACY` test accuracy after the same 10 epochs (~60 s each)."""
     overrides = ["strategy=sharded_ps", f"strategy.staleness={staleness}", "trainer.devices=4"]
     run_app([*overrides, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     summary = check_run_dir(tmp_path / "run")

@@ -30,7 +30,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import (
-    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _sync_ddp_if_available,
@@ -275,8 +274,6 @@ class ProcessGroupStrategy(DDPStrategy):
             # after joining: torchrun's MASTER_ADDR/PORT must stay as the agent set them until then
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
-            if self._process_group_backend == "nccl":
-                atexit.register(_destroy_dist_connection)
         elif _own_scope() is None and not any(group is dist.group.WORLD for group in _external_groups_told):
             _external_groups_told.append(dist.group.WORLD)
             rank_zero_info(

@@ -64,6 +64,29 @@ print("two jobs joined")
     assert out.returncode == 0 and "two jobs joined" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.multiprocess
+def test_the_groups_a_process_joined_are_closed_before_the_interpreter_finalizes():
+    """gloo's worker threads let go of their last operations (taking the GIL) before the interpreter finalizes,
+    which would otherwise abort a rank after a run that succeeded."""
+    import subprocess
+    import sys
+
+    from tests.helpers.distributed import free_port
+
+    code = f"""
+import atexit
+from datetime import timedelta
+import torch, torch.distributed as dist
+from lightning_dp.comm.cluster import rendezvous
+rendezvous.init_bound_process_group("gloo", "127.0.0.1", {free_port()}, 0, 1, timedelta(seconds=20), single_host=True)
+dist.all_gather([torch.empty(4)], torch.ones(4))
+atexit._run_exitfuncs()  # what the interpreter runs before it finalizes
+print("closed", dist.is_initialized())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "closed False" in out.stdout, out.stderr[-3000:]
+
+
 @pytest.mark.unit
 def test_a_launch_is_handed_only_to_the_ranks_it_starts(monkeypatch):
     """Lightning's launchers put the launch into the environment of the ranks they start, and nowhere else: a

@@ -19,6 +19,7 @@ networks, and the cluster's private network must still be trusted.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import hashlib
@@ -183,7 +184,34 @@ def init_bound_process_group(
     # those of an earlier attempt, job or stray rank on this port
     dist.init_process_group(backend, store=dist.PrefixStore(f"{scope}/default_pg", base), rank=rank,
                             world_size=world_size, timeout=timeout)  # fmt: skip
+    if not _close_at_exit_registered:
+        atexit.register(close_groups_at_exit)
+        _close_at_exit_registered.append(True)
     return scope
+
+
+#: seconds :func:`close_groups_at_exit` waits for the process groups to close, and for gloo's worker threads to let
+#: go of their last operations
+GROUP_CLOSE_SECONDS = 5.0
+GROUP_SETTLE_SECONDS = 0.2
+_close_at_exit_registered: list[bool] = []
+
+
+def close_groups_at_exit() -> None:
+    """Close this process's process groups while the interpreter is still whole (registered with ``atexit`` by
+    :func:`init_bound_process_group`).
+
+    A gloo worker thread lets go of an operation it ran (and of the operation's tensors, which takes the GIL) only
+    after the caller has seen the operation complete. When the caller then exits at once, the thread takes the GIL
+    during the interpreter's finalization and the process aborts ("terminate called without an active exception",
+    SIGABRT) after a run that succeeded. This destroys the groups and then releases the GIL for
+    :data:`GROUP_SETTLE_SECONDS`, so those threads finish first. Bounded: where an operation still waits for a lost
+    peer, the process exits after :data:`GROUP_CLOSE_SECONDS` all the same."""
+    if dist.is_initialized():
+        closer = threading.Thread(target=dist.destroy_process_group, name="lddp-close-groups", daemon=True)
+        closer.start()
+        closer.join(GROUP_CLOSE_SECONDS)
+    time.sleep(GROUP_SETTLE_SECONDS)
 
 
 # ---------------------------------------------------------------------------------------------------- jobs apart
