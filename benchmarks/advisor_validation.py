@@ -260,14 +260,14 @@ def main() -> None:
     out = Path(args.out)
     if args.report:
         saved = load(out / "advisor_validation.json")
-        rows, command = saved["rows"], saved["command"]
+        rows, command, machine = saved["rows"], saved["command"], saved["machine"]
     else:
         if os.geteuid() != 0:
             sys.exit("benchmarks.advisor_validation needs root (network namespaces and tc)")
         if args.quick:
             args.hosts, args.rates_mbit, args.latencies_ms, args.sizes_mb = [3], [1000.0], [0.0, 10.0], [4.0]
         rows = []
-        command = command_line()
+        command, machine = command_line(), None
         with tempfile.TemporaryDirectory() as tmp:
             for n in args.hosts:
                 for rate in args.rates_mbit:
@@ -275,7 +275,7 @@ def main() -> None:
                         measured = measure(n, rate, latency, args.sizes_mb, args.repeats, Path(tmp))
                         print(json.dumps(measured), flush=True)
                         rows += measured
-    save(out, "advisor_validation", rows, report_lines(rows), command)
+    save(out, "advisor_validation", rows, report_lines, command, machine)
     plot_map(rows, out)
 
 

@@ -64,11 +64,13 @@ def report(rows: list[dict]) -> list[str]:
         "| setting | overrides | runs | least | median | most | max staleness seen |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, overrides in SETTINGS.items():
-        accuracies = [r["test_acc"] for r in rows if r["setting"] == name]
-        staleness = max(r["staleness_max"] for r in rows if r["setting"] == name)
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        of_setting = [r for r in rows if r["setting"] == name]
+        accuracies = [r["test_acc"] for r in of_setting]
+        staleness = max(r["staleness_max"] for r in of_setting)
         lines.append(
-            f"| {name} | `{' '.join(overrides)}` | {len(accuracies)} | {100 * min(accuracies):.1f} % | "
+            f"| {name} | `{' '.join(of_setting[0]['overrides'])}` | {len(accuracies)} | "
+            f"{100 * min(accuracies):.1f} % | "
             f"{100 * statistics.median(accuracies):.1f} % | {100 * max(accuracies):.1f} % | {staleness} |"
         )
     return lines
@@ -87,11 +89,11 @@ def main() -> None:
         for name, overrides in SETTINGS.items():
             metrics = run_app(overrides, args.timeout)
             seen = metrics.get("staleness_seen") or {"max": 0, "mean": 0.0}
-            rows.append({"setting": name, "run": run, "test_acc": metrics["metrics"]["test_acc"],
-                         "staleness_max": seen["max"], "staleness_mean": seen["mean"],
-                         "global_step": metrics["global_step"]})  # fmt: skip
+            rows.append({"setting": name, "overrides": overrides, "run": run,
+                         "test_acc": metrics["metrics"]["test_acc"], "staleness_max": seen["max"],
+                         "staleness_mean": seen["mean"], "global_step": metrics["global_step"]})  # fmt: skip
             print(f"{name} run {run}: test accuracy {rows[-1]['test_acc']:.4f}, max staleness {seen['max']}")
-    save(args.out, "app_accuracy", rows, report(rows))
+    save(args.out, "app_accuracy", rows, report)
 
 
 if __name__ == "__main__":

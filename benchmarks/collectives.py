@@ -265,7 +265,7 @@ def main() -> None:
         rows += run_local(n, sizes, repeats)
         add_peers(rows, n, sizes, repeats)
     rows += [{"world_size": n, "op": "mpi_skipped", "reason": reason} for n, reason in sorted(MPI_SKIPPED.items())]
-    save(args.out, "collectives", rows, report_lines(rows))
+    save(args.out, "collectives", rows, report_lines)
     plot(rows, Path(args.out))
 
 

@@ -269,14 +269,14 @@ def main() -> None:
     out = Path(args.out)
     if args.accuracy:
         rows = accuracy(args.strategies, args.codecs)
-        save(out, "compression_accuracy", rows, accuracy_report(rows))
+        save(out, "compression_accuracy", rows, accuracy_report)
         plot_accuracy(rows, out)
         return
     models = args.models or (["reference_cnn"] if args.quick else ["reference_cnn", "resnet18"])
     rates = args.rates_mbit or ([100.0] if args.quick else [1000.0, 100.0])
     steps = args.steps or (3 if args.quick else 5)
     rows = throughput(models, rates, steps, args.warmup)
-    save(out, "compression", rows, throughput_report(rows))
+    save(out, "compression", rows, throughput_report)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     name = "dedicated_servers" if args.rate_mbit == 1000 else f"dedicated_servers_{args.rate_mbit:g}mbit"
-    save(args.out, name, rows, report_lines(rows))
+    save(args.out, name, rows, report_lines)
     plot(rows, Path(args.out) / f"{name}.png")
 
 

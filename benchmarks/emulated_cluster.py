@@ -145,7 +145,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     name = "emulated_cluster" if args.ranks_per_host == 1 else "emulated_hierarchical"
-    save(args.out, name, rows, report_lines(rows))
+    save(args.out, name, rows, report_lines)
 
 
 def report_lines(rows: list[dict]) -> list[str]:

@@ -385,7 +385,7 @@ def main() -> None:
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-        save(args.out, args.name or "end_to_end_emulated", rows, emulated_report(rows))
+        save(args.out, args.name or "end_to_end_emulated", rows, emulated_report)
         return
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -416,7 +416,7 @@ def main() -> None:
                     row["state_vs_ddp"] = [round(s / ddp_state, 3) if ddp_state else None for s in states]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    save(args.out, "end_to_end", rows, report_lines(rows))
+    save(args.out, "end_to_end", rows, report_lines)
 
 
 def report_lines(rows: list[dict]) -> list[str]:

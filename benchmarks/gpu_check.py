@@ -211,7 +211,7 @@ def main() -> None:
     record = {"machine": info, "tests": tests, "end_to_end": rows, "seconds": round(seconds, 1), "steps": args.steps,
               "warmup": args.warmup}  # fmt: skip
     name = "gpu_check" if args.accelerator == "gpu" else "gpu_check_on_cpu"
-    save(args.out, name, [record], report_lines([record]))
+    save(args.out, name, [record], report_lines)
     print(summary(tests, rows, seconds))
     failed = tests is not None and (tests["timed_out"] or tests["exit_code"] not in (0, 5))
     sys.exit(1 if failed or any("error" in r for r in rows) else 0)

@@ -1,17 +1,22 @@
 """Writing and reading a benchmark's results.
 
-``results/<name>.json`` holds the command that ran, the machine it ran on and the rows it measured;
-``results/<name>.md`` is the table the benchmark's report function renders from those rows, under the command and
+``results/<name>.json`` holds the command that ran, the machine it ran on, the rows it measured and the report
+function (``module:function``) that renders them; ``results/<name>.md`` is that rendering, under the command and
 the machine. ``python -m benchmarks.tables`` renders every ``.md`` (and the tables in the READMEs and guides) again
 from the JSON, so the two never disagree.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+#: a benchmark's report function: the rows in, ``Machine: ...`` and then the markdown body out
+Report = Callable[[list[dict]], list[str]]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -36,25 +41,39 @@ def markdown(command: str, machine: str, body: list[str]) -> str:
     return "\n".join([f"Command: `{command}`  ", f"Machine: {machine}", "", *body]) + "\n"
 
 
-def save(out: Path | str, name: str, rows: list[dict], lines: list[str], command: str | None = None) -> None:
-    """Write ``<out>/<name>.json`` (command, machine, rows) and ``<out>/<name>.md``; print the markdown. ``lines`` is
-    what the benchmark's report function returned for ``rows``: ``Machine: ...`` first."""
+def save(
+    out: Path | str, name: str, rows: list[dict], report: Report, command: str | None = None, machine: str | None = None
+) -> None:
+    """Write ``<out>/<name>.json`` (command, machine, rows, report) and ``<out>/<name>.md``, ``report``'s rendering of
+    the rows as read back from the JSON; print the markdown. The machine is the one ``report`` names here unless
+    given (a report rendered again from stored rows keeps the machine that measured them)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    command = command or command_line()
-    machine, body = split_machine(lines)
-    record = {"command": command, "machine": machine, "rows": rows}
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-    text = markdown(command, machine, body)
+    record = {"command": command or command_line(), "machine": machine, "report": f"{report.__module__}:"
+              f"{report.__qualname__}", "rows": rows}  # fmt: skip
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1))  # the measurements first, whatever follows
+    stored = json.loads((out / f"{name}.json").read_text())
+    here, body = split_machine(report(stored["rows"]))
+    if machine is None:
+        stored["machine"] = here
+        (out / f"{name}.json").write_text(json.dumps(stored, indent=1))
+    text = markdown(stored["command"], stored["machine"], body)
     (out / f"{name}.md").write_text(text)
     print(text, end="")
 
 
+def render(record: dict[str, Any]) -> str:
+    """A saved result's markdown: its report function's rendering of its rows, under its command and machine."""
+    module, function = record["report"].split(":")
+    _, body = split_machine(getattr(importlib.import_module(module), function)(record["rows"]))
+    return markdown(record["command"], record["machine"], body)
+
+
 def load(path: Path | str) -> dict[str, Any]:
-    """A saved result: ``{"command": ..., "machine": ..., "rows": [...]}``."""
+    """A saved result: ``{"command": ..., "machine": ..., "report": "module:function", "rows": [...]}``."""
     record = json.loads(Path(path).read_text())
-    if not isinstance(record, dict) or not {"command", "machine", "rows"} <= record.keys():
-        raise ValueError(f"{path} is not a benchmark result (command, machine, rows)")
+    if not isinstance(record, dict) or not {"command", "machine", "report", "rows"} <= record.keys():
+        raise ValueError(f"{path} is not a benchmark result (command, machine, report, rows)")
     return record
 
 

@@ -101,7 +101,7 @@ def main() -> None:
             rows.append({"strategy": strategy, "runs": args.runs, "finished": finished, "exact": exact, "hung": hung,
                          "seconds_per_run": seconds / args.runs})  # fmt: skip
             print(rows[-1], flush=True)
-    save(args.out, "restarts", rows, report_lines(rows))
+    save(args.out, "restarts", rows, report_lines)
 
 
 def report_lines(rows: list[dict]) -> list[str]:

@@ -298,13 +298,13 @@ def main() -> None:
     out = Path(args.out)
     if args.accuracy:
         rows = accuracy(args.devices or 4, args.epochs or 10)
-        save(out, "straggler_accuracy", rows, accuracy_report(rows))
+        save(out, "straggler_accuracy", rows, accuracy_report)
         plot_accuracy(rows, out)
         return
     models = ["mlp"] if args.quick else ["reference_cnn", "mlp"]
     sizes = [args.devices] if args.devices else [4] if args.quick else [3, 4]
     rows = throughput(models, sizes, args.epochs or (3 if args.quick else 5))
-    save(out, "straggler", rows, throughput_report(rows))
+    save(out, "straggler", rows, throughput_report)
 
 
 if __name__ == "__main__":

@@ -12,46 +12,25 @@ block does not show, so after a benchmark runs, this command brings every docume
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.report import RESULTS, load, markdown, split_machine
+from benchmarks.report import RESULTS, load, markdown
+from benchmarks.report import render as render_record
 
 REPO = RESULTS.parents[1]
 #: the documents whose result blocks are rendered
 DOCUMENTS = ("README.md", "benchmarks/README.md", "docs/*.md")
 
-#: ``results/<name>.json`` -> ``module:function`` rendering its rows (``Machine: ...`` first, then the body)
-RENDERERS = {
-    "advisor_validation": "benchmarks.advisor_validation:report_lines",
-    "app_accuracy": "benchmarks.app_accuracy:report",
-    "collectives": "benchmarks.collectives:report_lines",
-    "compression": "benchmarks.compression:throughput_report",
-    "compression_accuracy": "benchmarks.compression:accuracy_report",
-    "dedicated_servers": "benchmarks.dedicated_servers:report_lines",
-    "emulated_cluster": "benchmarks.emulated_cluster:report_lines",
-    "emulated_hierarchical": "benchmarks.emulated_cluster:report_lines",
-    "end_to_end": "benchmarks.end_to_end:report_lines",
-    "end_to_end_emulated": "benchmarks.end_to_end:emulated_report",
-    "end_to_end_emulated_servers": "benchmarks.end_to_end:emulated_report",
-    "gpu_check": "benchmarks.gpu_check:report_lines",
-    "restarts": "benchmarks.restarts:report_lines",
-    "straggler": "benchmarks.straggler:throughput_report",
-    "straggler_accuracy": "benchmarks.straggler:accuracy_report",
-}
-
-BLOCK = re.compile(r"(<!-- results: (?P<name>\w+)(?: (?P<view>\w+))? -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
-
-
-def _renderer(name: str) -> Callable[[list[dict]], list[str]]:
-    if name not in RENDERERS:
-        raise KeyError(f"no renderer for results/{name}.json; add it to benchmarks.tables.RENDERERS")
-    module, function = RENDERERS[name].split(":")
-    return getattr(importlib.import_module(module), function)
+OPENING = "<!-- results: "
+CLOSING = "<!-- /results -->"
+BLOCK = re.compile(
+    r"(<!-- results: (?P<name>\w+)(?: (?P<view>\w+))? -->\n)(?P<body>(?:(?!<!-- results: ).)*?)(<!-- /results -->)",
+    re.S,
+)
 
 
 def speedups(rows: list[dict]) -> list[str]:
@@ -102,18 +81,17 @@ VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
 def render(name: str, view: str | None = None, results: Path = RESULTS) -> str:
     """The markdown of ``results/<name>.json``: command, machine and the report (or ``view``) of its rows."""
     record = load(results / f"{name}.json")
-    rows = record["rows"]
     if view is None:
-        _, body = split_machine(_renderer(name)(rows))
-    elif (name, view) in VIEWS:
-        body = VIEWS[name, view](rows)
-    else:
+        return render_record(record)
+    if (name, view) not in VIEWS:
         raise KeyError(f"no view {view!r} of {name}; the views: {sorted(VIEWS)}")
-    return markdown(record["command"], record["machine"], body)
+    return markdown(record["command"], record["machine"], VIEWS[name, view](record["rows"]))
 
 
 def fill_blocks(text: str, results: Path = RESULTS) -> str:
-    """``text`` with every result block rendered again."""
+    """``text`` with every result block rendered again; a block without its closing line is an error."""
+    if text.count(OPENING) != text.count(CLOSING):
+        raise ValueError(f"{text.count(OPENING)} result blocks open and {text.count(CLOSING)} close")
     return BLOCK.sub(lambda m: m[1] + render(m["name"], m["view"], results) + "\n" + m[5], text)
 
 
@@ -123,7 +101,10 @@ def outputs(root: Path = REPO) -> dict[Path, str]:
     files = {results / f"{p.stem}.md": render(p.stem, None, results) for p in sorted(results.glob("*.json"))}
     for pattern in DOCUMENTS:
         for doc in sorted(root.glob(pattern)):
-            files[doc] = fill_blocks(doc.read_text(), results)
+            try:
+                files[doc] = fill_blocks(doc.read_text(), results)
+            except ValueError as error:
+                raise ValueError(f"{doc}: {error}") from None
     return files
 
 

@@ -48,9 +48,6 @@ def test_monitor_logs_the_strategys_counters_and_the_prediction(tmp_path, strate
     for r, batch_seconds in zip(rows, result["batch_seconds"], strict=True):
         assert 0 <= float(r["comm/exposed_seconds"]) <= batch_seconds, (r, batch_seconds)
         assert float(r["comm/seconds"]) > 0
-        assert float(r["comm/bandwidth_MBps"]) == pytest.approx(
-            float(r["comm/bytes_sent"]) / float(r["comm/seconds"]) / 1e6, rel=1e-4
-        )
     predicted = summary["predicted"]
     measured = summary["measured"]
     assert predicted["seconds"] > 0 and summary["link"]["bandwidth"] > 0

@@ -31,7 +31,7 @@ def test_the_use_snippet_runs_as_pasted(tmp_path):
     snippet = re.search(r"## Use\n.*?```python\n(.*?)```", README, re.S)
     assert snippet is not None
     (tmp_path / "demo.py").write_text(snippet[1])
-    env = {"PYTHONWARNINGS": PYTHONWARNINGS, "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONWARNINGS": PYTHONWARNINGS, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}  # this tree's package
     run = subprocess.run([sys.executable, "demo.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=180)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

@@ -38,6 +38,7 @@ from lightning_dp._lightning_compat import (
 from lightning_dp.comm.cluster.peers import PeerDirectory, naming_lost_peer
 from lightning_dp.comm.cluster.rendezvous import (
     init_bound_process_group,
+    register_close_at_exit,
     this_launch,
 )
 from lightning_dp.comm.errors import ConfigurationError
@@ -238,7 +239,9 @@ class ProcessGroupStrategy(DDPStrategy):
         if not processes or self.local_rank != 0:
             return
         assert self._timeout is not None
-        # those still running after it are ended by the parent-death signal as this process exits
+        # those still running after it are ended by the parent-death signal as this process exits; this process's
+        # groups (and the store it serves them) close after they have gone
+        register_close_at_exit()
         atexit.register(wait_for_exit, processes, self._timeout.total_seconds())
 
     @override

@@ -184,9 +184,7 @@ def init_bound_process_group(
     # those of an earlier attempt, job or stray rank on this port
     dist.init_process_group(backend, store=dist.PrefixStore(f"{scope}/default_pg", base), rank=rank,
                             world_size=world_size, timeout=timeout)  # fmt: skip
-    if not _close_at_exit_registered:
-        atexit.register(close_groups_at_exit)
-        _close_at_exit_registered.append(True)
+    register_close_at_exit()
     return scope
 
 
@@ -195,6 +193,14 @@ def init_bound_process_group(
 GROUP_CLOSE_SECONDS = 5.0
 GROUP_SETTLE_SECONDS = 0.2
 _close_at_exit_registered: list[bool] = []
+
+
+def register_close_at_exit() -> None:
+    """Have :func:`close_groups_at_exit` run when this process exits (once however often this is called; ``atexit``
+    runs the handlers registered later first)."""
+    if not _close_at_exit_registered:
+        atexit.register(close_groups_at_exit)
+        _close_at_exit_registered.append(True)
 
 
 def close_groups_at_exit() -> None:
@@ -206,11 +212,19 @@ def close_groups_at_exit() -> None:
     during the interpreter's finalization and the process aborts ("terminate called without an active exception",
     SIGABRT) after a run that succeeded. This destroys the groups and then releases the GIL for
     :data:`GROUP_SETTLE_SECONDS`, so those threads finish first. Bounded: where an operation still waits for a lost
-    peer, the process exits after :data:`GROUP_CLOSE_SECONDS` all the same."""
+    peer, the process exits after :data:`GROUP_CLOSE_SECONDS` all the same. NCCL groups are destroyed in this
+    thread, as Lightning does, so that no thread is inside NCCL while the process ends."""
     if dist.is_initialized():
-        closer = threading.Thread(target=dist.destroy_process_group, name="lddp-close-groups", daemon=True)
-        closer.start()
-        closer.join(GROUP_CLOSE_SECONDS)
+        if dist.get_backend() == "nccl":
+            dist.destroy_process_group()
+        else:
+            closer = threading.Thread(target=dist.destroy_process_group, name="lddp-close-groups", daemon=True)
+            try:
+                closer.start()
+            except RuntimeError:  # interpreters that refuse new threads once shutting down
+                dist.destroy_process_group()
+            else:
+                closer.join(GROUP_CLOSE_SECONDS)
     time.sleep(GROUP_SETTLE_SECONDS)
 
 
