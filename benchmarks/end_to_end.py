@@ -12,7 +12,9 @@ with 32 MiB of gradients on batches of 4 (synchronization dominates). ``NAME@rin
 ``intra_node="ring"`` (sockets inside the machine too). Each (model, N, strategy) is a separate ``Trainer.fit`` on
 fake data, started the way users start it (the popen
 launcher re-runs ``python -m benchmarks.end_to_end`` per rank). Steps/s is measured after warm-up steps, as the
-median over ranks of (timed steps / time). Writes results/end_to_end.{json,md}.
+median over ranks of (timed steps / time), and every timed step is cut into phases at Lightning's hooks (the loop
+between batches, forward, backward with the exchange, the hooks before the optimizer step, the step), so the gap
+to ``ddp`` is located, not guessed. Writes results/end_to_end.{json,md}.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_t
 REPO = Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("ddp", "ring_allreduce", "parameter_server", "sharded_ps")
+#: the parts of a step :class:`PhaseTimer` (in the worker) measures, in order
+PHASES = ("loop", "forward", "backward", "hooks", "step")
 MODELS = {
     # name: (image shape, per-rank batch)
     "reference_cnn": ((1, 28, 28), 64),
@@ -182,7 +186,44 @@ def worker(args) -> None:
             measure = getattr(trainer.strategy, "measure_exchange_seconds", None)
             self.isolated_exchange_seconds = measure() if measure is not None else None
 
-    timer = StepTimer()
+    class PhaseTimer(Callback):
+        """Where each timed step goes, from Lightning's hooks: the loop between batches (data, Lightning's
+        bookkeeping), forward (to ``on_before_backward``), backward (to ``on_after_backward``: the strategies'
+        gradient exchange completes inside it, as DDP's reducer does), the hooks between backward and the optimizer
+        step (gradient checks and edits), and the step (clipping, the optimizer, the servers' weight pull). On a GPU
+        the marks are the host's view (kernels run on asynchronously) but for the step's end, which
+        :class:`StepTimer`, called first, waits for."""
+
+        def __init__(self):
+            self.marks: dict[str, float] = {}
+            self.totals = dict.fromkeys(PHASES, 0.0)
+            self.steps = 0
+            self.last_end: float | None = None
+
+        def on_train_batch_start(self, trainer, *_):
+            self.marks["start"] = time.perf_counter()
+
+        def on_before_backward(self, trainer, *_):
+            self.marks["backward"] = time.perf_counter()
+
+        def on_after_backward(self, trainer, *_):
+            self.marks["hooks"] = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, *_):
+            self.marks["step"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *_):
+            self.marks["end"] = time.perf_counter()
+            m = self.marks
+            if trainer.global_step > args.warmup and self.last_end is not None and len(m) == 5:
+                for phase, (a, b) in zip(PHASES, [(None, "start"), ("start", "backward"), ("backward", "hooks"),
+                                                   ("hooks", "step"), ("step", "end")]):  # fmt: skip
+                    self.totals[phase] += m[b] - (self.last_end if a is None else m[a])
+                self.steps += 1
+            self.last_end = m["end"]
+            self.marks = {}
+
+    timer, phases = StepTimer(), PhaseTimer()
     strategy, callbacks = build_strategy(args.strategy, args.external_servers, args.backend)
     trainer = L.Trainer(
         strategy=strategy,
@@ -194,7 +235,7 @@ def worker(args) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer, *callbacks],
+        callbacks=[timer, phases, *callbacks],
     )
     world = args.devices * args.num_nodes
     data = FakeDataModule(num_samples=batch * world * (args.warmup + args.steps), image_shape=shape, batch_size=batch)
@@ -225,6 +266,7 @@ def worker(args) -> None:
         "exposed_comm_seconds_per_step": ((stats.exposed_comm_seconds if stats else 0.0) - timer.exposed_at_warmup)
         / args.steps,
         "isolated_exchange_seconds": timer.isolated_exchange_seconds,
+        "phase_ms_per_step": {k: 1000 * v / max(1, phases.steps) for k, v in phases.totals.items()},
         "sync_bytes": stats.bucket_bytes if stats is not None else None,
         "last_step_bytes": list(stats.last_step_bytes) if stats is not None else None,
     }
@@ -404,6 +446,9 @@ def main() -> None:
                         "peak_rss_mb_max": max(r["peak_rss_mb"] for r in ranks),
                         "optimizer_state_mb": [round(r["optimizer_state_bytes"] / 2**20, 2) for r in ranks],
                     }
+                    row["phase_ms_per_step"] = {
+                        phase: median([r["phase_ms_per_step"][phase] for r in ranks]) for phase in PHASES
+                    }
                     if ranks[0]["isolated_exchange_seconds"]:
                         row["hidden_comm_fraction"] = hidden_fraction(ranks)
                         row["exposed_ms_per_step"] = 1000 * median([r["exposed_comm_seconds_per_step"] for r in ranks])
@@ -443,6 +488,25 @@ def report_lines(rows: list[dict]) -> list[str]:
             f"{r['vs_ddp']:.2f} | {hidden} | {exposed} | {exchange} | {r['peak_rss_mb_max']:.0f} | "
             f"{r['optimizer_state_mb']} | {r['state_vs_ddp']} |"
         )
+    timed = [r for r in rows if "phase_ms_per_step" in r]
+    if timed:
+        lines += [
+            "",
+            "Where a step goes, ms per timed step (median over ranks): loop (between batches: data, Lightning), "
+            "forward, backward (the strategies' exchange completes in it, as DDP's reducer's does), hooks (between "
+            "backward and the optimizer step), step (clipping, optimizer, the servers' weight pull); `waited` is "
+            "the part of backward and step spent waiting for communication; `sum / period` checks that the phases "
+            "cover the step (period: 1000 / steps per second).",
+            "",
+            "| model | N | strategy | loop | forward | backward | hooks | step | waited | sum / period |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in timed:
+            phases = r["phase_ms_per_step"]
+            cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+            waited = f"{r['exposed_ms_per_step']:.1f}" if "exposed_ms_per_step" in r else "n/a"
+            covered = sum(phases.values()) / (1000 / r["steps_per_s"])
+            lines.append(f"| {r['model']} | {r['world_size']} | {r['strategy']} | {cells} | {waited} | {covered:.2f} |")
     return lines
 
 

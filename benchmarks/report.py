@@ -49,8 +49,7 @@ def save(
     given (a report rendered again from stored rows keeps the machine that measured them)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"command": command or command_line(), "machine": machine, "report": f"{report.__module__}:"
-              f"{report.__qualname__}", "rows": rows}  # fmt: skip
+    record = {"command": command or command_line(), "machine": machine, "report": report_name(report), "rows": rows}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1))  # the measurements first, whatever follows
     stored = json.loads((out / f"{name}.json").read_text())
     here, body = split_machine(report(stored["rows"]))
@@ -60,6 +59,17 @@ def save(
     text = markdown(stored["command"], stored["machine"], body)
     (out / f"{name}.md").write_text(text)
     print(text, end="")
+
+
+def report_name(report: Report) -> str:
+    """``module:function`` of ``report``, by the module's import name also when it runs as ``python -m``."""
+    module = report.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if spec is None:
+            raise ValueError("run the benchmark as python -m benchmarks.<name>, so its report can be found again")
+        module = spec.name
+    return f"{module}:{report.__qualname__}"
 
 
 def render(record: dict[str, Any]) -> str:
