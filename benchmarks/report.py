@@ -65,10 +65,8 @@ def report_name(report: Report) -> str:
     """``module:function`` of ``report``, by the module's import name also when it runs as ``python -m``."""
     module = report.__module__
     if module == "__main__":
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        if spec is None:
-            raise ValueError("run the benchmark as python -m benchmarks.<name>, so its report can be found again")
-        module = spec.name
+        spec = getattr(report, "__globals__", {}).get("__spec__")
+        module = spec.name if spec is not None else f"benchmarks.{Path(sys.argv[0]).stem}"
     return f"{module}:{report.__qualname__}"
 
 

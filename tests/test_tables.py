@@ -64,3 +64,14 @@ def test_the_stored_analytic_byte_ratios_follow_from_the_models_shapes():
     assert len(rows) == 36
     for r in rows:
         assert analytic_ratio(r["model"], r["strategy"], r["codec"]) == pytest.approx(r["analytic_ratio"], rel=1e-12)
+
+
+def test_a_report_run_as_a_module_is_recorded_by_its_import_name():
+    import types
+
+    from benchmarks.report import report_name
+
+    namespace = {"__name__": "__main__", "__spec__": types.SimpleNamespace(name="benchmarks.straggler")}
+    exec("def table(rows):\n    return rows\n", namespace)
+    assert namespace["table"].__module__ == "__main__"
+    assert report_name(namespace["table"]) == "benchmarks.straggler:table"
