@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.cluster.peers import wait_naming_peer
+from lightning_dp.comm.cluster.peers import is_transport_error, lost_peer_error, wait_naming_peer
 from lightning_dp.comm.transports.staging import moves_host_memory_only
 
 
@@ -48,7 +48,18 @@ def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup
             index.append(i)
     works: list[Any] = [None] * len(ops)
     if batch:
-        for i, work in zip(index, dist.batch_isend_irecv(batch)):
+        try:
+            started = dist.batch_isend_irecv(batch)
+        except Exception as error:  # a peer already lost when the batch is posted: gloo raises here, not at the wait
+            if not is_transport_error(error):
+                raise
+            kinds = {ops[i][0] for i in index}
+            action = "send to" if kinds == {"send"} else "receive from" if kinds == {"recv"} else "exchange with"
+            peers = sorted({dist.get_global_rank(group, ops[i][2]) if group is not None else ops[i][2]
+                            for i in index})  # fmt: skip
+            raise lost_peer_error(f"rank {dist.get_rank()}", action, " or ".join(f"rank {p}" for p in peers),
+                                  error) from error  # fmt: skip
+        for i, work in zip(index, started):
             works[i] = _ThroughHost(work, *staged[i]) if i in staged else work
     return works
 
