@@ -34,6 +34,7 @@ from lightning_dp.comm.transports.shards import (
     push_shards,
     shard_segments,
 )
+from lightning_dp.comm.transports.shm import WAITS
 
 MB = 1024 * 1024
 
@@ -53,7 +54,7 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
-def _operations(rank, buf, peer_buf, segments, ring, shm):
+def _operations(rank, buf, peer_buf, segments, ring, shm, region):
     """The timed operations on one buffer, by name."""
 
     def p2p():
@@ -66,6 +67,7 @@ def _operations(rank, buf, peer_buf, segments, ring, shm):
     return {
         "p2p": p2p,
         "shm_allreduce": lambda: shm.all_reduce(buf),
+        "shm_in_place": lambda: shm.all_reduce(region, op="avg"),
         "ring_allreduce": lambda: ring_allreduce(buf, ring=ring),
         "gloo_all_reduce": lambda: dist.all_reduce(buf),
         "central_ps": lambda: (push_gradients(buf, 0), pull_weights(buf, 0)),
@@ -73,16 +75,18 @@ def _operations(rank, buf, peer_buf, segments, ring, shm):
     }
 
 
-def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int) -> list[dict]:
+def measure(rank: int, world_size: int, sizes_mb: list[float], repeats: int, shm_wait: str) -> list[dict]:
     rows = []
     ring = Ring()
-    shm = HierarchicalAllReduce([int(max(sizes_mb) * MB) // 4 * 4])
+    shm = HierarchicalAllReduce([int(max(sizes_mb) * MB) // 4 * 4], wait=shm_wait)
     for size_mb in sizes_mb:
         numel = int(size_mb * MB) // 4
         nbytes = numel * 4
         buf = torch.randn(numel)
         segments = shard_segments([numel], [4], world_size)[0]
-        ops = _operations(rank, buf, torch.empty(numel), segments, ring, shm)
+        region = shm.buffer(0, numel, torch.float32)  # where the strategies' buckets live
+        region.copy_(buf)
+        ops = _operations(rank, buf, torch.empty(numel), segments, ring, shm, region)
         times = {name: timed(fn, repeats) for name, fn in ops.items()}
         link = nbytes / times["p2p"]
         for name, t in times.items():
@@ -163,22 +167,22 @@ def add_peers(rows: list[dict], world_size: int, sizes_mb, repeats) -> None:
             mpi = by["mpi_allreduce"]
             mpi["busbw_GBps"] = nbytes / mpi["time_s"] * 2 * (world_size - 1) / world_size / 1e9
             mpi["vs_gloo"] = by["gloo_all_reduce"]["time_s"] / mpi["time_s"]
-        shm = by["shm_allreduce"]
-        shm["vs_mpi"] = mpi["time_s"] / shm["time_s"] if "mpi_allreduce" in by else None
-        shm["vs_memory_copy"] = shm["busbw_GBps"] / by["memory_copy"]["bandwidth_GBps"]
+        for shm in (by["shm_allreduce"], by["shm_in_place"]):
+            shm["vs_mpi"] = mpi["time_s"] / shm["time_s"] if "mpi_allreduce" in by else None
+            shm["vs_memory_copy"] = shm["busbw_GBps"] / by["memory_copy"]["bandwidth_GBps"]
 
 
-def worker(rank: int, world_size: int, port: int, sizes_mb, repeats, queue) -> None:
+def worker(rank: int, world_size: int, port: int, sizes_mb, repeats, shm_wait, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    rows = measure(rank, world_size, sizes_mb, repeats)
+    rows = measure(rank, world_size, sizes_mb, repeats, shm_wait)
     if rank == 0:
         queue.put(rows)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
+def run_local(world_size: int, sizes_mb, repeats, shm_wait: str = "auto") -> list[dict]:
     import socket
 
     with socket.socket() as s:
@@ -187,7 +191,8 @@ def run_local(world_size: int, sizes_mb, repeats) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [
-        ctx.Process(target=worker, args=(r, world_size, port, sizes_mb, repeats, queue)) for r in range(world_size)
+        ctx.Process(target=worker, args=(r, world_size, port, sizes_mb, repeats, shm_wait, queue))
+        for r in range(world_size)
     ]
     for p in procs:
         p.start()
@@ -255,6 +260,7 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+")
     parser.add_argument("--sizes-mb", type=float, nargs="+")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--shm-wait", choices=WAITS, default="auto", help="how the shared-memory ranks wait")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     world_sizes = args.world_sizes or ([2, 3] if args.quick else [2, 3, 4])
@@ -262,7 +268,7 @@ def main() -> None:
     repeats = args.repeats or (3 if args.quick else 7)
     rows = []
     for n in world_sizes:
-        rows += run_local(n, sizes, repeats)
+        rows += run_local(n, sizes, repeats, args.shm_wait)
         add_peers(rows, n, sizes, repeats)
     rows += [{"world_size": n, "op": "mpi_skipped", "reason": reason} for n, reason in sorted(MPI_SKIPPED.items())]
     save(args.out, "collectives", rows, report_lines)

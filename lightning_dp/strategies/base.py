@@ -38,7 +38,7 @@ from lightning_dp.comm.stats import SyncStats, fastest_run
 from lightning_dp.comm.transports import Transport
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.comm.transports.shards import any_rank
-from lightning_dp.comm.transports.shm import SharedMemoryUnavailable
+from lightning_dp.comm.transports.shm import WAITS, SharedMemoryUnavailable
 from lightning_dp.strategies.codec_state import choose_codec, load_codec_state, with_codec_states
 from lightning_dp.strategies.inspection import nonfinite_gradient_error, refuse_sparse_gradients
 from lightning_dp.strategies.options import (
@@ -68,6 +68,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
             group's sockets, as across machines. Across machines ``"shm"`` makes the ring all-reduce hierarchical
             (see :class:`~lightning_dp.comm.transports.SharedMemoryTransport`); the parameter servers use shared
             memory on a single machine only.
+        shm_wait: how a rank waits for the others of its machine in the shared-memory exchange: ``"auto"``
+            (default: ``"spin"`` where the machine's ranks do not outnumber the cores a rank may run on, else
+            ``"sleep"``), ``"spin"`` (poll for 200 µs, then sleep) or ``"sleep"`` (sleep in the kernel at once,
+            leaving the core to a peer that has work).
         compression: how buckets travel over the network (:mod:`lightning_dp.comm.codecs`): ``"none"`` (default),
             ``"fp16"`` / ``"bf16"`` (16 bits per element, both directions) or ``"powersgd"`` (low-rank factors of
             the gradients; weights travel uncompressed). Applies where buckets cross a network: ranks on one
@@ -92,6 +96,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         bucket_cap_mb: float = 25.0,
         broadcast_buffers: bool = True,
         intra_node: Literal["shm", "ring"] = "shm",
+        shm_wait: Literal["auto", "spin", "sleep"] = "auto",
         compression: Literal["none", "fp16", "bf16", "powersgd"] = "none",
         error_feedback: bool = True,
         powersgd_rank: int = 4,
@@ -105,6 +110,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.bucket_cap_mb = check_positive("bucket_cap_mb", bucket_cap_mb)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
         self.intra_node = check_choice("intra_node", intra_node, INTRA_NODE)
+        self.shm_wait = check_choice("shm_wait", shm_wait, WAITS)
         self.compression = check_choice("compression", compression, CODEC_NAMES)
         self.error_feedback = check_flag("error_feedback", error_feedback)
         self.powersgd_rank = check_count("powersgd_rank", powersgd_rank, 1)
@@ -171,9 +177,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         return self.intra_node == "shm" and self.root_device.type == "cpu" and self.ranks_on_this_node > 1
 
     def _shared_memory_kwargs(self) -> dict[str, Any]:
-        """What a shared-memory transport needs beyond the group and stats: which ranks share a node, the timeout."""
+        """What a shared-memory transport needs beyond the group and stats: which ranks share a node, the timeout, how
+        a rank waits."""
         assert self._timeout is not None
-        return {"node_key": self.node_rank, "timeout": self._timeout.total_seconds()}
+        return {"node_key": self.node_rank, "timeout": self._timeout.total_seconds(), "wait": self.shm_wait}
 
     def _setup_gradient_sync(self) -> None:
         self._close_gradient_sync()

@@ -12,8 +12,17 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
+from lightning_dp.comm.transports import hierarchical as hierarchical_module
 from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce
-from lightning_dp.comm.transports.shm import NAME_PREFIX, SHM_DIR, SharedMemoryUnavailable, process_alive
+from lightning_dp.comm.transports.shm import (
+    NAME_PREFIX,
+    SHM_DIR,
+    SPIN_SECONDS,
+    SharedMemoryUnavailable,
+    process_alive,
+    spin_seconds,
+    usable_cores,
+)
 from tests.helpers.distributed import run_distributed, run_distributed_allow_deaths
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -21,12 +30,14 @@ DTYPES += [torch.int8, torch.uint8, torch.int32, torch.int64]
 SIZES = [1, 7, 65536 + 3]  # fewer elements than ranks, uneven slices, several pages
 
 
-def _compare_with_gloo(rank: int, world_size: int, nodes: int) -> list:
+def _compare_with_gloo(rank: int, world_size: int, nodes: int, wait: str = "auto") -> list:
     """Integer-valued data in every dtype and size: the shared-memory (or hierarchical) sum equals gloo's, bit for
-    bit, on every rank; a float average equals the sum divided by N."""
+    bit, on every rank; a float average equals the sum divided by N. Slices are summed in chunks of an odd number
+    of bytes here, so the largest size's slices span many chunks and end in a partial one."""
+    hierarchical_module.CHUNK_BYTES = 4104
     node_key = rank * nodes // world_size
     slot_bytes = [max(SIZES) * 8]
-    exchange = HierarchicalAllReduce(slot_bytes, node_key=node_key, timeout=60)
+    exchange = HierarchicalAllReduce(slot_bytes, node_key=node_key, timeout=60, wait=wait)
     checked = []
     for dtype in DTYPES:
         for size in SIZES:
@@ -50,6 +61,8 @@ def _compare_with_gloo(rank: int, world_size: int, nodes: int) -> list:
     zero_copy = exchange.buffer(0, 10, torch.float32)
     zero_copy.copy_(data)
     assert torch.equal(exchange.all_reduce(zero_copy, op="avg"), expected / world_size)
+    with pytest.raises(ValueError, match="input region"):
+        exchange.reduce_in_place(data, 0)
     sent, received = exchange.stats.reset()
     layout = exchange.layout
     exchange.close()
@@ -57,9 +70,9 @@ def _compare_with_gloo(rank: int, world_size: int, nodes: int) -> list:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_equals_gloo_all_reduce_bit_for_bit_on_one_node(world_size):
-    ranks = run_distributed(_compare_with_gloo, world_size, 1, timeout=180)
+@pytest.mark.parametrize(("world_size", "wait"), [(2, "spin"), (3, "auto"), (4, "sleep")])
+def test_equals_gloo_all_reduce_bit_for_bit_on_one_node(world_size, wait):
+    ranks = run_distributed(_compare_with_gloo, world_size, 1, wait, timeout=180)
     for checked, num_nodes, local_size, hierarchical, _, _ in ranks:
         assert len(checked) == len(DTYPES) * len(SIZES)
         assert (num_nodes, local_size, hierarchical) == (1, world_size, False)
@@ -151,6 +164,16 @@ def _no_shared_memory(rank: int, world_size: int) -> str:
 def test_a_node_that_cannot_share_memory_is_reported_on_every_rank():
     for message in run_distributed(_no_shared_memory, 2, timeout=60):
         assert "rank 0 could not create /nonexistent-lightning-dp/" in message
+
+
+@pytest.mark.unit
+def test_ranks_spin_before_sleeping_only_where_they_fit_the_cores():
+    cores = usable_cores()
+    assert spin_seconds("auto", cores) == SPIN_SECONDS > 0
+    assert spin_seconds("auto", cores + 1) == 0.0
+    assert spin_seconds("spin", cores + 1) == SPIN_SECONDS and spin_seconds("sleep", 1) == 0.0
+    with pytest.raises(ConfigurationError, match=r"shm_wait='busy'.*'auto', 'spin', 'sleep'"):
+        spin_seconds("busy", 2)
 
 
 @pytest.mark.unit

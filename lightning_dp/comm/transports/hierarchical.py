@@ -1,22 +1,28 @@
 """All-reduce through shared memory inside a node, and a ring across nodes per local rank (hierarchical).
 
 On one node of ``L`` ranks, with every rank's tensor in its input region of a
-:class:`~lightning_dp.comm.transports.shm.NodeSharedMemory` slot:
+:class:`~lightning_dp.comm.transports.shm.NodeSharedMemory` slot, :meth:`HierarchicalAllReduce.reduce_in_place`:
 
 1. barrier (every input is written);
-2. *reduce-scatter*: local rank ``i`` sums slice ``i`` (of ``L`` near-equal slices) of every input, in local-rank
-   order, into a result region shared by the node;
-3. across ``M`` nodes: local rank ``i`` of every node all-reduces its slice with the ring
+2. local rank ``i`` sums slice ``i`` (of ``L`` near-equal slices) of every input, in local-rank order, a chunk that
+   stays in cache at a time, and writes the sum back into slice ``i`` of *every* input;
+3. across ``M`` nodes, between the two: local rank ``i`` of every node all-reduces its summed slice with the ring
    (:func:`~lightning_dp.comm.transports.ring.ring_allreduce`) over the group of local ranks ``i`` (Horovod's parallel
    hierarchical form: ``L`` rings of ``M`` ranks run at once, each on ``1/L`` of the data, so a rank takes
    ``2 (M - 1)`` network steps instead of ``2 (N - 1)``);
-4. barrier; *all-gather*: every rank copies the result region into its tensor.
+4. barrier (every input holds the whole result).
 
-Every element is summed by exactly one rank per node in a fixed order, so all ranks end bit-identical. Averages of
-16-bit floats accumulate in float32 inside the node and are divided before the (16-bit) ring, as DDP divides them
-first. Each slot has two result regions, used alternately: :meth:`HierarchicalAllReduce.share_region` lets a rank
-write its values *before* the barrier of :meth:`~HierarchicalAllReduce.gather`, while a slower peer may still copy
-the previous result out of the other region; ``reduce_scatter`` writes only after its own barrier.
+A rank reads ``S`` bytes and writes ``S`` bytes, the traffic of one memory copy, spread over all ranks' cores
+(DeepSpeed's CPU all-reduce reduces slices the same way but gathers the result in a second pass). Slice ``i`` of
+every input is touched by rank ``i`` alone between the barriers, and every element is summed by exactly one rank
+per node in a fixed order, so all ranks end bit-identical. Averages of 16-bit floats accumulate in float32 inside
+the node and are divided before the (16-bit) ring, as DDP divides them first.
+
+The server transports take only parts of the result: :meth:`~HierarchicalAllReduce.reduce_scatter` sums slice
+``i`` into a result region shared by the node and :meth:`~HierarchicalAllReduce.gather` copies ranges of it out.
+Each slot has two result regions, used alternately: :meth:`~HierarchicalAllReduce.share_region` lets a rank write
+its values *before* the barrier of ``gather``, while a slower peer may still copy the previous result out of the
+other region; ``reduce_scatter`` writes only after its own barrier.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ from lightning_dp.comm.transports.ring import (
 from lightning_dp.comm.transports.shm import NodeLayout, NodeSharedMemory
 
 Segment = tuple[int, int]
+
+#: bytes of a slice summed at a time by :meth:`HierarchicalAllReduce.reduce_in_place` (its inputs' chunks and the
+#: sum stay in a core's cache until the sum is written back)
+CHUNK_BYTES = 256 * 1024
 
 
 def overlap(a: Segment, b: Segment) -> int:
@@ -78,7 +88,8 @@ def cross_node_groups(
 class HierarchicalAllReduce:
     """Reduce tensors of fixed slots (sizes in bytes, ``slot_bytes``) over ``group``: shared memory inside each
     node, a ring across nodes. Collective to construct; ``node_key`` says which ranks share a node (default: the
-    host name). Raises :class:`~.shm.SharedMemoryUnavailable` on every rank when a node cannot share memory.
+    host name); ``wait``: how a rank waits for its peers (:data:`~.shm.WAITS`). Raises
+    :class:`~.shm.SharedMemoryUnavailable` on every rank when a node cannot share memory.
     """
 
     def __init__(
@@ -88,17 +99,19 @@ class HierarchicalAllReduce:
         node_key: object = None,
         timeout: float = 300.0,
         stats: CommStats | None = None,
+        wait: str = "auto",
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.layout = NodeLayout.gather(socket.gethostname() if node_key is None else node_key, group)
         check_uniform(self.layout)  # before any segment exists
-        self.memory = NodeSharedMemory(self.layout, slot_bytes, group, timeout)
+        self.memory = NodeSharedMemory(self.layout, slot_bytes, group, timeout, wait)
         self.cross_group = cross_node_groups(self.layout, group, timeout)
         self.cross_ring = Ring(self.cross_group) if self.cross_group is not None else None
         self.stats = stats if stats is not None else CommStats()
         self._parity = [0] * len(slot_bytes)
         self._inputs: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def local_rank(self) -> int:
@@ -117,13 +130,50 @@ class HierarchicalAllReduce:
         return chunk_bounds(numel, self.local_size)[self.local_rank]
 
     def all_reduce(self, tensor: torch.Tensor, slot: int = 0, op: ReduceOpName = "sum") -> torch.Tensor:
-        """All-reduce the contiguous ``tensor`` in place (copied into ``slot``'s input region unless it is that
-        region, see :meth:`buffer`) and return it; bit-identical on every rank."""
+        """All-reduce the contiguous ``tensor`` in place and return it; bit-identical on every rank. A tensor that is
+        ``slot``'s input region (see :meth:`buffer`) is reduced where it lies; any other is copied in and out."""
         self._check(op, tensor)
         flat = tensor.view(-1)
-        result = self.reduce_scatter(flat, slot, op)
-        self.gather(flat, slot, result)
+        region = self.memory.input(slot, flat.numel(), flat.dtype)
+        if region.data_ptr() == flat.data_ptr():
+            return self.reduce_in_place(flat, slot, op).view_as(tensor)
+        region.copy_(flat)
+        flat.copy_(self.reduce_in_place(region, slot, op))
         return tensor
+
+    def reduce_in_place(
+        self,
+        region: torch.Tensor,
+        slot: int,
+        op: ReduceOpName = "sum",
+        wire_dtype: torch.dtype | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reduce this rank's input region of ``slot`` (``region``, from :meth:`buffer`) over all ranks, leaving the
+        result in every rank's region; returns ``region``. ``wire_dtype``: the dtype the rings across nodes send
+        (see :func:`~lightning_dp.comm.transports.ring.ring_allreduce`); inside a node values are added in
+        ``region``'s dtype. ``residual`` (``region``'s shape) gains what this rank's roundings on those rings lost."""
+        self._check(op, region)
+        numel, dtype = region.numel(), region.dtype
+        if self.memory.input(slot, numel, dtype).data_ptr() != region.data_ptr():
+            raise ValueError(f"reduce_in_place takes slot {slot}'s input region (buffer()), not another tensor")
+        self.memory.barrier()
+        lo, hi = self.slice(numel)
+        if hi > lo:
+            parts = [whole[lo:hi] for whole in self._input_regions(slot, numel, dtype)]
+            if self.cross_ring is None:
+                self._sum_in_chunks(parts, op)
+            else:
+                summed = self.share_region(slot, numel, dtype)[lo:hi]  # not read by a slower peer
+                slice_residual = residual[lo:hi] if residual is not None else None
+                self._sum_slice(parts, summed, op, wire_dtype, slice_residual)
+                for part in parts:
+                    part.copy_(summed)
+        self.memory.barrier()
+        peers, element = self.local_size - 1, region.element_size()
+        # as reduce_scatter + gather count it: read peers' slices, peers read this rank's sum, and the rest received
+        self.stats.add(sent=2 * peers * (hi - lo) * element, received=(peers * (hi - lo) + numel - (hi - lo)) * element)
+        return region
 
     def reduce_scatter(
         self,
@@ -147,8 +197,11 @@ class HierarchicalAllReduce:
         self.memory.barrier()
         lo, hi = self.slice(numel)
         if hi > lo:
+            parts = [whole[lo:hi] for whole in self._input_regions(slot, numel, dtype)]
             slice_residual = residual[lo:hi] if residual is not None else None
-            self._sum_slice(slot, numel, dtype, lo, hi, result[lo:hi], op, wire_dtype, slice_residual)
+            self._sum_slice(parts, result[lo:hi], op, wire_dtype, slice_residual)
+            element = result.element_size()
+            self.stats.add(sent=(len(parts) - 1) * (hi - lo) * element, received=(len(parts) - 1) * (hi - lo) * element)
         return result
 
     def gather(
@@ -184,30 +237,50 @@ class HierarchicalAllReduce:
         """The result region the next :meth:`gather` of ``slot`` reads: write this rank's values there first."""
         return self.memory.result(slot, self._parity[slot], numel, dtype)
 
+    def _input_regions(self, slot: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        key = (slot, numel, dtype)
+        if key not in self._inputs:
+            self._inputs[key] = [self.memory.input(slot, numel, dtype, r) for r in range(self.local_size)]
+        return self._inputs[key]
+
+    def _sum_in_chunks(self, parts: list[torch.Tensor], op: ReduceOpName) -> None:
+        """Write the reduction of the equal-length ``parts`` (summed in list order) back into each of them, a chunk
+        at a time, so that each chunk is read from memory once and its sum is written from cache."""
+        dtype = parts[0].dtype
+        accumulate = torch.float32 if op == "avg" and divides_first(dtype) else dtype
+        chunk = max(1, CHUNK_BYTES // parts[0].element_size())
+        scratch = self._scratch.get(accumulate)
+        if scratch is None or scratch.numel() < min(chunk, parts[0].numel()):
+            scratch = self._scratch[accumulate] = torch.empty(min(chunk, parts[0].numel()), dtype=accumulate)
+        for start in range(0, parts[0].numel(), chunk):
+            pieces = [part[start : start + chunk] for part in parts]
+            total = scratch[: pieces[0].numel()]
+            self._sum_slice(pieces, total, op, None, None)
+            for piece in pieces:
+                piece.copy_(total)
+
     def _sum_slice(
         self,
-        slot: int,
-        numel: int,
-        dtype: torch.dtype,
-        lo: int,
-        hi: int,
+        parts: list[torch.Tensor],
         out: torch.Tensor,
         op: ReduceOpName,
         wire_dtype: torch.dtype | None,
         residual: torch.Tensor | None,
     ) -> None:
-        key = (slot, numel, dtype)
-        if key not in self._inputs:
-            self._inputs[key] = [self.memory.input(slot, numel, dtype, r) for r in range(self.local_size)]
-        parts = [whole[lo:hi] for whole in self._inputs[key]]
-        element = out.element_size()
-        self.stats.add(sent=(len(parts) - 1) * (hi - lo) * element, received=(len(parts) - 1) * (hi - lo) * element)
-        average = op == "avg"
-        if average and divides_first(dtype):
-            total = parts[0].float()
+        """``out`` = the reduction of ``parts`` (in list order) over every node: summed here, then on the ring across
+        nodes, divided by the group size for ``avg`` (16-bit floats: summed in float32 and divided before the ring;
+        ``out`` may be float32 then)."""
+        if op == "avg" and divides_first(parts[0].dtype):
+            if out.dtype == torch.float32:
+                out.copy_(parts[0])
+                total = out
+            else:
+                total = parts[0].float()
             for part in parts[1:]:
                 total.add_(part)
-            out.copy_(total.div_(self.size))
+            total.div_(self.size)
+            if total is not out:
+                out.copy_(total)
             if self.cross_ring is not None:
                 ring_allreduce(
                     out, op="sum", stats=self.stats, ring=self.cross_ring, wire_dtype=wire_dtype, residual=residual
@@ -223,7 +296,7 @@ class HierarchicalAllReduce:
             ring_allreduce(
                 out, op="sum", stats=self.stats, ring=self.cross_ring, wire_dtype=wire_dtype, residual=residual
             )
-        if average:
+        if op == "avg":
             out.div_(self.size)
 
     @staticmethod
@@ -237,4 +310,5 @@ class HierarchicalAllReduce:
 
     def close(self) -> None:
         self._inputs.clear()
+        self._scratch.clear()
         self.memory.close()

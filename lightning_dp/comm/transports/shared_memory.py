@@ -30,10 +30,12 @@ class _SharedMemoryTransport(Transport):
         stats: CommStats | None = None,
         node_key: object = None,
         timeout: float = 300.0,
+        wait: str = "auto",
     ) -> None:
         super().__init__(group, stats)
         self.node_key = node_key
         self.timeout = timeout
+        self.wait = wait
         self._exchange: HierarchicalAllReduce | None = None
 
     @property
@@ -47,7 +49,7 @@ class _SharedMemoryTransport(Transport):
 
     def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         self._exchange = HierarchicalAllReduce(
-            [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats
+            [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats, self.wait
         )
         if self._across_nodes is not None and self.exchange.layout.num_nodes > 1:
             raise ValueError(f"{type(self).__name__} runs on one node; use {self._across_nodes} across nodes")
@@ -66,14 +68,14 @@ class _SharedMemoryTransport(Transport):
 
 class SharedMemoryTransport(_SharedMemoryTransport, CodecTransport):
     """The ring's contract (every rank holds the whole average after :meth:`reduce`) at memory speed inside a node:
-    each local rank sums ``1/L`` of the bucket from every rank's input region, then every rank copies the result.
+    each local rank sums ``1/L`` of the bucket from every rank's input region and writes the sum back into all of
+    them (:meth:`~.hierarchical.HierarchicalAllReduce.reduce_in_place`).
     Across nodes (hierarchical) local rank ``i`` of every node all-reduces its slice on a ring of its own, so a
     rank moves ``2 (M - 1) / M S / L`` bytes over the network for ``M`` nodes. Nodes must have equal rank counts."""
 
     def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
         op: ReduceOpName = "avg" if wire_dtype is None else "sum"
-        result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, op, wire_dtype, residual)
-        self.exchange.gather(bucket.buffer, bucket.index, result)
+        self.exchange.reduce_in_place(bucket.buffer, bucket.index, op, wire_dtype, residual)
 
     def owned(self, bucket: GradientBucket) -> Segment:
         return (0, bucket.grad_numel)
@@ -99,8 +101,9 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
         stats: CommStats | None = None,
         node_key: object = None,
         timeout: float = 300.0,
+        wait: str = "auto",
     ) -> None:
-        super().__init__(group, stats, node_key, timeout)
+        super().__init__(group, stats, node_key, timeout, wait)
         self.server = server
 
     @property

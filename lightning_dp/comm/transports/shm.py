@@ -8,10 +8,13 @@ rank exits, however it exits (SIGKILL included), so nothing is ever left behind 
 
 The segment holds, per *slot* (one per gradient bucket), one input region per local rank and two result regions
 (used alternately, so that a rank may write a result while a slower one still reads the previous result), and a
-dissemination barrier over process-shared POSIX semaphores: a rank waiting at the barrier sleeps in the kernel
-instead of spinning, which matters when there are more ranks than cores. A wait is bounded: every tenth of a
-second it checks that the local peers are still alive (a dead process cannot post a semaphore), and after the
-timeout it names the ranks that never arrived (:class:`~lightning_dp.comm.errors.PeerUnreachableError`).
+dissemination barrier over process-shared POSIX semaphores. How a rank waits is decided once (``wait``): where the
+node's ranks do not outnumber the cores this process may run on, it first polls its semaphore for
+:data:`SPIN_SECONDS` (a peer that arrives within that time costs no system call and no wake-up), then sleeps in the
+kernel; where they do outnumber them it sleeps at once, so the core goes to a peer that has work. A wait is
+bounded: every tenth of a second it checks that the local peers are still alive (a dead process cannot post a
+semaphore), and after the timeout it names the ranks that never arrived
+(:class:`~lightning_dp.comm.errors.PeerUnreachableError`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import PeerUnreachableError
+from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 
 #: where segments are created: a tmpfs; ``LIGHTNING_DP_SHM_DIR`` picks another (e.g. a larger tmpfs mount)
 SHM_DIR = os.environ.get("LIGHTNING_DP_SHM_DIR", "/dev/shm")
@@ -40,6 +43,11 @@ ALIGN = 64
 SEM_BYTES = 64
 #: how often a waiting rank checks that its peers are alive
 POLL_SECONDS = 0.1
+#: how a rank waits at the barrier: ``"auto"`` (spin, then sleep, when the node's ranks fit its cores; else
+#: sleep), ``"spin"`` (spin, then sleep), ``"sleep"``
+WAITS = ("auto", "spin", "sleep")
+#: how long a spinning rank polls its semaphore before it sleeps
+SPIN_SECONDS = 200e-6
 
 
 class _Timespec(ctypes.Structure):
@@ -50,11 +58,30 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 _libc.sem_post.argtypes = [ctypes.c_void_p]
 _libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+_libc.sem_trywait.argtypes = [ctypes.c_void_p]
 _libc.sem_destroy.argtypes = [ctypes.c_void_p]
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's cpuset counts, its CPU quota does not)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def spin_seconds(wait: str, local_size: int) -> float:
+    """How long a rank of a node of ``local_size`` ranks spins before it sleeps at the barrier, for ``wait`` (one
+    of :data:`WAITS`)."""
+    if wait not in WAITS:
+        raise ConfigurationError(f"shm_wait={wait!r} is not supported; choose one of {WAITS}")
+    if wait == "auto":
+        wait = "spin" if local_size <= usable_cores() else "sleep"
+    return SPIN_SECONDS if wait == "spin" else 0.0
 
 
 def _pid_namespace() -> int | None:
@@ -130,7 +157,7 @@ class NodeSharedMemory:
     node. Collective over ``group``: every rank of the group constructs it (each node gets its own segment).
 
     Raises :class:`SharedMemoryUnavailable` on every rank when any node cannot share one, so all ranks can fall
-    back together.
+    back together. ``wait``: how a rank waits at the barrier (one of :data:`WAITS`).
     """
 
     def __init__(
@@ -139,10 +166,13 @@ class NodeSharedMemory:
         slot_bytes: Sequence[int],
         group: dist.ProcessGroup | None = None,
         timeout: float = 300.0,
+        wait: str = "auto",
     ) -> None:
         self.layout = layout
         self.group = group
         self.timeout = timeout
+        #: seconds a waiting rank spins before it sleeps (0: it sleeps at once)
+        self.spin_seconds = spin_seconds(wait, layout.local_size)
         self.local_rank, self.local_size = layout.local_rank, layout.local_size
         size = self.local_size
         self.rounds = max(1, math.ceil(math.log2(size))) if size > 1 else 0
@@ -260,6 +290,12 @@ class NodeSharedMemory:
         return self._base + self._sem_offset + (round_ * self.local_size + local_rank) * SEM_BYTES
 
     def _wait(self, sem: int, peer: int, deadline: float) -> None:
+        if self.spin_seconds:
+            trywait, clock = _libc.sem_trywait, time.perf_counter
+            spin_until = clock() + self.spin_seconds
+            while clock() < spin_until:
+                if trywait(sem) == 0:
+                    return
         while True:
             now = time.time() + POLL_SECONDS
             until = _Timespec(int(now), int((now % 1) * 1e9))
