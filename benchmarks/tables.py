@@ -48,14 +48,20 @@ def speedups(rows: list[dict]) -> list[str]:
 
 
 def collectives_summary(rows: list[dict]) -> list[str]:
-    """The shared-memory all-reduce over gloo's and MPI's, as ranges over the table's rows."""
-    shm = [r for r in rows if r["op"] == "shm_allreduce"]
+    """The shared-memory all-reduce (in place, as the strategies run it) over gloo's, MPI's and one process's memory
+    copy, as ranges over the table's rows."""
+    shm = [r for r in rows if r["op"] == "shm_in_place"]
     gloo = [r["vs_gloo"] for r in shm]
-    mpi = [r["vs_mpi"] for r in shm if "vs_mpi" in r]
+    mpi = [r["vs_mpi"] for r in shm if r.get("vs_mpi") is not None]
+    copy = [r["vs_memory_copy"] for r in shm]
     two = sum(v >= 2 for v in gloo)
     lines = [f"Shared memory over gloo: {min(gloo):.2f}–{max(gloo):.2f}× (2× or more in {two} of {len(gloo)} rows)."]
     if mpi:
         lines[0] += f" Over MPI: {min(mpi):.2f}–{max(mpi):.2f}× ({sum(v >= 1 for v in mpi)} of {len(mpi)} rows ≥ 1)."
+    lines[0] += (
+        f" Over one process's memory copy: {min(copy):.2f}–{max(copy):.2f}× "
+        f"({sum(v >= 1 for v in copy)} of {len(copy)} rows ≥ 1)."
+    )
     return lines
 
 

@@ -59,6 +59,7 @@ def test_trainer_accepts_name_and_instance():
         ({"timeout": 0}, "timeout must be a positive number"),
         ({"broadcast_buffers": "yes"}, "broadcast_buffers must be True or False"),
         ({"intra_node": "pipe"}, "intra_node='pipe' is not supported; allowed values: 'shm', 'ring'"),
+        ({"shm_wait": "busy"}, "shm_wait='busy' is not supported; allowed values: 'auto', 'spin', 'sleep'"),
         (
             {"compression": "zip"},
             "compression='zip' is not supported; allowed values: 'none', 'fp16', 'bf16', 'powersgd'",
