@@ -10,7 +10,8 @@ all-reduce of S bytes in t seconds; a bandwidth-optimal algorithm approaches the
 Times are medians over repeats of the slowest rank. The shared-memory all-reduce runs twice: averaging a tensor that
 lies in its input region (``shm_in_place``, where the strategies' buckets live) and summing one that it copies in
 and the result back out (``shm_allreduce``, as a caller with its own tensor pays). The memory bound is one process
-copying S bytes between two warm buffers (``copy_``), alone on the machine. Writes results/collectives.{json,md,png}.
+copying S bytes between two warm buffers (``copy_``), alone on the machine. Writes results/collectives.{json,md,png}
+(``--name`` another name).
 """
 
 from __future__ import annotations
@@ -237,8 +238,8 @@ def report_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def plot(rows: list[dict], out: Path) -> None:
-    """results/collectives.png: bus bandwidth against buffer size, one panel per N, one line per method."""
+def plot(rows: list[dict], out: Path, name: str = "collectives") -> None:
+    """results/<name>.png: bus bandwidth against buffer size, one panel per N, one line per method."""
     rows = [r for r in rows if r["op"] != "mpi_skipped"]
     key = lambda r: (r["world_size"], r["size_mb"])  # noqa: E731
     plt = pyplot()
@@ -257,7 +258,7 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="buffer (MB)", ylabel="bus bandwidth (GB/s)", title=f"N = {n}")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "collectives.png", dpi=100)
+    fig.savefig(out / f"{name}.png", dpi=100)
 
 
 def main() -> None:
@@ -267,6 +268,7 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--shm-wait", choices=WAITS, default="auto", help="how the shared-memory ranks wait")
+    parser.add_argument("--name", default="collectives", help="results/<name>.{json,md,png}")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     world_sizes = args.world_sizes or ([2, 3] if args.quick else [2, 3, 4])
@@ -277,8 +279,8 @@ def main() -> None:
         rows += run_local(n, sizes, repeats, args.shm_wait)
         add_peers(rows, n, sizes, repeats)
     rows += [{"world_size": n, "op": "mpi_skipped", "reason": reason} for n, reason in sorted(MPI_SKIPPED.items())]
-    save(args.out, "collectives", rows, report_lines)
-    plot(rows, Path(args.out))
+    save(args.out, args.name, rows, report_lines)
+    plot(rows, Path(args.out), args.name)
 
 
 if __name__ == "__main__":

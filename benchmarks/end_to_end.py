@@ -492,22 +492,27 @@ def report_lines(rows: list[dict]) -> list[str]:
         )
     timed = [r for r in rows if "phase_ms_per_step" in r]
     if timed:
-        lines += [
-            "",
-            "Where a step goes, ms per timed step (median over ranks): loop (between batches: data, Lightning), "
-            "forward, backward (the strategies' exchange completes in it, as DDP's reducer's does), hooks (between "
-            "backward and the optimizer step; with dedicated servers' overlapped update, the wait for it), step "
-            "(clipping, optimizer, the servers' weight pull); the phases tile the step, so they add up to 1000 / "
-            "steps per second; `waited` is the part of them spent waiting for communication.",
-            "",
-            "| model | N | strategy | loop | forward | backward | hooks | step | waited |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in timed:
-            phases = r["phase_ms_per_step"]
-            cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
-            waited = f"{r['exposed_ms_per_step']:.1f}" if "exposed_ms_per_step" in r else "n/a"
-            lines.append(f"| {r['model']} | {r['world_size']} | {r['strategy']} | {cells} | {waited} |")
+        lines += ["", *phase_lines(timed)]
+    return lines
+
+
+def phase_lines(rows: list[dict]) -> list[str]:
+    """The table of where each timed step of ``rows`` went, by phase, with its legend."""
+    lines = [
+        "Where a step goes, ms per timed step (median over ranks): loop (between batches: data, Lightning), "
+        "forward, backward (the strategies' exchange completes in it, as DDP's reducer's does), hooks (between "
+        "backward and the optimizer step; with dedicated servers' overlapped update, the wait for it), step "
+        "(clipping, optimizer, the servers' weight pull); the phases tile the step, so they add up to 1000 / "
+        "steps per second; `waited` is the part of them spent waiting for communication.",
+        "",
+        "| model | N | strategy | loop | forward | backward | hooks | step | waited |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        phases = r["phase_ms_per_step"]
+        cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+        waited = f"{r['exposed_ms_per_step']:.1f}" if "exposed_ms_per_step" in r else "n/a"
+        lines.append(f"| {r['model']} | {r['world_size']} | {r['strategy']} | {cells} | {waited} |")
     return lines
 
 

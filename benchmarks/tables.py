@@ -47,6 +47,13 @@ def speedups(rows: list[dict]) -> list[str]:
     return lines
 
 
+def comm_bound_phases(rows: list[dict]) -> list[str]:
+    """``end_to_end``'s phase table for the communication-bound model."""
+    from benchmarks.end_to_end import phase_lines
+
+    return phase_lines([r for r in rows if r["model"] == "comm_bound" and "phase_ms_per_step" in r])
+
+
 def collectives_summary(rows: list[dict]) -> list[str]:
     """The shared-memory all-reduce (in place, as the strategies run it) over gloo's, MPI's and one process's memory
     copy, as ranges over the table's rows."""
@@ -79,6 +86,7 @@ def app_accuracy_summary(rows: list[dict]) -> list[str]:
 #: ``(name, view)`` -> a function of the rows giving the block's body in place of the full report
 VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("end_to_end", "speedups"): speedups,
+    ("end_to_end", "phases"): comm_bound_phases,
     ("collectives", "summary"): collectives_summary,
     ("app_accuracy", "summary"): app_accuracy_summary,
 }

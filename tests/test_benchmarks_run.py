@@ -21,13 +21,14 @@ def run(args, timeout=240):
 @pytest.mark.multiprocess
 def test_collectives_benchmark_runs(tmp_path):
     out = run(["-m", "benchmarks.collectives", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1",
-               "--out", str(tmp_path)])  # fmt: skip
+               "--shm-wait", "sleep", "--name", "collectives_sleeping", "--out", str(tmp_path)])  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = result_rows(tmp_path / "collectives.json")
-    ops = {"p2p", "shm_allreduce", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps", "memory_copy"}
+    rows = result_rows(tmp_path / "collectives_sleeping.json")
+    ops = {"p2p", "shm_allreduce", "shm_in_place", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"}
     # MPI only where mpi4py is installed, or a row saying why it was skipped
-    assert {r["op"] for r in rows} - {"mpi_allreduce", "mpi_skipped"} == ops
-    assert "| N | S (MB) |" in (tmp_path / "collectives.md").read_text()
+    assert {r["op"] for r in rows} - {"mpi_allreduce", "mpi_skipped"} == ops | {"memory_copy"}
+    text = (tmp_path / "collectives_sleeping.md").read_text()
+    assert "| N | S (MB) |" in text and "--shm-wait sleep" in text
 
 
 @pytest.mark.multiprocess
