@@ -8,8 +8,8 @@ server (push + pull), the point-to-point bandwidth of the TCP transport, and a m
 Bus bandwidth follows nccl-tests: busbw = S / t * 2 (N - 1) / N, the rate each rank's link must sustain for an
 all-reduce of S bytes in t seconds; a bandwidth-optimal algorithm approaches the point-to-point bandwidth.
 Times are medians over repeats of the slowest rank. The shared-memory all-reduce runs twice: averaging a tensor that
-lies in its input region (``shm_in_place``, where the strategies' buckets live) and summing one that it copies in
-and the result back out (``shm_allreduce``, as a caller with its own tensor pays). The memory bound is one process
+lies in its input region (``shm_in_place``, where the strategies' buckets live) and averaging one that it copies
+in and the result back out (``shm_allreduce``, as a caller with its own tensor pays). The memory bound is one process
 copying S bytes between two warm buffers (``copy_``), alone on the machine. Writes results/collectives.{json,md,png}
 (``--name`` another name).
 """
@@ -71,7 +71,7 @@ def _operations(rank, buf, peer_buf, segments, ring, shm, region):
 
     return {
         "p2p": p2p,
-        "shm_allreduce": lambda: shm.all_reduce(buf),
+        "shm_allreduce": lambda: shm.all_reduce(buf, op="avg"),
         "shm_in_place": lambda: shm.all_reduce(region, op="avg"),
         "ring_allreduce": lambda: ring_allreduce(buf, ring=ring),
         "gloo_all_reduce": lambda: dist.all_reduce(buf),

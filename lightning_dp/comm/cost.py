@@ -288,10 +288,10 @@ def rank_traffic(
 ) -> tuple[float, float]:
     """``(sent, received)`` bytes rank ``rank`` counts for one synchronized step on one machine's sockets or
     shared memory (``scheme.intra_node``), uncompressed, with ``bucket_bytes`` of buckets of which ``flag_bytes``
-    are used-flags. Shared memory counts as received the bytes a rank copies out of memory a peer wrote, and as
-    sent the bytes of its own writes that peers copy. Up to the rounding of chunks and shards to whole elements,
-    and for ``sharded_ps`` through shared memory up to ``(N - 1) F`` more sent by the ranks whose slice of the
-    buffer holds the flags (every rank reads every flag)."""
+    are used-flags. Shared memory counts as received the bytes a peer produced that reach this rank's buffers (read
+    by it or written into them by the peer), and as sent the bytes this rank produced that reach its peers'. Up to
+    the rounding of chunks and shards to whole elements, and for ``sharded_ps`` through shared memory up to
+    ``(N - 1) F`` more sent by the ranks whose slice of the buffer holds the flags (every rank reads every flag)."""
     n, s = world_size, bucket_bytes
     if n == 1:
         return 0.0, 0.0

@@ -69,9 +69,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
             (see :class:`~lightning_dp.comm.transports.SharedMemoryTransport`); the parameter servers use shared
             memory on a single machine only.
         shm_wait: how a rank waits for the others of its machine in the shared-memory exchange: ``"auto"``
-            (default: ``"spin"`` where the machine's ranks do not outnumber the cores a rank may run on, else
-            ``"sleep"``), ``"spin"`` (poll for 200 µs, then sleep) or ``"sleep"`` (sleep in the kernel at once,
-            leaving the core to a peer that has work).
+            (default: ``"spin"`` where the machine's ranks do not outnumber the cores they may run on together, by
+            their CPU affinities and the cgroup's CPU quota, else ``"sleep"``), ``"spin"`` (poll for 200 µs, then
+            sleep) or ``"sleep"`` (sleep in the kernel at once, leaving the core to a peer that has work).
         compression: how buckets travel over the network (:mod:`lightning_dp.comm.codecs`): ``"none"`` (default),
             ``"fp16"`` / ``"bf16"`` (16 bits per element, both directions) or ``"powersgd"`` (low-rank factors of
             the gradients; weights travel uncompressed). Applies where buckets cross a network: ranks on one

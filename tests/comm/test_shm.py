@@ -49,11 +49,22 @@ def _compare_with_gloo(rank: int, world_size: int, nodes: int, wait: str = "auto
             got = exchange.all_reduce(data.clone(), op="sum")
             assert torch.equal(got, expected), (dtype, size)
             checked.append((str(dtype), size))
+    reduced_bytes = sum(torch.empty(0, dtype=d).element_size() for d in DTYPES) * sum(SIZES)
     for dtype in (torch.float16, torch.bfloat16):  # averaged in float32 inside a node, divided before the ring
         k = torch.randint(0, 10, (1000,), generator=torch.Generator().manual_seed(rank)).to(dtype)
         expected = k.clone()
         dist.all_reduce(expected)  # the sum of k: exact, and the average of world_size * k
         assert torch.equal(exchange.all_reduce(k * world_size, op="avg"), expected), dtype
+        reduced_bytes += 1000 * k.element_size()
+    if nodes == 1:  # inexact values over many chunks: summed in float32 in rank order, divided, then rounded once
+        for dtype in (torch.float16, torch.bfloat16):
+            data = [torch.randn(5003, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world_size)]
+            total = data[0].float()
+            for part in data[1:]:
+                total += part.float()
+            got = exchange.all_reduce(data[rank].clone(), op="avg")
+            assert torch.equal(got, (total / world_size).to(dtype)), dtype
+            reduced_bytes += 5003 * got.element_size()
     data = torch.arange(10, dtype=torch.float32) * (rank + 1)
     expected = data.clone()
     dist.all_reduce(expected)
@@ -61,28 +72,37 @@ def _compare_with_gloo(rank: int, world_size: int, nodes: int, wait: str = "auto
     zero_copy = exchange.buffer(0, 10, torch.float32)
     zero_copy.copy_(data)
     assert torch.equal(exchange.all_reduce(zero_copy, op="avg"), expected / world_size)
+    reduced_bytes += 10 * 4
     with pytest.raises(ValueError, match="input region"):
         exchange.reduce_in_place(data, 0)
     sent, received = exchange.stats.reset()
     layout = exchange.layout
+    spin = exchange.memory.spin_seconds
     exchange.close()
-    return [checked, layout.num_nodes, layout.local_size, exchange.cross_group is not None, sent, received]
+    return [checked, layout.num_nodes, layout.local_size, exchange.cross_group is not None, sent, received,
+            reduced_bytes, spin]  # fmt: skip
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("world_size", "wait"), [(2, "spin"), (3, "auto"), (4, "sleep")])
 def test_equals_gloo_all_reduce_bit_for_bit_on_one_node(world_size, wait):
     ranks = run_distributed(_compare_with_gloo, world_size, 1, wait, timeout=180)
-    for checked, num_nodes, local_size, hierarchical, _, _ in ranks:
+    for checked, num_nodes, local_size, hierarchical, *_ in ranks:
         assert len(checked) == len(DTYPES) * len(SIZES)
         assert (num_nodes, local_size, hierarchical) == (1, world_size, False)
+    # every byte a rank reduces is read by one peer and written back into every other: over all ranks, sent and
+    # received each come to 2 (L - 1) times the bytes reduced
+    reduced = ranks[0][6]
+    assert sum(r[4] for r in ranks) == sum(r[5] for r in ranks) == 2 * (world_size - 1) * reduced
+    spins = {"spin": SPIN_SECONDS, "sleep": 0.0, "auto": SPIN_SECONDS if world_size <= usable_cores() else 0.0}
+    assert [r[7] for r in ranks] == [spins[wait]] * world_size
     assert not _segments_left()
 
 
 @pytest.mark.multiprocess
 def test_hierarchical_two_nodes_of_two_equals_gloo():
     ranks = run_distributed(_compare_with_gloo, 4, 2, timeout=180)
-    for checked, num_nodes, local_size, hierarchical, sent, received in ranks:
+    for checked, num_nodes, local_size, hierarchical, sent, received, *_ in ranks:
         assert len(checked) == len(DTYPES) * len(SIZES)
         assert (num_nodes, local_size, hierarchical) == (2, 2, True)
         assert sent > 0 and received > 0

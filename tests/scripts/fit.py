@@ -31,6 +31,7 @@ parser.add_argument("--num-servers", type=int, default=None, help="strategy opti
 parser.add_argument("--external-servers", action="store_true", help="start_servers=False: started by the CLI elsewhere")
 parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help="strategy option")
+parser.add_argument("--shm-wait", default=None, help="strategy option")
 parser.add_argument("--compression", default=None, help="strategy option")
 parser.add_argument("--powersgd-rank", type=int, default=None, help="strategy option")
 parser.add_argument("--powersgd-warmup", type=int, default=None, help="strategy option powersgd_warmup_steps")
@@ -50,7 +51,7 @@ options = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
 options.update(placement.backend_options())
 # strategy options given on the command line: argument name -> option name
 for arg, option in (("server_rank", "server_rank"), ("num_servers", "num_servers"), ("timeout", "timeout"),
-                    ("intra_node", "intra_node"),
+                    ("intra_node", "intra_node"), ("shm_wait", "shm_wait"),
                     ("compression", "compression"), ("powersgd_rank", "powersgd_rank"),
                     ("powersgd_warmup", "powersgd_warmup_steps")):  # fmt: skip
     if getattr(args, arg) is not None:
@@ -98,6 +99,8 @@ class Record(L.Callback):
             "staleness_seen": dict(s.staleness_seen.histogram) if hasattr(s, "staleness_seen") else None,
             "hierarchical": getattr(getattr(getattr(s, "transport", None), "_exchange", None), "cross_group", None)
             is not None,
+            "spin_seconds": getattr(getattr(getattr(s, "transport", None), "_exchange", None), "memory", None)
+            and s.transport._exchange.memory.spin_seconds,
         }
 
 

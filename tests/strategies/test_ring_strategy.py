@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from lightning_dp.comm.transports.shm import SPIN_SECONDS
 from tests.helpers.distributed import free_port
 from tests.helpers.launch import BATCH, REPO, STEPS, load_ranks, run_script, subprocess_env
 from tests.helpers.replicas import assert_identical_replicas
@@ -20,11 +21,14 @@ pytestmark = pytest.mark.multiprocess
     ids=["2-sgd", "3-adamw", "2-sgd-accumulate2"],
 )
 def test_equals_single_process_on_global_batch(tmp_path, devices, optimizer, accumulate):
+    wait = "spin" if devices == 3 else "sleep"  # spinning where 3 ranks share 2 cores changes only the speed
     run_script(
         "fit", "--strategy", "ring_allreduce", "--devices", str(devices), "--batch-size", str(BATCH),
-        "--steps", str(STEPS), "--optimizer", optimizer, "--accumulate", str(accumulate), "--out", str(tmp_path),
+        "--steps", str(STEPS), "--optimizer", optimizer, "--accumulate", str(accumulate), "--shm-wait", wait,
+        "--out", str(tmp_path),
     )  # fmt: skip
     ranks = load_ranks(tmp_path, devices)
+    assert [r["spin_seconds"] for r in ranks] == [SPIN_SECONDS if wait == "spin" else 0.0] * devices
     assert all(len(r["weights"]) == STEPS * accumulate for r in ranks)
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * devices, STEPS, optimizer, accumulate)

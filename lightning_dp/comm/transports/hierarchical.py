@@ -49,8 +49,8 @@ from lightning_dp.comm.transports.shm import NodeLayout, NodeSharedMemory
 
 Segment = tuple[int, int]
 
-#: bytes of a slice summed at a time by :meth:`HierarchicalAllReduce.reduce_in_place` (its inputs' chunks and the
-#: sum stay in a core's cache until the sum is written back)
+#: bytes of each input's slice summed at a time by :meth:`HierarchicalAllReduce.reduce_in_place`: the sum (in
+#: float32 for 16-bit averages, so twice this) stays in a core's cache until it is written back into every input
 CHUNK_BYTES = 256 * 1024
 
 
@@ -136,7 +136,8 @@ class HierarchicalAllReduce:
         flat = tensor.view(-1)
         region = self.memory.input(slot, flat.numel(), flat.dtype)
         if region.data_ptr() == flat.data_ptr():
-            return self.reduce_in_place(flat, slot, op).view_as(tensor)
+            self.reduce_in_place(flat, slot, op)
+            return tensor
         region.copy_(flat)
         flat.copy_(self.reduce_in_place(region, slot, op))
         return tensor

@@ -9,7 +9,8 @@ rank exits, however it exits (SIGKILL included), so nothing is ever left behind 
 The segment holds, per *slot* (one per gradient bucket), one input region per local rank and two result regions
 (used alternately, so that a rank may write a result while a slower one still reads the previous result), and a
 dissemination barrier over process-shared POSIX semaphores. How a rank waits is decided once (``wait``): where the
-node's ranks do not outnumber the cores this process may run on, it first polls its semaphore for
+node's ranks do not outnumber the cores they may run on together (their CPU affinities, capped by the cgroup's CPU
+quota), it first polls its semaphore for
 :data:`SPIN_SECONDS` (a peer that arrives within that time costs no system call and no wake-up), then sleeps in the
 kernel; where they do outnumber them it sleeps at once, so the core goes to a peer that has work. A wait is
 bounded: every tenth of a second it checks that the local peers are still alive (a dead process cannot post a
@@ -66,21 +67,38 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity; a container's cpuset counts, its CPU quota does not)."""
+def cpu_quota() -> float | None:
+    """The CPUs' worth of time this process's cgroup may use (``cpu.max`` of cgroup v2: a container's ``--cpus``, a
+    pod's CPU limit), or ``None`` where there is no limit or no cgroup v2."""
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        with open("/proc/self/cgroup") as f:
+            path = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if path is None:
+            return None
+        with open(f"/sys/fs/cgroup{path.rstrip('/')}/cpu.max") as f:
+            quota, period = f.read().split()
+    except (OSError, ValueError, StopIteration):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
 
 
-def spin_seconds(wait: str, local_size: int) -> float:
-    """How long a rank of a node of ``local_size`` ranks spins before it sleeps at the barrier, for ``wait`` (one
-    of :data:`WAITS`)."""
+def usable_cores(affinities: Sequence[Sequence[int]] | None = None) -> int:
+    """The cores the ranks whose CPU affinities are ``affinities`` (default: this process's) may run on together:
+    the union of the affinities, capped by this process's cgroup CPU quota (:func:`cpu_quota`)."""
+    if affinities is None:
+        affinities = [sorted(os.sched_getaffinity(0))]
+    cores = len(set().union(*map(set, affinities)))
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.floor(quota)))
+
+
+def spin_seconds(wait: str, local_size: int, cores: int | None = None) -> float:
+    """How long a rank of a node of ``local_size`` ranks that may run on ``cores`` cores together (default
+    :func:`usable_cores`) spins before it sleeps at the barrier, for ``wait`` (one of :data:`WAITS`)."""
     if wait not in WAITS:
         raise ConfigurationError(f"shm_wait={wait!r} is not supported; choose one of {WAITS}")
     if wait == "auto":
-        wait = "spin" if local_size <= usable_cores() else "sleep"
+        wait = "spin" if local_size <= (usable_cores() if cores is None else cores) else "sleep"
     return SPIN_SECONDS if wait == "spin" else 0.0
 
 
@@ -171,8 +189,10 @@ class NodeSharedMemory:
         self.layout = layout
         self.group = group
         self.timeout = timeout
-        #: seconds a waiting rank spins before it sleeps (0: it sleeps at once)
-        self.spin_seconds = spin_seconds(wait, layout.local_size)
+        spin_seconds(wait, layout.local_size, cores=1)  # an unknown ``wait`` fails here, before anything is shared
+        #: seconds a waiting rank spins before it sleeps (0: it sleeps at once); decided in :meth:`_share`
+        self.spin_seconds = 0.0
+        self._wait_mode = wait
         self.local_rank, self.local_size = layout.local_rank, layout.local_size
         size = self.local_size
         self.rounds = max(1, math.ceil(math.log2(size))) if size > 1 else 0
@@ -210,17 +230,20 @@ class NodeSharedMemory:
             if not leader:
                 memory, failure = self._attach(names[layout.local_ranks[0]], nbytes, me)
             outcomes: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(outcomes, (failure, os.getpid(), _pid_namespace()), group=self.group)
+            mine = (failure, os.getpid(), _pid_namespace(), sorted(os.sched_getaffinity(0)))
+            dist.all_gather_object(outcomes, mine, group=self.group)
         finally:
             if created is not None:
                 os.unlink(created)  # mapped by every local rank (or failed): the kernel frees it with the last mapping
-        failures = [f for f, _, _ in outcomes if f is not None]
+        failures = [f for f, _, _, _ in outcomes if f is not None]
         if failures:
             raise SharedMemoryUnavailable("; ".join(failures))
         local = [outcomes[r] for r in layout.local_ranks]
-        self._pids = [pid for _, pid, _ in local]
+        self._pids = [pid for _, pid, _, _ in local]
         #: a peer in another pid namespace cannot be watched by pid; then only the timeout bounds a wait
-        self._watch_pids = len({namespace for _, _, namespace in local}) == 1 and local[0][2] is not None
+        self._watch_pids = len({namespace for _, _, namespace, _ in local}) == 1 and local[0][2] is not None
+        cores = usable_cores([affinity for _, _, _, affinity in local])
+        self.spin_seconds = spin_seconds(self._wait_mode, layout.local_size, cores)
         assert memory is not None
         return memory
 
