@@ -31,6 +31,9 @@ from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, run_in_hosts, serve
 from benchmarks.report import pyplot, save
 
 REPO = Path(__file__).resolve().parents[1]
+#: a trainer's dedicated step, timed in parts: pushing every bucket (its own share averaged as it arrives), waiting
+#: for the servers' new weights, its own share's vote and optimizer step, pulling the other trainers' weights
+PHASES = ("push", "servers' weights", "own step", "pull")
 
 
 def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats: int, port: int, out: str) -> None:
@@ -78,25 +81,33 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
     sharded = ShardedOptimizer(optimizer, layout)
     control = {"hyperparameters": [hyperparameters(optimizer.param_groups[0])], "clip": None, "kwargs": {}}
     gradients = torch.randn(numel)
+    #: seconds of each phase of every timed dedicated step on this trainer (see PHASES)
+    phase_samples: list[list[float]] = []
 
     def dedicated_step() -> None:
         """What a step of the strategies does with nothing to wait for but the network: the servers step each
         bucket as it arrives (see DedicatedEngine._eager_step), the trainers their own shares after it."""
+        marks = [time.perf_counter()]
         transport.arm(control)
         for bucket in buckets:  # the communication thread, bucket after bucket as backward fills them
             bucket.buffer[: bucket.grad_numel].copy_(gradients)
             bucket.flags.fill_(1)
             transport.reduce(bucket)
         transport.disarm()
+        marks.append(time.perf_counter())
         assert not transport.finish_eager()
+        marks.append(time.perf_counter())
         layout.take_bucket_gradients()
         any_rank(sharded.has_nonfinite_gradient(), transport.ring, torch.device("cpu"))
         sharded.step()
         for bucket in buckets:
             bucket.pack_params(*transport.owned(bucket))
+        marks.append(time.perf_counter())
         transport.share_weights_all(buckets, from_servers=False)
         for bucket in buckets:
             bucket.unpack_params()
+        marks.append(time.perf_counter())
+        phase_samples.append([b - a for a, b in zip(marks, marks[1:])])
 
     def timed(fn) -> tuple[float, float]:
         """Median seconds of ``fn`` over the repeats, and how busy the machine's CPUs were meanwhile."""
@@ -114,11 +125,15 @@ def trainer(rank: int, n: int, k: int, size_mb: float, bucket_mb: float, repeats
 
     result, busy = {}, {}
     result["dedicated"], busy["dedicated"] = timed(dedicated_step)
+    mine = {phase: statistics.median(sample[i] for sample in phase_samples[1:]) for i, phase in enumerate(PHASES)}
+    every: list = [None] * n
+    dist.all_gather_object(every, mine)
+    phases = {phase: max(trainer[phase] for trainer in every) for phase in PHASES}
     if k == 0:
         result["ring_allreduce"], busy["ring_allreduce"] = timed(lambda: [ring_allreduce(b.buffer) for b in buckets])
     if rank == 0:
         transport.stop_servers()
-        Path(out).write_text(json.dumps({"seconds": result, "cpu_busy": busy}))
+        Path(out).write_text(json.dumps({"seconds": result, "cpu_busy": busy, "phases_s": phases}))
     dist.barrier()
     members.close()
     dist.destroy_process_group()
@@ -148,7 +163,8 @@ def measure(
     s, b = size_mb * 2**20, rate_mbit * 1e6 / 8
     return {"trainers": n, "servers": k, "size_mb": size_mb, "bucket_mb": bucket_mb, "repeats": repeats,
             "rate_mbit": rate_mbit, "delay_ms": delay_ms, "measured_s": measured["seconds"],
-            "cpu_busy": measured["cpu_busy"], "formula_s": communication_time(n, k, s, b)}  # fmt: skip
+            "cpu_busy": measured["cpu_busy"], "formula_s": communication_time(n, k, s, b),
+            "phases_s": measured["phases_s"]}  # fmt: skip
 
 
 def main() -> None:
@@ -214,6 +230,24 @@ def report_lines(rows: list[dict]) -> list[str]:
         formula = (2 * (n - 1) / n) / (t * r["rate_mbit"] * 1e6 / 8 / (r["size_mb"] * 2**20))
         lines.append(f"| {n} | {k} | {m:.3f} | {t:.3f} | {m / t:.2f} | {r['cpu_busy']['dedicated']:.0%} | {ring:.3f} | "
                      f"{r['ring_cpu_busy']:.0%} | {ring / m:.2f} | {formula:.2f} |")  # fmt: skip
+    timed = [r for r in rows if "phases_s" in r]
+    if timed:
+        lines += [
+            "",
+            "Where a trainer's step goes, seconds (median over the steps, slowest trainer per phase): push (every "
+            "bucket's shares sent to their owners, this trainer's own share received and averaged), the servers' "
+            "new weights (waited for after the push), own step (vote and the optimizer on its own share), pull (the "
+            "other trainers' new weights). The formula gives push and pull t(n, k) / 2 each.",
+            "",
+            "| trainers n | servers k | push | servers' weights | own step | pull "
+            "| (push + weights + pull) / t(n, k) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in timed:
+            ph = r["phases_s"]
+            cells = " | ".join(f"{ph[p]:.3f}" for p in PHASES)
+            network = (ph["push"] + ph["servers' weights"] + ph["pull"]) / r["formula_s"]
+            lines.append(f"| {r['trainers']} | {r['servers']} | {cells} | {network:.2f} |")
     return lines
 
 

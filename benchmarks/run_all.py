@@ -3,7 +3,7 @@
     python -m benchmarks.run_all            # full: a few tens of minutes on 2 CPU cores
     python -m benchmarks.run_all --quick    # under 10 minutes; as root the emulated-host benchmarks add a few
 
-The emulated-cluster, compression, dedicated-server and advisor-validation benchmarks need root (network
+The emulated-cluster, compression, dedicated-server, gloo-flow and advisor-validation benchmarks need root (network
 namespaces); without it, they are skipped with a note. The accuracy parts of the compression and straggler
 benchmarks (`python -m benchmarks.compression --accuracy`, `python -m benchmarks.straggler --accuracy`, about 10 and
 6 minutes) and the example app's spread (`python -m benchmarks.app_accuracy`, about 15 minutes) run on their own;
@@ -31,16 +31,16 @@ def main() -> None:
     modules = ["benchmarks.collectives", "benchmarks.end_to_end", "benchmarks.straggler"]
     if os.geteuid() == 0:
         modules += ["benchmarks.emulated_cluster", "benchmarks.compression", "benchmarks.dedicated_servers",
-                    "benchmarks.advisor_validation"]  # fmt: skip
+                    "benchmarks.gloo_flows", "benchmarks.advisor_validation"]  # fmt: skip
     else:
-        print("not root: skipping benchmarks.emulated_cluster, benchmarks.compression, benchmarks.dedicated_servers "
-              "and benchmarks.advisor_validation (network namespaces)")  # fmt: skip
+        print("not root: skipping benchmarks.emulated_cluster, benchmarks.compression, benchmarks.dedicated_servers, "
+              "benchmarks.gloo_flows and benchmarks.advisor_validation (network namespaces)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # the repository root, whatever the working directory
     for module in modules:
         print(f"== {module}", flush=True)
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
     names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
-             "straggler_accuracy", "app_accuracy", "dedicated_servers", "end_to_end_emulated",
+             "straggler_accuracy", "app_accuracy", "dedicated_servers", "gloo_flows", "end_to_end_emulated",
              "advisor_validation")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())

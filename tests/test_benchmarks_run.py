@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from benchmarks.dedicated_servers import PHASES
+from benchmarks.gloo_flows import PATTERNS as GLOO_PATTERNS
 from benchmarks.report import rows as result_rows
 from tests.helpers.launch import PYTHONWARNINGS, REPO
 from tests.helpers.netns import skip_without_netns
@@ -70,8 +72,25 @@ def test_dedicated_servers_benchmark_runs_and_the_links_bind(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = result_rows(tmp_path / "dedicated_servers.json")
     assert [(r["trainers"], r["servers"]) for r in rows] == [(2, 0), (2, 1)]
-    for r in rows:  # no exchange beats the bandwidth bound of its split
+    for r in rows:  # no exchange beats the bandwidth bound of its split, nor do its network phases together
         assert r["measured_s"]["dedicated"] >= 0.9 * r["formula_s"]
+        phases = r["phases_s"]
+        assert set(phases) == set(PHASES) and min(phases.values()) > 0
+        assert phases["push"] + phases["servers' weights"] + phases["pull"] >= 0.9 * r["formula_s"]
+    assert "lddp-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.netns
+@skip_without_netns
+def test_gloo_flows_benchmark_runs_and_the_links_bind(tmp_path):
+    out = run(["-m", "benchmarks.gloo_flows", "--hosts", "2", "--size-mb", "4", "--repeats", "1",
+               "--out", str(tmp_path)])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = result_rows(tmp_path / "gloo_flows.json")
+    assert row["hosts"] == 2 and set(row["measured_s"]) == set(GLOO_PATTERNS)
+    for seconds in row["measured_s"].values():  # 1 Gbit/s binds: nothing beats (n - 1) / n of 4 MB at that rate
+        assert seconds >= 0.9 * row["bound_s"] == pytest.approx(0.9 * 2 * 2**20 / 125e6)
     assert "lddp-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
