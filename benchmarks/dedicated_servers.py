@@ -6,7 +6,8 @@ the optimal-split formula, and ``ring_allreduce`` among the same trainers in the
 Every host is a network namespace behind a link shaped with tc tbf (and a netem delay); the servers are real
 ``python -m lightning_dp.server`` processes, the trainers run the strategies' transport
 (:class:`~lightning_dp.comm.servers.DedicatedServerTransport`): push during "backward", trainer 0's control
-message, the vote, the owners' optimizer step, the pull of the weights.
+message, the vote, the owners' optimizer step, the pull of the weights. Each trainer also times its step in parts
+(:data:`PHASES`); the report shows each part's slowest trainer.
 
     sudo python -m benchmarks.dedicated_servers                    # n = 2, 3, 4; k = 0 .. n; S = 16 MB; 1 Gbit/s
     sudo python -m benchmarks.dedicated_servers --quick            # n = 3, S = 8 MB
