@@ -61,9 +61,14 @@ def test_central_servers_share_whole_parameters_balanced_by_bytes():
     served = [sum(segments[b.index][m][1] - segments[b.index][m][0] for b in buckets) for m in (2, 3)]
     assert served == [63, 37]  # the cut nearest to half of 100 elements lies after the 50-element parameter
 
-    sharded = member_segments(buckets, member_shares(3, 1, trainers_serve=True), whole_parameters=False)
-    counts = [sum(sharded[b.index][m][1] - sharded[b.index][m][0] for b in buckets) for m in range(4)]
-    assert sum(counts) == 100 and counts == pytest.approx([100 * s for s in member_shares(3, 1, True)], abs=1)
+    shares = member_shares(3, 1, trainers_serve=True)
+    sharded = member_segments(buckets, shares, whole_parameters=False)
+    for bucket in buckets:  # every bucket cut by the shares on its own: each push reaches every member
+        ranges = sharded[bucket.index]
+        assert ranges[0][0] == 0 and ranges[-1][1] == bucket.grad_numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        counts = [hi - lo for lo, hi in ranges]
+        assert counts == pytest.approx([bucket.grad_numel * s for s in shares], abs=1) and min(counts) > 0
 
 
 @pytest.mark.unit
