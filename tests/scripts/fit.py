@@ -32,6 +32,7 @@ parser.add_argument("--external-servers", action="store_true", help="start_serve
 parser.add_argument("--timeout", type=float, default=None, help="seconds a peer may stay silent (strategy option)")
 parser.add_argument("--intra-node", choices=["shm", "ring"], default=None, help="strategy option")
 parser.add_argument("--shm-wait", default=None, help="strategy option")
+parser.add_argument("--bucket-cap-mb", type=float, default=None, help="strategy option")
 parser.add_argument("--compression", default=None, help="strategy option")
 parser.add_argument("--powersgd-rank", type=int, default=None, help="strategy option")
 parser.add_argument("--powersgd-warmup", type=int, default=None, help="strategy option powersgd_warmup_steps")
@@ -51,7 +52,7 @@ options = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}
 options.update(placement.backend_options())
 # strategy options given on the command line: argument name -> option name
 for arg, option in (("server_rank", "server_rank"), ("num_servers", "num_servers"), ("timeout", "timeout"),
-                    ("intra_node", "intra_node"), ("shm_wait", "shm_wait"),
+                    ("intra_node", "intra_node"), ("shm_wait", "shm_wait"), ("bucket_cap_mb", "bucket_cap_mb"),
                     ("compression", "compression"), ("powersgd_rank", "powersgd_rank"),
                     ("powersgd_warmup", "powersgd_warmup_steps")):  # fmt: skip
     if getattr(args, arg) is not None:
@@ -88,6 +89,7 @@ class Record(L.Callback):
         self.result = {
             "last_step_bytes": stats.last_step_bytes if stats is not None else None,
             "sync_bytes": stats.bucket_bytes if stats is not None else None,
+            "buckets": len(s.reducer.buckets) if getattr(s, "reducer", None) is not None else None,
             "flag_bytes": sum(b.flags.numel() * b.flags.element_size() for b in s.reducer.buckets)
             if getattr(s, "reducer", None) is not None
             else None,

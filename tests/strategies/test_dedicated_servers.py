@@ -146,6 +146,8 @@ CASES = [
     ("sharded_ps", 2, 2, "adamw", "value"),
     ("sharded_ps", 3, 1, "sgd", None),  # the trainers keep a share: their own step after backward
 ]
+#: cases that cut the model into a bucket per parameter, so that every member serves part of several buckets
+SMALL_BUCKETS = {("sharded_ps", 3, 1, "sgd", None)}
 
 
 @pytest.mark.multiprocess
@@ -153,8 +155,13 @@ CASES = [
 def test_equals_one_process_on_the_global_batch(tmp_path, strategy, n, k, optimizer, clip):
     args = ["--strategy", strategy, "--devices", str(n), "--num-servers", str(k), "--optimizer", optimizer]
     args += ["--steps", str(STEPS)] + (["--clip", clip] if clip else [])
+    small_buckets = (strategy, n, k, optimizer, clip) in SMALL_BUCKETS
+    if small_buckets:
+        args += ["--bucket-cap-mb", "0.000001"]
     run = run_script("fit", *args, "--out", str(tmp_path))
     ranks = load_ranks(tmp_path, n)
+    trainable = sum(1 for p in RegressionModel().parameters() if p.requires_grad)
+    assert ranks[0]["buckets"] == (trainable if small_buckets else 1)
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * n, STEPS, optimizer, clip=clip)
     assert len(ranks[0]["weights"]) == len(reference)

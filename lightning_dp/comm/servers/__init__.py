@@ -2,10 +2,11 @@
 
 A run has ``n`` trainers and ``k`` server processes, the *members* of one gloo group of their own
 (:class:`~.members.MemberGroup`): trainers are members ``0 .. n - 1`` (their trainer ranks), servers ``n .. n + k -
-1``. Every gradient bucket is cut into ``n + k`` shares (:func:`~.split.member_segments`; under whole parameters the
-buckets laid end to end are cut at parameter boundaries instead), so that each bucket's push and pull keep every
-member's link busy both ways; a member serves its share: it averages that part of every trainer's gradients, runs the user's optimizer on it (a
-:class:`~lightning_dp.comm.servers.sharded_optimizer.ShardedOptimizer`) and sends the new weights to every trainer.
+1``. Every gradient bucket is cut into ``n + k`` shares (:func:`~.split.member_segments`; under whole parameters
+the buckets laid end to end are cut at parameter boundaries instead), so that each bucket's push and pull keep
+every member's link busy both ways; a member serves its share: it averages that part of every trainer's gradients,
+runs the user's optimizer on it (a :class:`~lightning_dp.comm.servers.sharded_optimizer.ShardedOptimizer`) and
+sends the new weights to every trainer.
 
 With per-machine bandwidth ``B``, gradient bytes ``S``, trainers that serve a share ``x`` each and servers a share
 ``y`` each (``n x + k y = 1``), a trainer machine sends ``(1 - x) S`` gradients plus ``(n - 1) x S`` weights of its
