@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +32,7 @@ def member(rank: int, n: int, size_mb: float, repeats: int, port: int, out: str)
     import torch
     import torch.distributed as dist
 
+    from benchmarks.collectives import timed
     from lightning_dp.comm.servers.members import MemberGroup
 
     torch.set_num_threads(1)
@@ -59,18 +58,7 @@ def member(rank: int, n: int, size_mb: float, repeats: int, port: int, out: str)
             for work in works:
                 work.wait()
 
-    seconds = {}
-    for pattern, fn in zip(PATTERNS, (all_at_once, one_peer_at_a_time)):
-        fn()  # warm-up: connections
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples.append(float(elapsed))
-        seconds[pattern] = statistics.median(samples)
+    seconds = {pattern: timed(fn, repeats) for pattern, fn in zip(PATTERNS, (all_at_once, one_peer_at_a_time))}
     if rank == 0:
         Path(out).write_text(json.dumps(seconds))
     dist.barrier()
