@@ -16,8 +16,9 @@ from lightning_dp.strategies.parameter_server_base import ParameterServerBase, S
 
 class ParameterServerStrategy(ParameterServerBase):
     """Central parameter server, co-located with a worker: the server rank also trains on its own data shard; or,
-    with ``num_servers=k``, ``k`` server processes of their own, each serving a set of whole parameters (balanced
-    by bytes) with the optimizer the LightningModule configured.
+    with ``num_servers=k``, ``k`` server processes of their own, each serving an equal part of every gradient bucket
+    (a set of whole parameters, balanced by bytes, for an optimizer that is not element-wise) with the optimizer the
+    LightningModule configured.
 
     Every step each worker pushes its gradient buckets to the server during backward (fan-in); the server
     averages them, applies the user's optimizer (the only optimizer state in the job lives there) and sends

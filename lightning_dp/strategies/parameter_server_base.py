@@ -16,6 +16,7 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency import StalenessRecord, check_staleness
 from lightning_dp.comm.cost import Scheme
 from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.servers.members import message_bytes_from_environment
 from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines import DedicatedEngine, StaleEngine, StepEngine
@@ -57,8 +58,7 @@ class ParameterServerBase(DataParallelStrategy):
 
     _every_rank_steps = False
 
-    #: with dedicated servers: whether the trainers serve a share too (the optimal split), or only the servers do,
-    #: each a set of whole parameters
+    #: with dedicated servers: whether the trainers serve a share too (the optimal split), or only the servers do
     _trainers_serve: ClassVar[bool] = True
 
     def __init__(
@@ -81,6 +81,11 @@ class ParameterServerBase(DataParallelStrategy):
                 "none: set num_servers to the number of servers started with python -m lightning_dp.server, or leave "
                 "start_servers=True"
             )
+        if self.num_servers:
+            try:
+                message_bytes_from_environment()
+            except ValueError as error:
+                raise ConfigurationError(f"num_servers={self.num_servers}: {error}") from None
         if self.num_servers and self.staleness != 0:
             raise ConfigurationError(
                 f"num_servers={self.num_servers} needs staleness=0 (dedicated servers run the synchronous step); got "

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dp.comm.buckets import BucketReducer
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
 from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout, check_shardable
 from lightning_dp.comm.transports.shards import shard_segments
@@ -188,3 +188,39 @@ def test_consolidated_state_is_torch_layout_and_resumes(world_size):
     from tests.helpers.distributed import run_distributed
 
     assert run_distributed(_consolidate_and_reload, world_size, timeout=120) == [True] * world_size
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("every", [1, 3, 7, 64])
+def test_pieces_split_at_partitions_cover_the_range_and_step_like_whole_ones(every):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(11)), nn.Parameter(torch.randn(2, 2))]
+    bucket = GradientBucket(0, params)
+    start, end = 4, bucket.grad_numel - 2  # a range that starts and ends inside parameters
+    segments = [[(0, start), (start, end), (end, bucket.grad_numel)]]
+    whole = ShardLayout([bucket], segments, 1, own_storage=True)
+    split = ShardLayout([bucket], segments, 1, own_storage=True, split_every=every)
+    covered = [(pc.bucket_start, pc.bucket_start + pc.end - pc.start) for pc in split.pieces]
+    assert covered[0][0] == start and covered[-1][1] == end
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # contiguous, nothing twice
+    for pc, (a, b) in zip(split.pieces, covered):
+        assert (a - start) // every == (b - 1 - start) // every == split.partition_of(pc, start)
+        assert pc.tensor.data_ptr() == split.storage[pc.storage_start :].data_ptr()
+    boundaries = {a for a, _ in covered} | {end}
+    assert {start + m * every for m in range(1, (end - start - 1) // every + 1)} <= boundaries
+    # Adam over the split pieces, a partition at a time, equals Adam over the unsplit ones
+    grad = torch.randn(end - start)
+    results = []
+    for layout in (whole, split):
+        optimizer = ShardedOptimizer(torch.optim.Adam(params, lr=0.1), layout)
+        for _ in range(3):
+            partitions = sorted({layout.partition_of(pc, start) for pc in layout.pieces})
+            for k in partitions:
+                for pc in layout.pieces:
+                    lo = pc.bucket_start - start
+                    n = pc.end - pc.start
+                    in_k = layout.partition_of(pc, start) == k
+                    pc.tensor.grad = grad[lo : lo + n].view_as(pc.tensor).clone() if in_k else None
+                optimizer.step()
+        results.append(layout.storage.clone())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

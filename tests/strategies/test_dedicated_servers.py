@@ -18,6 +18,7 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_time
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.servers import check_importable, member_segments, member_shares
+from lightning_dp.comm.servers.members import MESSAGE_BYTES_VARIABLE
 from tests.helpers.launch import BATCH, STEPS, load_ranks, run_script, subprocess_env
 from tests.helpers.replicas import assert_identical_replicas
 from tests.scripts.models import RegressionModel, reference_training
@@ -86,6 +87,17 @@ def test_options_are_checked_at_construction():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("value", ["0", "-4", "1MB", ""])
+def test_a_bad_partition_size_is_refused_at_construction(monkeypatch, value):
+    monkeypatch.setenv(MESSAGE_BYTES_VARIABLE, value)
+    with pytest.raises(ConfigurationError, match=f"{MESSAGE_BYTES_VARIABLE}=.*positive integer"):
+        ShardedParameterServerStrategy(num_servers=1)
+    ParameterServerStrategy()  # without servers the variable means nothing
+    monkeypatch.setenv(MESSAGE_BYTES_VARIABLE, "4096")
+    ShardedParameterServerStrategy(num_servers=1)
+
+
+@pytest.mark.unit
 def test_an_optimizer_the_servers_cannot_import_is_refused():
     class LocalSGD(torch.optim.SGD):
         pass
@@ -148,6 +160,8 @@ CASES = [
 ]
 #: cases that cut the model into a bucket per parameter, so that every member serves part of several buckets
 SMALL_BUCKETS = {("sharded_ps", 3, 1, "sgd", None)}
+#: cases whose servers step partitions of a few elements (bytes), cutting parameters and shares at odd places
+PARTITION_BYTES = {("parameter_server", 2, 1, "sgd", None): "20", ("sharded_ps", 2, 2, "adamw", "value"): "12"}
 
 
 @pytest.mark.multiprocess
@@ -158,7 +172,9 @@ def test_equals_one_process_on_the_global_batch(tmp_path, strategy, n, k, optimi
     small_buckets = (strategy, n, k, optimizer, clip) in SMALL_BUCKETS
     if small_buckets:
         args += ["--bucket-cap-mb", "0.000001"]
-    run = run_script("fit", *args, "--out", str(tmp_path))
+    partition = PARTITION_BYTES.get((strategy, n, k, optimizer, clip))
+    env = {MESSAGE_BYTES_VARIABLE: partition} if partition else None
+    run = run_script("fit", *args, "--out", str(tmp_path), env=env)
     ranks = load_ranks(tmp_path, n)
     trainable = sum(1 for p in RegressionModel().parameters() if p.requires_grad)
     assert ranks[0]["buckets"] == (trainable if small_buckets else 1)

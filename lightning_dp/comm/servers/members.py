@@ -36,12 +36,31 @@ PIECE_TAGS = 65536
 STORE_PREFIX = "lightning_dp/servers"
 
 
-#: the largest single message: bigger tensors travel as several, which keeps a shaped link's throughput steady
-MESSAGE_BYTES = 1 << 20
+#: the largest single message by default: bigger tensors travel as several pieces, and a server sums, steps and
+#: sends back each piece of a bucket as soon as every trainer's copy of it is in (BytePS's partitions)
+MESSAGE_BYTES = 1 << 18
+#: the environment variable that sets another piece size, in bytes, read by trainer 0 (every member follows it)
+MESSAGE_BYTES_VARIABLE = "LIGHTNING_DP_PARTITION_BYTES"
 
 
-class _AllWorks:
-    """Several works waited for as one."""
+def message_bytes_from_environment() -> int:
+    """:data:`MESSAGE_BYTES_VARIABLE` if set (a positive integer, else :class:`ValueError` naming it), else
+    :data:`MESSAGE_BYTES`."""
+    value = os.environ.get(MESSAGE_BYTES_VARIABLE)
+    if value is None:
+        return MESSAGE_BYTES
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{MESSAGE_BYTES_VARIABLE}={value!r}: expected a positive integer number of bytes")
+    return number
+
+
+class PieceWorks:
+    """The works of one message's pieces (:meth:`MemberGroup.isend`, :meth:`MemberGroup.irecv`), waited for as one;
+    ``works[k]`` is piece ``k``'s alone."""
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
@@ -60,6 +79,10 @@ class MemberGroup:
     def __init__(self, store: dist.Store, rank: int, num_trainers: int, num_servers: int, timeout: timedelta) -> None:
         self.rank, self.num_trainers, self.num_servers = rank, num_trainers, num_servers
         self.size = num_trainers + num_servers
+        if rank == 0:
+            store.set("message_bytes", str(message_bytes_from_environment()))
+        #: the largest single message (trainer 0's :func:`message_bytes_from_environment`)
+        self.message_bytes = int(store.get("message_bytes"))
         self.backend: Any = dist.ProcessGroupGloo(store, rank, self.size, timeout)
         # every member's socket endpoints, so that a transport error giving only an address names the member
         try:
@@ -85,21 +108,30 @@ class MemberGroup:
             return f"trainer {member}"
         return f"server {member - self.num_trainers} (member {member})"
 
-    def isend(self, tensor: Tensor, member: int, tag: int) -> Any:
-        return self._pieces(self.backend.send, tensor, member, tag)
+    def isend(self, tensor: Tensor, member: int, tag: int, first_piece: int = 0) -> Any:
+        """Send ``tensor`` in pieces (see :meth:`_pieces`); ``first_piece``: the pieces are those from
+        ``first_piece`` on of a larger message, whose receiver posted it whole."""
+        return self._pieces(self.backend.send, tensor, member, tag, first_piece)
 
     def irecv(self, tensor: Tensor, member: int, tag: int) -> Any:
         return self._pieces(self.backend.recv, tensor, member, tag)
 
-    def _pieces(self, op: Callable[..., Any], tensor: Tensor, member: int, tag: int) -> Any:
-        """``op`` on ``tensor`` in messages of at most :data:`MESSAGE_BYTES`, each piece on a tag of its own: gloo
+    def piece_numel(self, tensor: Tensor) -> int:
+        """Elements of ``tensor`` per piece of a message: piece ``k`` is ``tensor[k * piece_numel : ...]``."""
+        return max(1, self.message_bytes // tensor.element_size())
+
+    def _pieces(
+        self, op: Callable[..., Any], tensor: Tensor, member: int, tag: int, first_piece: int = 0
+    ) -> PieceWorks | None:
+        """``op`` on ``tensor`` in messages of at most :attr:`message_bytes`, each piece on a tag of its own: gloo
         then has every piece's receive announced at once, instead of one announcement per piece that would queue
         behind the bulk data already filling the link back."""
         if not tensor.numel():
             return None
-        step = max(1, MESSAGE_BYTES // tensor.element_size())
+        step = self.piece_numel(tensor)
         pieces = range(0, tensor.numel(), step)
-        return _AllWorks([op([tensor[i : i + step]], member, tag * PIECE_TAGS + k) for k, i in enumerate(pieces)])
+        tags = (tag * PIECE_TAGS + first_piece + k for k in range(len(pieces)))
+        return PieceWorks([op([tensor[i : i + step]], member, t) for i, t in zip(pieces, tags)])
 
     def wait(self, work: dist.Work | None, member: int, action: str, timeout: timedelta | None = None) -> None:
         """Wait for ``work`` (with ``member``); a lost member is named (see :func:`wait_naming_peer`)."""

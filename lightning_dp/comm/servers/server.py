@@ -15,6 +15,7 @@ from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.servers.members import MemberGroup, Tag
 from lightning_dp.comm.servers.plan import Control, OptimizerSpec, ServerPlan, buckets_of
 from lightning_dp.comm.servers.sharded_optimizer import (
+    ELEMENTWISE_OPTIMIZERS,
     ShardedOptimizer,
     ShardLayout,
     ShardPiece,
@@ -39,9 +40,21 @@ class DedicatedServer:
         params = [torch.nn.Parameter(torch.empty(shape, dtype=plan.dtype, device="meta")) for shape in plan.shapes]
         self.buckets = [GradientBucket(b, [params[i] for i in indices]) for b, indices in enumerate(plan.buckets)]
         owner = f"{members.name(me)} ({plan.owner})"
-        self.layout = ShardLayout(self.buckets, plan.segments, me, owner, own_storage=True, read_params=False)
+        #: elements per partition: the pieces of one message (see :meth:`MemberGroup.piece_numel`); each is summed,
+        #: stepped and sent back as soon as every trainer's copy of it is in. Optimizers that are not element-wise
+        #: step whole parameters, never during backward (see DedicatedEngine._eager_possible): no partitions
+        self.partition = members.piece_numel(torch.empty(0, dtype=plan.dtype))
+        elementwise = all(spec.cls in ELEMENTWISE_OPTIMIZERS for spec in plan.optimizers)
+        self.layout = ShardLayout(self.buckets, plan.segments, me, owner, own_storage=True, read_params=False,
+                                  split_every=self.partition if elementwise else 0)  # fmt: skip
         self.optimizers = [ShardedOptimizer(self._template(spec, params), self.layout, None, owner)
                            for spec in plan.optimizers]  # fmt: skip
+        #: the first optimizer's pieces in each (bucket, partition): what an armed synchronization steps at once
+        self._partition_pieces: dict[tuple[int, int], list[ShardPiece]] = {}
+        for piece in self.optimizers[0].pieces if self.optimizers else []:
+            index = piece.bucket.index
+            key = (index, self.layout.partition_of(piece, plan.segments[index][me][0]))
+            self._partition_pieces.setdefault(key, []).append(piece)
         self.served = [b.index for b in self.buckets if plan.segments[b.index][me][1] > plan.segments[b.index][me][0]]
         self.offset: dict[int, int] = {}
         offset = 0
@@ -84,23 +97,39 @@ class DedicatedServer:
                 eager = members.recv_object(0, tag=Tag.GRADIENTS)  # trainer 0 starts every synchronization
                 if eager is not None:
                     self._apply_hyperparameters(eager)
-                arriving = {b: [(members.irecv(tensor, t, Tag.GRADIENTS), t) for t in members.trainers
-                                for tensor in (self._scratch[b][t], self._flag_scratch[b][t])]
+                # each trainer's flags first (they say which parameters the partitions' steps update), then its
+                # gradients, in pieces
+                arriving = {b: [(members.irecv(self._flag_scratch[b][t], t, Tag.GRADIENTS),
+                                 members.irecv(self._scratch[b][t], t, Tag.GRADIENTS), t) for t in members.trainers]
                             for b in self.served}  # fmt: skip
                 sending: list[tuple[dist.Work | None, int]] = []
                 for b in self.served:
-                    for work, t in arriving[b]:
-                        members.wait(work, t, "receive gradients from")
-                    _average_in_rank_order(self._scratch[b], members.num_trainers, self.gradients[self._share_of(b)])
                     self.flags[b].zero_()
-                    for their_flags in self._flag_scratch[b]:
+                    for (flags_work, _, t), their_flags in zip(arriving[b], self._flag_scratch[b]):
+                        members.wait(flags_work, t, "receive gradients from")
                         self.flags[b].add_(their_flags)
+                    bad = False
+                    gradients = self.gradients[self._share_of(b)]
+                    for k, lo in enumerate(range(0, self._numel(b), self.partition)):
+                        hi = min(lo + self.partition, self._numel(b))
+                        for _, grads_work, t in arriving[b]:
+                            piece = grads_work.works[k] if grads_work is not None else None
+                            members.wait(piece, t, "receive gradients from")
+                        parts = [scratch[lo:hi] for scratch in self._scratch[b]]
+                        _average_in_rank_order(parts, members.num_trainers, gradients[lo:hi])
+                        if eager is not None:
+                            bad = self._step_partition(b, k, eager) or bad
+                            sending += self._send_to_trainers(b, Tag.WEIGHTS, self.layout.storage, piece=k)
                     if self.plan.full_gradients:
                         sending += self._send_to_trainers(b, Tag.AVERAGED, self.gradients, self._first_owner(b))
-                    if eager is not None:
-                        sending += self._step_bucket(b, eager)
+                    if eager is not None:  # after the weights: 1 where a partition was not finite (left as it was)
+                        status = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
+                        sending += [(members.isend(status, t, Tag.WEIGHTS), t) for t in members.trainers]
+                        if b == self.served[-1] and not bad:
+                            self.steps += 1
                 for work, t in sending:
                     members.wait(work, t, "send to")
+
                 with self._cond:
                     self._synced += 1
                     if eager is not None:
@@ -118,41 +147,40 @@ class DedicatedServer:
         for group, hyper in zip(sharded.optimizer.param_groups, control["hyperparameters"]):
             group.update(hyper)
 
-    def _step_bucket(self, b: int, control: dict[str, Any]) -> list[tuple[dist.Work | None, int]]:
-        """An armed synchronization: update this server's share of bucket ``b`` now and start sending it to every
-        trainer, after a status (1: a non-finite gradient, the share left as it was); the sends' works."""
+    def _step_partition(self, b: int, k: int, control: dict[str, Any]) -> bool:
+        """An armed synchronization: update this server's partition ``k`` of bucket ``b`` now, unless its gradient is
+        not finite (then left as it was; returns True)."""
         sharded = self.optimizers[0]
-        pieces = [pc for pc in sharded.pieces if pc.bucket.index == b]
+        pieces = self._partition_pieces.get((b, k), [])
         self._take_gradients(pieces)
-        bad = first_nonfinite([(pc.param, pc.tensor.grad) for pc in pieces if pc.tensor.grad is not None]) is not None
-        if bad:
+        grads = [(pc.param, pc.tensor.grad) for pc in pieces if pc.tensor.grad is not None]
+        if first_nonfinite(grads) is not None:
             for piece in pieces:
-                piece.tensor.grad = None  # this bucket's pieces only: the others step with their own buckets
-        else:
-            clip = control["clip"]
-            if clip is not None:  # by value only: an armed step never clips by norm
-                for piece in pieces:
-                    if piece.tensor.grad is not None:
-                        piece.tensor.grad.clamp_(-clip[1], clip[1])
-            sharded.step(**control["kwargs"])
-            if b == self.served[-1]:
-                self.steps += 1
-        status = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
-        works = []
-        for trainer in self.members.trainers:
-            works.append((self.members.isend(status, trainer, Tag.WEIGHTS), trainer))
-            works.append((self.members.isend(self.layout.storage[self._share_of(b)], trainer, Tag.WEIGHTS), trainer))
-        return works
+                piece.tensor.grad = None  # this partition's pieces only: the others step on their own
+            return True
+        clip = control["clip"]
+        if clip is not None:  # by value only: an armed step never clips by norm
+            for piece in pieces:
+                if piece.tensor.grad is not None:
+                    piece.tensor.grad.clamp_(-clip[1], clip[1])
+        sharded.step(**control["kwargs"])
+        return False
 
     def _first_owner(self, b: int) -> bool:
         return next(m for m, (s, e) in enumerate(self.plan.segments[b]) if e > s) == self.members.rank
 
     def _send_to_trainers(
-        self, b: int, tag: int, source: Tensor, with_flags: bool = False
+        self, b: int, tag: int, source: Tensor, with_flags: bool = False, piece: int | None = None
     ) -> list[tuple[dist.Work | None, int]]:
-        """Start sending this server's share of bucket ``b`` (of ``source``) to every trainer; the works."""
-        tensors = [source[self._share_of(b)]] + ([self.flags[b]] if with_flags else [])
-        return [(self.members.isend(t, trainer, tag), trainer) for trainer in self.members.trainers for t in tensors]
+        """Start sending this server's share of bucket ``b`` (of ``source``; only partition ``piece`` of it, if
+        given: one piece of the message the trainers receive whole) to every trainer; the works."""
+        share = source[self._share_of(b)]
+        first = 0
+        if piece is not None:
+            first, share = piece, share[piece * self.partition : (piece + 1) * self.partition]
+        tensors = [share] + ([self.flags[b]] if with_flags else [])
+        return [(self.members.isend(t, trainer, tag, first), trainer) for trainer in self.members.trainers
+                for t in tensors]  # fmt: skip
 
     def _send_and_wait(self, b: int, tag: int, source: Tensor) -> None:
         for work, trainer in self._send_to_trainers(b, tag, source):

@@ -118,6 +118,8 @@ class ShardLayout:
     every served element in bucket order (a server's own copy of the weights, initialised from the parameters);
     a piece that is a whole parameter is shaped like it. ``read_params=False`` leaves the storage uninitialised
     (a server whose parameters are shapes only, on the ``meta`` device, and whose weights arrive by message).
+    ``split_every``: pieces are also cut wherever their offset in the bucket's range crosses a multiple of it (a
+    server stepping its range partition by partition, see :meth:`partition_of`).
     """
 
     def __init__(
@@ -128,7 +130,9 @@ class ShardLayout:
         owner: str = "a sharded optimizer",
         own_storage: bool = False,
         read_params: bool = True,
+        split_every: int = 0,
     ) -> None:
+        self.split_every = split_every
         self.pieces: list[ShardPiece] = []
         served = [(b, *segments[b.index][rank]) for b in buckets]
         numel = sum(end - start for _, start, end in served)
@@ -141,10 +145,9 @@ class ShardLayout:
         offset = 0
         for bucket, start, end in served:
             for i, (p, (lo, hi)) in enumerate(zip(bucket.params, bucket.slices)):
-                a, b = max(lo, start), min(hi, end)
-                if a < b:
-                    if not p.is_contiguous():
-                        raise ConfigurationError(f"{owner} needs contiguous parameters")
+                if max(lo, start) < min(hi, end) and not p.is_contiguous():
+                    raise ConfigurationError(f"{owner} needs contiguous parameters")
+                for a, b in self._cuts(max(lo, start), min(hi, end), start):
                     at = offset + a - start
                     if own_storage:
                         view = self.storage[at : at + b - a]
@@ -156,6 +159,22 @@ class ShardLayout:
         self._by_param: dict[int, list[ShardPiece]] = {}
         for piece in self.pieces:
             self._by_param.setdefault(id(piece.param), []).append(piece)
+
+    def _cuts(self, a: int, b: int, start: int) -> list[Segment]:
+        """``[a, b)`` (bucket elements; empty if ``b <= a``) cut at every multiple of :attr:`split_every` past
+        ``start``."""
+        if b <= a:
+            return []
+        if not self.split_every:
+            return [(a, b)]
+        every = self.split_every
+        cuts = [a, *range(start + ((a - start) // every + 1) * every, b, every), b]
+        return list(zip(cuts, cuts[1:]))
+
+    def partition_of(self, piece: ShardPiece, start: int) -> int:
+        """Which partition (of :attr:`split_every` elements) of its bucket's range, starting at bucket element
+        ``start``, holds ``piece``."""
+        return (piece.bucket_start - start) // self.split_every if self.split_every else 0
 
     def read_storage(self) -> None:
         """Copy the parameters' current values into :attr:`storage` (with ``own_storage``; else nothing to do)."""

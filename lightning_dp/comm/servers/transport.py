@@ -122,17 +122,18 @@ class DedicatedServerTransport(Transport):
         works, received = self._arriving.pop(bucket.index, ([], {}))
         if self._eager is not None:  # the servers' new weights of this bucket, waited for after backward
             for owner, (s, e) in self._owners(bucket):
-                if owner >= self.members.num_trainers:
+                if owner >= self.members.num_trainers:  # in pieces as the server steps them, then its status
+                    self._pending.append(
+                        (self.members.irecv(host[s:e], owner, Tag.WEIGHTS), owner, bucket, (s, e), None)
+                    )
                     status = torch.zeros(1, dtype=torch.float64)
                     self._pending.append(
                         (self.members.irecv(status, owner, Tag.WEIGHTS), owner, bucket, (s, e), status)
                     )
-                    self._pending.append(
-                        (self.members.irecv(host[s:e], owner, Tag.WEIGHTS), owner, bucket, (s, e), None)
-                    )
         for owner, (s, e) in self._owners(bucket):  # after the receives are announced (see MemberGroup._pieces)
             if owner != self.me:  # not waited for here: the next bucket's push overlaps (see wait_sent)
-                for tensor in (host[s:e], flags_out):
+                # the flags first: the owner steps each piece of the gradients as it arrives
+                for tensor in (flags_out, host[s:e]):
                     self._sent.append((self.members.isend(tensor, owner, Tag.GRADIENTS), owner, "push gradients to"))
                 self.stats.add(sent=(e - s + flags.numel()) * host.element_size())
         self.members.wait_all(works, self.timeout)
@@ -158,7 +159,7 @@ class DedicatedServerTransport(Transport):
                 if t != self.me:
                     grads = torch.empty(end - start, dtype=bucket.buffer.dtype)
                     their_flags = torch.empty(flags.shape, dtype=flags.dtype)
-                    for tensor in (grads, their_flags):
+                    for tensor in (their_flags, grads):  # the order they are sent in (see _reduce)
                         works.append((self.members.irecv(tensor, t, Tag.GRADIENTS), t, "receive gradients from"))
                     received[t] = (grads, their_flags)
         return works, received

@@ -52,7 +52,8 @@ STOP_GRACE_SECONDS = 30.0
 class DedicatedEngine(StepEngine):
     """A fit's ``num_servers`` dedicated servers, seen from a trainer (see the module docstring); trainer 0 starts
     them where ``start_servers``. With ``trainers_serve`` the trainers serve a share too (the optimal split),
-    otherwise only the servers do, each a set of whole parameters."""
+    otherwise only the servers do: each an equal part of every bucket (element-wise optimizers), else a set of whole
+    parameters."""
 
     def __init__(
         self, strategy: DataParallelStrategy, num_servers: int, start_servers: bool, trainers_serve: bool
@@ -134,11 +135,13 @@ class DedicatedEngine(StepEngine):
         started = time.perf_counter()
         members = MemberGroup(store, strategy.global_rank, n, k, timeout)
         shares = member_shares(n, k, trainers_serve=self.trainers_serve)
-        transport = DedicatedServerTransport(members, shares, not self.trainers_serve, strategy.gradient_group,
-                                             strategy.sync_stats, timeout)  # fmt: skip
+        optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
+        # element-wise optimizers are exact on any slice: every bucket is cut over the servers, a large tensor too
+        whole = not self.trainers_serve and not all(type(o) in ELEMENTWISE_OPTIMIZERS for o in optimizers)
+        transport = DedicatedServerTransport(members, shares, whole, strategy.gradient_group, strategy.sync_stats,
+                                             timeout)  # fmt: skip
         transport.bind(reducer.buckets)
         self.transport = strategy.transport = transport
-        optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
         if self.is_trainer_zero:
             store.set("plan", pickle.dumps(self._plan(reducer, optimizers)))  # type: ignore[arg-type]  # bytes are fine
         owner = f"strategy {self.name!r}"
