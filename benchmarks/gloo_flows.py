@@ -1,8 +1,8 @@
 """Does gloo carry concurrent flows at the link's rate? Every member of n emulated hosts (1 Gbit/s links) sends S / n
 bytes to every other member, all at once, through the member group the dedicated servers use
-(:class:`~lightning_dp.comm.servers.MemberGroup`: 1 MB pieces, every receive posted before any send), and, for
-contrast, one peer after another. The all-to-all's bound is (n - 1) / n · S / B: each host's uplink sends that much
-while its downlink receives as much.
+(:class:`~lightning_dp.comm.servers.MemberGroup`: pieces of ``message_bytes``, every receive posted before any
+send), and, for contrast, one peer after another. The all-to-all's bound is (n - 1) / n · S / B: each host's
+uplink sends that much while its downlink receives as much.
 
     sudo python -m benchmarks.gloo_flows                 # n = 2, 3, 4; S = 16 MB; 1 Gbit/s
     sudo python -m benchmarks.gloo_flows --quick         # n = 3
@@ -60,7 +60,7 @@ def member(rank: int, n: int, size_mb: float, repeats: int, port: int, out: str)
 
     seconds = {pattern: timed(fn, repeats) for pattern, fn in zip(PATTERNS, (all_at_once, one_peer_at_a_time))}
     if rank == 0:
-        Path(out).write_text(json.dumps(seconds))
+        Path(out).write_text(json.dumps({"seconds": seconds, "message_bytes": members.message_bytes}))
     dist.barrier()
     members.close()
     dist.destroy_process_group()
@@ -75,17 +75,20 @@ def measure(n: int, size_mb: float, rate_mbit: float, repeats: int, tmp: Path) -
                     for r in range(n)]  # fmt: skip
         run_in_hosts(commands, env, 600)
     bound = (n - 1) / n * size_mb * MB / (rate_mbit * 1e6 / 8)
-    return {"hosts": n, "size_mb": size_mb, "rate_mbit": rate_mbit, "repeats": repeats,
-            "measured_s": json.loads(out.read_text()), "bound_s": bound}  # fmt: skip
+    measured = json.loads(out.read_text())
+    return {"hosts": n, "size_mb": size_mb, "rate_mbit": rate_mbit, "repeats": repeats, "bound_s": bound,
+            "measured_s": measured["seconds"], "message_bytes": measured["message_bytes"]}  # fmt: skip
 
 
 def report_lines(rows: list[dict]) -> list[str]:
     """The table of ``rows`` (``Machine: ...`` first)."""
     r0 = rows[0]
+    piece_kib = r0.get("message_bytes", 1 << 20) / 1024  # rows without the key ran with 1 MiB pieces
     lines = [
         f"Machine: {os.cpu_count()} CPUs; every host a network namespace whose link is shaped with tc tbf to "
         f"{r0['rate_mbit']:g} Mbit/s both ways; each host sends S / n of S = {r0['size_mb']:g} MB to every other "
-        f"through the dedicated servers' member group (gloo, 1 MB pieces); median of {r0['repeats']}, slowest host",
+        f"through the dedicated servers' member group (gloo, {piece_kib:g} KiB pieces); median of {r0['repeats']}, "
+        "slowest host",
         "",
         "| hosts n | bound (n - 1) / n · S / B s | all at once s | / bound | one peer at a time s | / bound |",
         "|---|---|---|---|---|---|",
