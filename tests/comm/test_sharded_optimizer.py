@@ -208,19 +208,21 @@ def test_pieces_split_at_partitions_cover_the_range_and_step_like_whole_ones(eve
         assert pc.tensor.data_ptr() == split.storage[pc.storage_start :].data_ptr()
     boundaries = {a for a, _ in covered} | {end}
     assert {start + m * every for m in range(1, (end - start - 1) // every + 1)} <= boundaries
-    # Adam over the split pieces, a partition at a time, equals Adam over the unsplit ones
-    grad = torch.randn(end - start)
+    # Adam over the split pieces, a partition at a time (every piece's gradient set first, as a server's arrive),
+    # equals Adam over the unsplit ones: step_pieces steps exactly its pieces, and drops only their gradients
     results = []
     for layout in (whole, split):
         optimizer = ShardedOptimizer(torch.optim.Adam(params, lr=0.1), layout)
-        for _ in range(3):
-            partitions = sorted({layout.partition_of(pc, start) for pc in layout.pieces})
-            for k in partitions:
-                for pc in layout.pieces:
-                    lo = pc.bucket_start - start
-                    n = pc.end - pc.start
-                    in_k = layout.partition_of(pc, start) == k
-                    pc.tensor.grad = grad[lo : lo + n].view_as(pc.tensor).clone() if in_k else None
-                optimizer.step()
+        for step in range(3):
+            grad = torch.randn(end - start, generator=torch.Generator().manual_seed(step))
+            for pc in layout.pieces:
+                lo = pc.bucket_start - start
+                pc.tensor.grad = grad[lo : lo + pc.end - pc.start].view_as(pc.tensor).clone()
+            for k in sorted({layout.partition_of(pc, start) for pc in layout.pieces}):
+                partition = [pc for pc in layout.pieces if layout.partition_of(pc, start) == k]
+                optimizer.step_pieces(partition)
+                assert all(pc.tensor.grad is None for pc in partition)
+            assert all(pc.tensor.grad is None for pc in layout.pieces)
         results.append(layout.storage.clone())
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    assert len(optimizer.shard.param_groups[0]["params"]) == len(split.pieces)  # the groups are whole again

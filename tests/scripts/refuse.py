@@ -6,13 +6,14 @@ import lightning as L
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-import lightning_dp  # noqa: F401 - registers the strategies
+import lightning_dp  # registers the strategies
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--optimizer", required=True)
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--sparse", action="store_true", help="add an nn.Embedding(sparse=True)")
+parser.add_argument("--num-servers", type=int, default=0, help="strategy option: dedicated server processes")
 args = parser.parse_args()
 
 
@@ -32,8 +33,15 @@ class Model(BoringModel):
         return cls(self.parameters(), lr=0.1)
 
 
+strategy = args.strategy
+if args.num_servers:
+    servers = {
+        "parameter_server": lightning_dp.ParameterServerStrategy,
+        "sharded_ps": lightning_dp.ShardedParameterServerStrategy,
+    }
+    strategy = servers[args.strategy](num_servers=args.num_servers)
 L.Trainer(
-    strategy=args.strategy, accelerator="cpu", devices=args.devices, max_steps=1, logger=False,
+    strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=1, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 ).fit(Model())  # fmt: skip
 print("TRAINED")

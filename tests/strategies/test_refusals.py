@@ -31,9 +31,12 @@ def test_optimizers_the_scheme_cannot_run_are_refused_at_setup(strategy, optimiz
 
 
 @pytest.mark.multiprocess
-def test_parameter_server_runs_adafactor():
-    # the central server holds whole tensors, so factored (non-element-wise) optimizers are fine there
-    result = run_script("refuse", "--strategy", "parameter_server", "--optimizer", "Adafactor", timeout=120)
+@pytest.mark.parametrize("num_servers", [0, 2])
+def test_parameter_server_runs_adafactor(num_servers):
+    # the central server holds whole tensors, so factored (non-element-wise) optimizers are fine there; dedicated
+    # servers then get whole parameters too (element-wise optimizers' buckets are cut over them)
+    args = ["--strategy", "parameter_server", "--optimizer", "Adafactor", "--num-servers", str(num_servers)]
+    result = run_script("refuse", *args, timeout=120)
     assert "TRAINED" in result.stdout
 
 

@@ -18,8 +18,8 @@ share, a server machine receives ``n y S`` (and sends as much back). Equal loads
 
 ``k = 0`` is the sharded server on the trainers (the ring's ``2 (n - 1) / n · S / B``); from ``k = n`` on the
 trainers serve nothing and a step takes ``S / B``: each trainer sends its gradients once and receives the weights
-once. ``parameter_server`` with ``k`` servers uses ``x = 0`` and whole parameters, so any per-parameter optimizer
-runs there.
+once. ``parameter_server`` with ``k`` servers uses ``x = 0``: an element-wise optimizer's buckets are cut over the
+servers like any other, and any other per-parameter optimizer gets whole parameters.
 
 Trainers' side: :class:`~.transport.DedicatedServerTransport` (a :class:`~lightning_dp.comm.transports.Transport`
 for the gradient buckets, plus the control messages trainer 0 sends each step). Servers' side:
@@ -27,7 +27,8 @@ for the gradient buckets, plus the control messages trainer 0 sends each step). 
 pushes each bucket's shares to their owners during backward; per optimizer step trainer 0 sends a control message
 (which optimizer, its current hyperparameters, the clipping Lightning asked for), every member takes part in one
 tiny all-reduce (the gradients' squared norm for clipping by norm and a NaN/inf vote), the owners step, and every
-trainer receives the new weights."""
+trainer receives the new weights. When nothing between backward and the step can change the update, the servers
+instead step their shares piece by piece (:attr:`~.members.MemberGroup.message_bytes`) as the pushes arrive."""
 
 from lightning_dp.comm.servers.members import MemberGroup, run_store
 from lightning_dp.comm.servers.plan import Control, ServerPlan, check_importable, optimizer_spec

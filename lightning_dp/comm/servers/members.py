@@ -30,8 +30,8 @@ class Tag(IntEnum):
     OBJECT = 16
 
 
-#: pieces of one message travel on tags of their own: ``Tag * PIECE_TAGS + piece``
-PIECE_TAGS = 65536
+#: pieces of one message travel on tags of their own: ``Tag * PIECE_TAGS + piece`` (below 2**31 for every tag)
+PIECE_TAGS = 1 << 24
 #: the prefix of the run's keys in the rendezvous store
 STORE_PREFIX = "lightning_dp/servers"
 
@@ -130,6 +130,12 @@ class MemberGroup:
             return None
         step = self.piece_numel(tensor)
         pieces = range(0, tensor.numel(), step)
+        if first_piece + len(pieces) > PIECE_TAGS:
+            raise ValueError(
+                f"a message of {tensor.numel() * tensor.element_size()} bytes needs {first_piece + len(pieces)} pieces "
+                f"of {self.message_bytes} bytes, more than the {PIECE_TAGS} tags a message has: raise "
+                f"{MESSAGE_BYTES_VARIABLE}"
+            )
         tags = (tag * PIECE_TAGS + first_piece + k for k in range(len(pieces)))
         return PieceWorks([op([tensor[i : i + step]], member, t) for i, t in zip(pieces, tags)])
 

@@ -103,6 +103,7 @@ class DedicatedServer:
                                  members.irecv(self._scratch[b][t], t, Tag.GRADIENTS), t) for t in members.trainers]
                             for b in self.served}  # fmt: skip
                 sending: list[tuple[dist.Work | None, int]] = []
+                stepped = eager is not None  # every partition of every served bucket, all finite
                 for b in self.served:
                     self.flags[b].zero_()
                     for (flags_work, _, t), their_flags in zip(arriving[b], self._flag_scratch[b]):
@@ -125,11 +126,11 @@ class DedicatedServer:
                     if eager is not None:  # after the weights: 1 where a partition was not finite (left as it was)
                         status = torch.tensor([1.0 if bad else 0.0], dtype=torch.float64)
                         sending += [(members.isend(status, t, Tag.WEIGHTS), t) for t in members.trainers]
-                        if b == self.served[-1] and not bad:
-                            self.steps += 1
+                        stepped = stepped and not bad
                 for work, t in sending:
                     members.wait(work, t, "send to")
-
+                if stepped:
+                    self.steps += 1
                 with self._cond:
                     self._synced += 1
                     if eager is not None:
@@ -163,7 +164,7 @@ class DedicatedServer:
             for piece in pieces:
                 if piece.tensor.grad is not None:
                     piece.tensor.grad.clamp_(-clip[1], clip[1])
-        sharded.step(**control["kwargs"])
+        sharded.step_pieces(pieces, **control["kwargs"])
         return False
 
     def _first_owner(self, b: int) -> bool:

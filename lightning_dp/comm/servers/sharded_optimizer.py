@@ -332,13 +332,34 @@ class ShardedOptimizer:
         hyperparameters, those named in ``scale`` multiplied by their factor (e.g. ``{"lr": 0.5}``)."""
         if not self.serves_anything:
             return
+        self._follow_hyperparameters(scale)
+        self.shard.step(**kwargs)
+        self.clear_gradients()
+
+    def step_pieces(self, pieces: Sequence[ShardPiece], **kwargs: Any) -> None:
+        """:meth:`step` of ``pieces`` only (an element-wise optimizer's partition; their gradients then dropped): the
+        shard's groups hold just those tensors for the call, so its cost follows the partition, not the share."""
+        if not pieces:
+            return
+        self._follow_hyperparameters(None)
+        chosen = {id(pc.tensor) for pc in pieces}
+        held = [group["params"] for group in self.shard.param_groups]
+        try:
+            for group, tensors in zip(self.shard.param_groups, held):
+                group["params"] = [t for t in tensors if id(t) in chosen]
+            self.shard.step(**kwargs)
+        finally:
+            for group, tensors in zip(self.shard.param_groups, held):
+                group["params"] = tensors
+        for piece in pieces:
+            piece.tensor.grad = None
+
+    def _follow_hyperparameters(self, scale: Mapping[str, float] | None) -> None:
         for front_group, shard_group in zip(self.optimizer.param_groups, self.shard.param_groups):
             shard_group.update(hyperparameters(front_group))
             for key, factor in (scale or {}).items():
                 if key in shard_group and factor != 1.0:
                     shard_group[key] = shard_group[key] * factor
-        self.shard.step(**kwargs)
-        self.clear_gradients()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

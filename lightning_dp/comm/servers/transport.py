@@ -99,9 +99,10 @@ class DedicatedServerTransport(Transport):
         return [(m, (s, e)) for m, (s, e) in enumerate(self.segments[bucket.index]) if e > s]
 
     def arm(self, control: dict[str, Any]) -> None:
-        """The next synchronization is a step's: the servers update each bucket as soon as every trainer's share of
-        it is in, with ``control`` (trainer 0's: hyperparameters, clipping by value, step arguments), and send the
-        new weights back at once, while later buckets are still being pushed; :meth:`finish_eager` collects them."""
+        """The next synchronization is a step's: the servers update each piece of their shares as soon as every
+        trainer's copy of it is in, with ``control`` (trainer 0's: hyperparameters, clipping by value, step
+        arguments), and send its new weights back at once, while later pieces are still being pushed;
+        :meth:`finish_eager` collects them."""
         self._eager = control
 
     def disarm(self) -> None:
@@ -228,7 +229,7 @@ class DedicatedServerTransport(Transport):
 
     def finish_eager(self) -> list[int]:
         """After an armed backward: wait for the servers' new weights (into the buckets' gradient regions); the
-        servers that found a non-finite gradient (they did not update that bucket's share)."""
+        servers that found a non-finite gradient (they left each piece that held one as it was)."""
         self.wait_sent()
         bad = []
         pending, self._pending = self._pending, []
