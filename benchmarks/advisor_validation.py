@@ -6,11 +6,15 @@ rate, one-way latency between two hosts, and S bytes of gradients. On each, the 
 their link as ``lightning_dp.advise`` and ``CommMonitor`` do (:func:`lightning_dp.comm.cluster.probe.measure_link`, a
 ping-pong), then time one synchronized step's exchange of every scheme with the transports the strategies use
 (gradient buckets of the strategies' default 25 MB cap: reduce every bucket; the parameter servers also vote and
-pull the weights), and the model predicts the same from the measured link (:mod:`lightning_dp.comm.cost`).
+pull the weights), and the model predicts the same from the measured link (:mod:`lightning_dp.comm.cost`). Beside
+the three exact schemes, whose fastest the model must name, every point also times the ring in float16 (the fp16
+codec), and at 0 and 10 ms with S = 4 MB a second cluster of two ranks per host times the hierarchical ring
+(shared memory inside a host) against the flat ring over the same ranks.
 
     sudo python -m benchmarks.advisor_validation                # N = 2,3,4 × 100M/1G × 0/1/10/50 ms × 1/4/16 MB
     sudo python -m benchmarks.advisor_validation --quick        # N = 3, 1 Gbit/s, 0 and 10 ms, 4 MB
     python -m benchmarks.advisor_validation --report            # tables and plot from results/advisor_validation.json
+    python -m benchmarks.advisor_validation --repredict         # the stored measurements, the current model
 
 Hosts get TCP settings for long fat links (benchmarks.netns.LONG_FAT_TCP: 32 MB socket buffers, no slow start
 after idle), as a cluster tuned for such links would. Needs root and iproute2; writes
@@ -20,6 +24,7 @@ results/advisor_validation.{json,md} and results/advisor_map.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -36,49 +41,68 @@ SCHEMES = ("ring_allreduce", "parameter_server", "sharded_ps")
 MB = 2**20
 
 
-def worker(rank: int, world_size: int, sizes_mb: list[float], repeats: int, port: int, out: str) -> None:
+#: schemes measured beside the exact ones: the ring in 16 bits (a codec), and, on hosts of two ranks each, the ring
+#: that goes through shared memory inside a host (hierarchical); neither takes part in the best-scheme count
+COMPRESSED, HIERARCHICAL = "ring_allreduce+fp16", "ring_allreduce+shm"
+#: the hierarchical sub-grid: two ranks per host, these latencies and this S, at every N and rate of the grid
+HIERARCHICAL_LATENCIES_MS, HIERARCHICAL_SIZE_MB = (0.0, 10.0), 4.0
+
+
+def worker(
+    rank: int, world_size: int, ranks_per_host: int, schemes: list[str], sizes_mb: list[float], repeats: int,
+    port: int, out: str,
+) -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
 
     from benchmarks.collectives import timed
-    from lightning_dp.comm.buckets import GradientBucket, assign_buckets
     from lightning_dp.comm.cluster.probe import measure_link
-    from lightning_dp.comm.cost import Scheme, Topology, Wire, step_cost
-    from lightning_dp.comm.transports import CentralServerTransport, RingTransport, ShardedServerTransport
+    from lightning_dp.comm.codecs import HalfPrecisionCodec
+    from lightning_dp.comm.transports import (
+        CentralServerTransport,
+        RingTransport,
+        ShardedServerTransport,
+        SharedMemoryTransport,
+    )
     from lightning_dp.comm.transports.shards import any_rank
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
     dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{port}", rank=rank, world_size=world_size)
     link = measure_link()
+    hosts = world_size // ranks_per_host
     rows = []
     for size_mb in sizes_mb:
-        # a model of S bytes: four weight matrices' worth of parameters, laid into buckets as the strategies do
-        numel = int(size_mb * MB) // 4
-        params = [torch.nn.Parameter(torch.randn(numel // 4 + (i < numel % 4))) for i in range(4)]
-        buckets = [GradientBucket(i, [params[j] for j in idx]) for i, idx in enumerate(assign_buckets(params, 25 * MB))]
-        for name in SCHEMES:
-            if name == "ring_allreduce":
+        buckets = grid_buckets(size_mb)
+        for name in schemes:
+            codec = None
+            if name == HIERARCHICAL:
+                transport = SharedMemoryTransport(node_key=f"advisor-host-{rank // ranks_per_host}")
+            elif name in ("ring_allreduce", COMPRESSED):
                 transport = RingTransport()
             elif name == "parameter_server":
                 transport = CentralServerTransport(server=0)
             else:
                 transport = ShardedServerTransport()
             transport.bind(buckets)
+            if name == COMPRESSED:
+                codec = HalfPrecisionCodec(torch.float16)
+                codec.bind(buckets, transport)
 
-            def step(transport=transport, name=name, buckets=buckets) -> None:
+            def step(transport=transport, name=name, buckets=buckets, codec=codec) -> None:
                 for bucket in buckets:
-                    transport.reduce(bucket)
-                if name != "ring_allreduce":
+                    codec.reduce(bucket, transport) if codec is not None else transport.reduce(bucket)
+                if "ring_allreduce" not in name:
                     any_rank(False, transport.ring)  # the servers' vote on non-finite gradients
                     for bucket in buckets:
                         transport.share(bucket)  # the new weights
 
             seconds = timed(step, repeats)  # after a warm-up (connections, TCP windows): the slowest rank's median
-            wire = Wire(tuple(b.nbytes for b in buckets))
-            cost = step_cost(Scheme(name, intra_node="ring"), Topology(world_size, 1), link, wire)
-            rows.append({"scheme": name, "size_mb": size_mb, "measured_s": seconds,
+            cost = grid_cost(name, hosts, ranks_per_host, link.latency, link.bandwidth, size_mb)
+            rows.append({"scheme": name, "size_mb": size_mb, "measured_s": seconds, "ranks_per_host": ranks_per_host,
                          "predicted_s": cost.seconds, "rounds": cost.rounds, "buckets": len(buckets)})  # fmt: skip
+            if hasattr(transport, "close"):
+                transport.close()
     if rank == 0:
         measured_link = {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}
         Path(out).write_text(json.dumps({"link": measured_link, "rows": rows}))
@@ -86,33 +110,87 @@ def worker(rank: int, world_size: int, sizes_mb: list[float], repeats: int, port
     dist.destroy_process_group()
 
 
-def measure(n: int, rate_mbit: float, latency_ms: float, sizes_mb: list[float], repeats: int, tmp: Path) -> list[dict]:
-    """One emulated cluster: ``n`` hosts, links of ``rate_mbit``, ``latency_ms`` added one way host to host."""
-    out = tmp / f"n{n}-{rate_mbit}-{latency_ms}.json"
+def grid_buckets(size_mb: float) -> list:
+    """A model of S bytes, four weight matrices' worth of parameters (zeros), laid into buckets as the strategies do
+    (their default 25 MB cap)."""
+    import torch
+
+    from lightning_dp.comm.buckets import GradientBucket, assign_buckets
+
+    numel = int(size_mb * MB) // 4
+    params = [torch.nn.Parameter(torch.zeros(numel // 4 + (i < numel % 4))) for i in range(4)]
+    return [GradientBucket(i, [params[j] for j in idx]) for i, idx in enumerate(assign_buckets(params, 25 * MB))]
+
+
+@functools.cache
+def _grid_wires(size_mb: float) -> tuple:
+    """The cost model's record of :func:`grid_buckets`: as they are, and in float16 (the fp16 codec's)."""
+    import torch
+
+    from lightning_dp.comm.codecs import HalfPrecisionCodec
+    from lightning_dp.comm.cost import Wire
+
+    buckets = grid_buckets(size_mb)
+    return Wire(tuple(b.nbytes for b in buckets)), HalfPrecisionCodec(torch.float16).traffic(buckets)
+
+
+def grid_cost(scheme: str, hosts: int, ranks_per_host: int, latency_s: float, bandwidth_bps: float, size_mb: float):
+    """The cost model's step for ``scheme`` on ``hosts`` machines of ``ranks_per_host`` ranks joined by the measured
+    link."""
+    from lightning_dp.comm.cost import Link, Scheme, Topology, step_cost
+
+    plain, half = _grid_wires(size_mb)
+    strategy, _, option = scheme.partition("+")
+    wire = half if option == "fp16" else plain
+    model = Scheme(strategy, intra_node="shm" if option == "shm" else "ring", compression=option or "none")
+    link = Link(latency_s, bandwidth_bps)
+    return step_cost(model, Topology(hosts, ranks_per_host), link, wire, plain)
+
+
+def measure(
+    n: int, rate_mbit: float, latency_ms: float, sizes_mb: list[float], repeats: int, tmp: Path,
+    schemes: list[str], ranks_per_host: int = 1,
+) -> list[dict]:  # fmt: skip
+    """One emulated cluster: ``n`` hosts of ``ranks_per_host`` ranks, links of ``rate_mbit``, ``latency_ms`` added
+    one way host to host."""
+    out = tmp / f"n{n}-{rate_mbit}-{latency_ms}-{ranks_per_host}.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     port = 29600 + n
+    world = n * ranks_per_host
     with delayed_hosts(n, rate_mbit, latency_ms, tcp=LONG_FAT_TCP) as hosts:
         worker = [sys.executable, "-m", "benchmarks.advisor_validation", "--worker"]
         sizes = ",".join(map(str, sizes_mb))
-        run_in_hosts([(ns, [*worker, str(rank), str(n), sizes, str(repeats), str(port), str(out)])
-                      for rank, ns in enumerate(hosts)], env, timeout=1200)  # fmt: skip
+        args = [str(world), str(ranks_per_host), ",".join(schemes), sizes, str(repeats), str(port), str(out)]
+        run_in_hosts([(hosts[rank // ranks_per_host], [*worker, str(rank), *args]) for rank in range(world)], env,
+                     timeout=1200)  # fmt: skip
     result = json.loads(out.read_text())
     base = {"hosts": n, "rate_mbit": rate_mbit, "latency_ms": latency_ms, **result["link"]}
     return [{**base, **row} for row in result["rows"]]
 
 
 # ---------------------------------------------------------------------------------------------------- the report
+def _exact(rows: list[dict]) -> list[dict]:
+    """The rows of the schemes that train exactly as one process, one rank per host: the best-scheme contest."""
+    return [r for r in rows if r["scheme"] in SCHEMES and r.get("ranks_per_host", 1) == 1]
+
+
 def _points(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     points: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
+    for r in _exact(rows):
         points.setdefault((r["hosts"], r["rate_mbit"], r["latency_ms"], r["size_mb"]), {})[r["scheme"]] = r
     return points
 
 
-def summarize(rows: list[dict]) -> dict:
-    """The targets: prediction error of the communication time, and whether the predicted best is the measured
-    best (or within 5 % of it)."""
+def _errors(rows: list[dict]) -> tuple[float, float]:
+    """Median and 90th percentile of |predicted − measured| / measured."""
     errors = sorted(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows)
+    return statistics.median(errors), errors[min(len(errors) - 1, int(0.9 * len(errors)))]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The targets: prediction error of the communication time (the exact schemes'), whether the predicted best is
+    the measured best (or within 5 % of it), and each further scheme's error."""
+    median, p90 = _errors(_exact(rows))
     points = _points(rows)
     hits = model_ties = 0
     for schemes in points.values():
@@ -122,9 +200,15 @@ def summarize(rows: list[dict]) -> dict:
         hits += hit
         first, second = sorted(r["predicted_s"] for r in schemes.values())[:2]
         model_ties += not hit and second <= 1.05 * first
+    others = {}
+    for scheme in sorted({r["scheme"] for r in rows} - set(SCHEMES)):
+        chosen = [r for r in rows if r["scheme"] == scheme]
+        others[scheme] = (len(chosen), *_errors(chosen))
     return {
-        "median_error": statistics.median(errors),
-        "p90_error": errors[min(len(errors) - 1, int(0.9 * len(errors)))],
+        "median_error": median,
+        "p90_error": p90,
+        "measurements": len(_exact(rows)),
+        "others": others,
         "best_hits": hits,
         "points": len(points),
         "misses_the_model_called_a_tie": model_ties,
@@ -140,13 +224,19 @@ def report_lines(rows: list[dict]) -> list[str]:
         "the median of the repeats of one step's exchange, slowest rank; predictions (in parentheses) from the "
         "measured link.",
         "",
-        f"Prediction error |predicted − measured| / measured over {len(rows)} measurements: median "
-        f"{100 * s['median_error']:.0f} % (target ≤ 25 %), 90th percentile {100 * s['p90_error']:.0f} % (target ≤ "
-        f"50 %). Predicted best scheme measured best or within 5 % of it: {s['best_hits']} of {s['points']} grid "
+        f"Prediction error |predicted − measured| / measured over {s['measurements']} measurements: median "
+        f"{100 * s['median_error']:.0f} % (target ≤ 20 %), 90th percentile {100 * s['p90_error']:.0f} % (target ≤ "
+        f"40 %). Predicted best scheme measured best or within 5 % of it: {s['best_hits']} of {s['points']} grid "
         f"points ({100 * s['best_hits'] / s['points']:.0f} %, target ≥ 90 %); of the other "
         f"{s['points'] - s['best_hits']}, {s['misses_the_model_called_a_tie']} are points where the model put its two "
         "fastest schemes within 5 % of each other.",
         "",
+        *[
+            f"- {scheme} (measured beside the contest, {count} points): median error {100 * median:.0f} %, 90th "
+            f"percentile {100 * p90:.0f} %"
+            for scheme, (count, median, p90) in s["others"].items()
+        ],
+        *([""] if s["others"] else []),
         "Ring time / sharded-server time, measured / predicted, by latency (the crossover: above 1 the sharded "
         "servers win):",
         "",
@@ -166,6 +256,22 @@ def report_lines(rows: list[dict]) -> list[str]:
             cells.append(f"{ring['measured_s'] / sharded['measured_s']:.2f} / "
                          f"{ring['predicted_s'] / sharded['predicted_s']:.2f}")  # fmt: skip
         lines.append(f"| {n} | {rate:g} Mbit/s | {size:g} MB | {' | '.join(cells)} |")
+    others = [r for r in rows if r not in _exact(rows)]
+    if others:
+        lines += [
+            "",
+            f"Beside the contest: {COMPRESSED} is the ring with buckets in float16 (the fp16 codec); {HIERARCHICAL} "
+            "runs two ranks per host, the ring through shared memory inside a host and across hosts one ring per "
+            "local rank, against the flat ring over the same ranks (ring_allreduce, two ranks per host):",
+            "",
+            "| scheme | N hosts | ranks per host | rate | latency | S | measured s | predicted s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(others, key=lambda r: (r["scheme"], r["ranks_per_host"], r["hosts"], r["rate_mbit"],
+                                               r["latency_ms"], r["size_mb"])):  # fmt: skip
+            lines.append(f"| {r['scheme']} | {r['hosts']} | {r.get('ranks_per_host', 1)} | {r['rate_mbit']:g} Mbit/s | "
+                         f"{r['latency_ms']:g} ms | {r['size_mb']:g} MB | {r['measured_s']:.3f} | "
+                         f"{r['predicted_s']:.3f} |")  # fmt: skip
     lines += [
         "",
         "Every grid point:",
@@ -193,18 +299,8 @@ def plot_map(rows: list[dict], out: Path, hosts: tuple[int, ...] = (2, 4), size_
     if plt is None:
         return
     import numpy as np
-
-    # the grid's buckets for S: four tensors of S / 4 bytes, the strategies' bucket caps
-    import torch
     from matplotlib.colors import ListedColormap
 
-    from lightning_dp.comm.buckets import GradientBucket, assign_buckets
-    from lightning_dp.comm.cost import Link, Scheme, Topology, Wire, step_cost
-
-    numel = int(size_mb * MB) // 4
-    params = [torch.nn.Parameter(torch.empty(numel // 4)) for _ in range(4)]
-    wire = Wire(tuple(GradientBucket(i, [params[j] for j in idx]).nbytes
-                      for i, idx in enumerate(assign_buckets(params, 25 * MB))))  # fmt: skip
     rates = np.logspace(1, 5, 150)  # Mbit/s
     latencies = np.logspace(-2, 2.3, 150)  # ms
     colors = ["#4c72b0", "#dd8452", "#55a868", "#d0d0d0"]
@@ -213,8 +309,7 @@ def plot_map(rows: list[dict], out: Path, hosts: tuple[int, ...] = (2, 4), size_
         winner = np.zeros((len(latencies), len(rates)))
         for i, latency in enumerate(latencies):
             for j, rate in enumerate(rates):
-                link = Link(latency / 1e3, rate * 1e6 / 8)
-                times = [step_cost(Scheme(s, "ring"), Topology(n, 1), link, wire).seconds for s in SCHEMES]
+                times = [grid_cost(s, n, 1, latency / 1e3, rate * 1e6 / 8, size_mb).seconds for s in SCHEMES]
                 first, second = sorted(times)[:2]
                 winner[i, j] = 3 if second <= 1.05 * first else int(np.argmin(times))
         ax.pcolormesh(rates, latencies, winner, cmap=ListedColormap(colors), vmin=-0.5, vmax=3.5, shading="auto",
@@ -244,8 +339,9 @@ def plot_map(rows: list[dict], out: Path, hosts: tuple[int, ...] = (2, 4), size_
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        rank, n, sizes, repeats, port, out = sys.argv[2:8]
-        worker(int(rank), int(n), [float(s) for s in sizes.split(",")], int(repeats), int(port), out)
+        rank, n, per_host, schemes, sizes, repeats, port, out = sys.argv[2:10]
+        worker(int(rank), int(n), int(per_host), schemes.split(","), [float(s) for s in sizes.split(",")],
+               int(repeats), int(port), out)  # fmt: skip
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -255,12 +351,21 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--report", action="store_true", help="only rewrite the tables and plot from the JSON")
+    parser.add_argument("--repredict", action="store_true",
+                        help="keep the stored measurements, predict them with the current cost model")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     out = Path(args.out)
-    if args.report:
+    if args.report or args.repredict:
         saved = load(out / "advisor_validation.json")
         rows, command, machine = saved["rows"], saved["command"], saved["machine"]
+        if args.repredict:
+            for row in rows:
+                cost = grid_cost(row["scheme"], row["hosts"], row.get("ranks_per_host", 1), row["latency_s"],
+                                 row["bandwidth_Bps"], row["size_mb"])  # fmt: skip
+                row["predicted_s"], row["rounds"] = cost.seconds, cost.rounds
+            marker = "; predicted again: "
+            command = command.split(marker)[0] + marker + "python -m benchmarks.advisor_validation --repredict"
     else:
         if os.geteuid() != 0:
             sys.exit("benchmarks.advisor_validation needs root (network namespaces and tc)")
@@ -272,7 +377,13 @@ def main() -> None:
             for n in args.hosts:
                 for rate in args.rates_mbit:
                     for latency in args.latencies_ms:
-                        measured = measure(n, rate, latency, args.sizes_mb, args.repeats, Path(tmp))
+                        measured = measure(n, rate, latency, args.sizes_mb, args.repeats, Path(tmp),
+                                           [*SCHEMES, COMPRESSED])  # fmt: skip
+                        print(json.dumps(measured), flush=True)
+                        rows += measured
+                    for latency in [lat for lat in HIERARCHICAL_LATENCIES_MS if lat in args.latencies_ms]:
+                        measured = measure(n, rate, latency, [HIERARCHICAL_SIZE_MB], args.repeats, Path(tmp),
+                                           ["ring_allreduce", HIERARCHICAL], ranks_per_host=2)  # fmt: skip
                         print(json.dumps(measured), flush=True)
                         rows += measured
     save(out, "advisor_validation", rows, report_lines, command, machine)

@@ -4,12 +4,17 @@ The one place the per-scheme formulas live: :func:`rank_traffic` is what each tr
 (the tests hold the counters to it), :func:`step_cost` the time the :class:`~lightning_dp.CommMonitor` and
 :func:`lightning_dp.advise` predict.
 
-The network (:class:`Link`) is the classic latency-bandwidth model: a message round costs the one-way latency
-``α``, and every machine sends and receives ``B`` bytes/s at once (full duplex); ranks of one machine exchange at
-``C`` bytes/s (shared memory or loopback). A step is a sequence of :class:`Phase` s; a phase of ``r`` rounds that
-puts ``W`` bytes through the busiest machine's link (one direction) and copies ``Q`` bytes inside a machine takes
-``r α + W / B + Q / C``. For ``N = M L`` ranks (``M`` machines of ``L`` ranks) and ``S`` bytes of gradient buckets
-(travelling as ``S_w`` after compression), per bucket:
+The network (:class:`Link`) is the latency-bandwidth model with two refinements the validation grid
+(``benchmarks/advisor_validation.py``) needed. Every machine sends and receives ``B`` bytes/s at once (full duplex);
+ranks of one machine exchange at ``C`` bytes/s (shared memory or loopback). A message round costs ``ρ α``, ``α``
+the one-way latency: gloo's TCP pairs send data only once the receiver's ready notice has arrived, so a round whose
+receive is posted as its send is costs the notice's trip and then the data's (``ρ = 2``). ``F`` flows arriving at
+one link at once (an all-to-all, a server's fan-in) share it less well than one flow: ``1 + β (F − 1)`` times the
+time (incast; ``β`` = 0.05 from ``benchmarks/gloo_flows.py``, an all-to-all through the member group). A step is a
+sequence of :class:`Phase` s; a phase of ``r`` rounds that puts ``W`` bytes through the busiest machine's link (one
+direction) in ``F`` concurrent flows and copies ``Q`` bytes inside a machine takes
+``r ρ α + (1 + β (F − 1)) W / B + Q / C``. For ``N = M L`` ranks (``M`` machines of ``L`` ranks) and ``S`` bytes
+of gradient buckets (travelling as ``S_w`` after compression), per bucket:
 
 =================================  =============  ===========================================
 exchange                           rounds         bytes through the busiest link
@@ -46,16 +51,22 @@ class Link:
         bandwidth: bytes/s a machine sends, and at the same time receives.
         local_bandwidth: bytes/s of copies between ranks of one machine (shared memory, loopback).
         local_latency: seconds of one synchronization between the ranks of one machine (a shared-memory barrier).
+        latencies_per_round: one-way latencies a message round costs (``ρ``: 2 over gloo's TCP pairs).
+        incast: the extra time, as a fraction, each concurrent flow beyond the first adds to a link (``β``).
     """
 
     latency: float
     bandwidth: float
     local_bandwidth: float = 4e9
     local_latency: float = 2e-5
+    latencies_per_round: float = 2.0
+    incast: float = 0.05
 
     def __post_init__(self) -> None:
         if self.latency < 0 or self.bandwidth <= 0 or self.local_bandwidth <= 0:
             raise ValueError(f"a link needs latency >= 0 and bandwidths > 0, got {self}")
+        if self.latencies_per_round < 1 or self.incast < 0:
+            raise ValueError(f"a link needs latencies_per_round >= 1 and incast >= 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -145,9 +156,12 @@ class Phase:
     overlaps_backward: bool = False
     #: synchronizations among the ranks of one machine (shared-memory barriers)
     local_rounds: int = 0
+    #: flows arriving at the busiest link at once (1: a ring's neighbour; N - 1: an all-to-all)
+    flows: int = 1
 
     def seconds(self, link: Link) -> float:
-        network = self.rounds * link.latency + self.network_bytes / link.bandwidth
+        sharing = 1.0 + link.incast * (max(1, self.flows) - 1)
+        network = self.rounds * link.latencies_per_round * link.latency + sharing * self.network_bytes / link.bandwidth
         return network + self.local_rounds * link.local_latency + self.local_bytes / link.local_bandwidth
 
 
@@ -242,21 +256,26 @@ def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | No
         return (*phases, Phase("vote", 1, 0.0), Phase("weights", 0, 0.0, copied_back, local_rounds=k))
     # sockets; on one machine every exchange goes over its loopback, priced as the link; across machines the hops
     # inside a machine run beside the network's, at the copy rate
+    remote = n - local if m > 1 else n - 1  # the ranks that reach one machine through its link
     if scheme.strategy == "parameter_server":  # the server's machine receives from (and sends to) every other rank
         per_link, per_copy = (float(n - local), float(local - 1)) if m > 1 else (float(n - 1), 0.0)
+        fan_in, fan_out = remote, 1  # into the server's link; each rank's link gets one flow back
     else:  # each rank exchanges 1 / N of the buckets with every other rank
         per_link, per_copy = (local * (n - local) / n, (local - 1) / n) if m > 1 else ((n - 1) / n, 0.0)
+        fan_in = fan_out = remote * (local if m > 1 else 1)
     weights = s_w if wire.weights_compressed else s
     if scheme.staleness != 0:  # each worker pushes all its buckets in one message after backward, then pulls
-        return (Phase("gradients", 1, per_link * s, per_copy * s), Phase("weights", 1, per_link * s, per_copy * s))
+        return (Phase("gradients", 1, per_link * s, per_copy * s, flows=fan_in),
+                Phase("weights", 1, per_link * s, per_copy * s, flows=fan_out))  # fmt: skip
     # a low-rank codec averages each factor with a push and a pull, and every rank then holds the result
     low_rank = wire.passes > 1
     trips = 2 if low_rank else 1
-    phases = [Phase("gradients", k * wire.passes * trips, per_link * s_w * trips, per_copy * s_w * trips, True)]
+    phases = [Phase("gradients", k * wire.passes * trips, per_link * s_w * trips, per_copy * s_w * trips, True,
+                    flows=fan_in)]  # fmt: skip
     if scheme.full_gradients and not low_rank:
-        phases.append(Phase("averaged gradients", k, per_link * s_w, per_copy * s_w, overlaps_backward=True))
+        phases.append(Phase("averaged gradients", k, per_link * s_w, per_copy * s_w, True, flows=fan_out))
     phases.append(Phase("vote", 1, 0.0))
-    phases.append(Phase("weights", k, per_link * weights, per_copy * weights))
+    phases.append(Phase("weights", k, per_link * weights, per_copy * weights, flows=fan_out))
     return tuple(phases)
 
 
@@ -267,13 +286,16 @@ def _dedicated_phases(scheme: Scheme, topology: Topology, s: float) -> tuple[Pha
     n, k = topology.world_size, scheme.num_servers
     if scheme.strategy == "sharded_ps":
         per_phase = dedicated_exchange_seconds(n, k, s, 1.0) / 2
-    else:  # whole parameters on the servers only: a server's machine receives n S / k, a trainer's sends S
+        # a server receives from every trainer; a trainer from every server and, keeping a share, every trainer
+        fan_in, fan_out = n, k + (n - 1 if trainer_share(n, k) > 0 else 0)
+    else:  # only the servers serve: a server's machine receives n S / k, a trainer's sends S
         per_phase = max(1.0, n / k) * s
+        fan_in, fan_out = n, k
     members = n + k
     return (
-        Phase("gradients", 1, per_phase, overlaps_backward=True),
+        Phase("gradients", 1, per_phase, overlaps_backward=True, flows=fan_in),
         Phase("control and vote", 1 + 2 * (members - 1), 0.0),
-        Phase("weights", 1, per_phase),
+        Phase("weights", 1, per_phase, flows=fan_out),
     )
 
 

@@ -19,6 +19,17 @@ pytestmark = pytest.mark.unit
 S = 16 * 2**20
 ALPHA, B = 0.01, 125e6  # 10 ms, 1 Gbit/s
 LINK = Link(ALPHA, B)
+#: a message round over gloo: the receiver's ready notice, then the data; each extra flow into a link: +5 %
+RHO, BETA = 2, 0.05
+
+
+def test_the_link_prices_rounds_as_two_trips_and_incast_from_the_all_to_all_measurement():
+    assert (LINK.latencies_per_round, LINK.incast) == (RHO, BETA)
+    plain = Link(ALPHA, B, latencies_per_round=1, incast=0.0)
+    ring = Scheme("ring_allreduce", "ring")
+    assert step_cost(ring, hosts(4), plain, Wire((S,))).seconds == pytest.approx(6 * ALPHA + 1.5 * S / B)
+    with pytest.raises(ValueError, match="latencies_per_round >= 1"):
+        Link(ALPHA, B, latencies_per_round=0.5)
 
 
 def hosts(n):
@@ -32,7 +43,7 @@ def test_ring_is_2_n_minus_1_rounds_per_bucket_and_2_n_minus_1_over_n_of_the_byt
     cost = step_cost(Scheme("ring_allreduce", "ring"), hosts(n), LINK, wire)
     assert cost.rounds == 2 * (n - 1) * buckets
     assert cost.network_bytes == pytest.approx(2 * (n - 1) / n * wire.total)
-    assert cost.seconds == pytest.approx(2 * (n - 1) * buckets * ALPHA + 2 * (n - 1) / n * wire.total / B)
+    assert cost.seconds == pytest.approx(2 * (n - 1) * buckets * RHO * ALPHA + 2 * (n - 1) / n * wire.total / B)
     # Lightning's ddp is modelled as the same ring
     assert step_cost(Scheme("ddp"), hosts(n), LINK, wire).seconds == pytest.approx(cost.seconds)
 
@@ -42,29 +53,36 @@ def test_central_server_moves_n_minus_1_times_s_through_its_link_each_way(n):
     cost = step_cost(Scheme("parameter_server", "ring"), hosts(n), LINK, Wire((S,)))
     assert [p.name for p in cost.phases] == ["gradients", "vote", "weights"]
     assert cost.rounds == 3  # push, vote, pull: one round each
-    assert cost.seconds == pytest.approx(3 * ALPHA + 2 * (n - 1) * S / B)
+    # the push arrives at the server from n - 1 ranks at once; each rank receives the weights alone
+    incast = 1 + BETA * (n - 2)
+    assert cost.seconds == pytest.approx(3 * RHO * ALPHA + (incast + 1) * (n - 1) * S / B)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sharded_servers_move_the_rings_bytes_in_three_rounds(n):
     cost = step_cost(Scheme("sharded_ps", "ring"), hosts(n), LINK, Wire((S,)))
     assert cost.rounds == 3
-    assert cost.seconds == pytest.approx(3 * ALPHA + 2 * (n - 1) / n * S / B)
+    incast = 1 + BETA * (n - 2)  # both ways an all-to-all: n - 1 flows into every link
+    assert cost.seconds == pytest.approx(3 * RHO * ALPHA + incast * 2 * (n - 1) / n * S / B)
     # sending the averaged gradients back (a hook reads them) is one more push-sized phase
     full = step_cost(Scheme("sharded_ps", "ring", full_gradients=True), hosts(n), LINK, Wire((S,)))
-    assert full.seconds == pytest.approx(cost.seconds + ALPHA + (n - 1) / n * S / B)
+    assert full.seconds == pytest.approx(cost.seconds + RHO * ALPHA + incast * (n - 1) / n * S / B)
 
 
 def test_the_latency_crossover_between_ring_and_sharded_servers():
-    """Equal bandwidth terms; the ring's 2 (N - 1) rounds per bucket against three per step decide with latency."""
+    """Equal bytes; the servers' all-to-all shares its links less well (incast), the ring's 2 (N - 1) rounds per
+    bucket against three per step decide with latency."""
     n, wire = 4, Wire((S,))
     ring = Scheme("ring_allreduce", "ring")
     sharded = Scheme("sharded_ps", "ring")
     at = {
         a: tuple(step_cost(s, hosts(n), Link(a, B), wire).seconds for s in (ring, sharded)) for a in (0.0, 1e-3, 1e-2)
     }
-    assert at[0][0] == pytest.approx(at[0][1])
-    assert at[1e-3][1] < at[1e-3][0] and at[1e-2][0] - at[1e-2][1] == pytest.approx((6 - 3) * 1e-2)
+    assert at[0][1] - at[0][0] == pytest.approx(BETA * (n - 2) * 1.5 * S / B)
+    crossover = BETA * (n - 2) * 1.5 * S / B / ((6 - 3) * RHO)  # the latency where the rounds pay for the incast
+    assert 1e-3 < crossover < 1e-2
+    assert at[1e-3][0] < at[1e-3][1] and at[1e-2][1] < at[1e-2][0]
+    assert at[1e-2][0] - at[1e-2][1] == pytest.approx((6 - 3) * RHO * 1e-2 - BETA * (n - 2) * 1.5 * S / B)
     # two ranks: the ring has only two rounds per bucket, fewer than the servers' three
     assert step_cost(ring, hosts(2), LINK, wire).seconds < step_cost(sharded, hosts(2), LINK, wire).seconds
 
@@ -92,8 +110,12 @@ def test_compression_and_low_rank_factors():
 
 def test_dedicated_servers_use_the_split_formula():
     n, k = 4, 2
-    cost = step_cost(Scheme("sharded_ps", "ring", num_servers=k), hosts(n), Link(0.0, B), Wire((S,)))
+    cost = step_cost(Scheme("sharded_ps", "ring", num_servers=k), hosts(n), Link(0.0, B, incast=0.0), Wire((S,)))
     assert cost.seconds == pytest.approx(dedicated_exchange_seconds(n, k, S, B))
+    # a server receives from the n trainers at once, a trainer (keeping a share) from k servers and n - 1 trainers
+    crowded = step_cost(Scheme("sharded_ps", "ring", num_servers=k), hosts(n), Link(0.0, B), Wire((S,)))
+    half = dedicated_exchange_seconds(n, k, S, B) / 2
+    assert crowded.seconds == pytest.approx(half * (1 + BETA * (n - 1)) + half * (1 + BETA * (k + n - 2)))
     assert dedicated_exchange_seconds(n, 0, S, B) == pytest.approx(2 * (n - 1) / n * S / B)
     assert dedicated_exchange_seconds(n, n, S, B) == pytest.approx(S / B)
     assert trainer_share(n, 0) == pytest.approx(1 / n)
