@@ -73,8 +73,8 @@ def worker(
     hosts = world_size // ranks_per_host
     rows = []
     for size_mb in sizes_mb:
-        buckets = grid_buckets(size_mb)
         for name in schemes:
+            buckets = grid_buckets(size_mb)  # fresh: the shared-memory transport takes its buckets' storage
             codec = None
             if name == HIERARCHICAL:
                 transport = SharedMemoryTransport(node_key=f"advisor-host-{rank // ranks_per_host}")
@@ -142,7 +142,8 @@ def grid_cost(scheme: str, hosts: int, ranks_per_host: int, latency_s: float, ba
     plain, half = _grid_wires(size_mb)
     strategy, _, option = scheme.partition("+")
     wire = half if option == "fp16" else plain
-    model = Scheme(strategy, intra_node="shm" if option == "shm" else "ring", compression=option or "none")
+    model = Scheme(strategy, intra_node="shm" if option == "shm" else "ring",
+                   compression="fp16" if option == "fp16" else "none")  # fmt: skip
     link = Link(latency_s, bandwidth_bps)
     return step_cost(model, Topology(hosts, ranks_per_host), link, wire, plain)
 
@@ -201,9 +202,11 @@ def summarize(rows: list[dict]) -> dict:
         first, second = sorted(r["predicted_s"] for r in schemes.values())[:2]
         model_ties += not hit and second <= 1.05 * first
     others = {}
-    for scheme in sorted({r["scheme"] for r in rows} - set(SCHEMES)):
-        chosen = [r for r in rows if r["scheme"] == scheme]
-        others[scheme] = (len(chosen), *_errors(chosen))
+    exact = _exact(rows)
+    for scheme, per_host in sorted({(r["scheme"], r.get("ranks_per_host", 1)) for r in rows if r not in exact}):
+        chosen = [r for r in rows if r["scheme"] == scheme and r.get("ranks_per_host", 1) == per_host]
+        label = scheme if per_host == 1 else f"{scheme} ({per_host} ranks per host)"
+        others[label] = (len(chosen), *_errors(chosen))
     return {
         "median_error": median,
         "p90_error": p90,
@@ -267,7 +270,7 @@ def report_lines(rows: list[dict]) -> list[str]:
             "| scheme | N hosts | ranks per host | rate | latency | S | measured s | predicted s |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for r in sorted(others, key=lambda r: (r["scheme"], r["ranks_per_host"], r["hosts"], r["rate_mbit"],
+        for r in sorted(others, key=lambda r: (r["scheme"], r.get("ranks_per_host", 1), r["hosts"], r["rate_mbit"],
                                                r["latency_ms"], r["size_mb"])):  # fmt: skip
             lines.append(f"| {r['scheme']} | {r['hosts']} | {r.get('ranks_per_host', 1)} | {r['rate_mbit']:g} Mbit/s | "
                          f"{r['latency_ms']:g} ms | {r['size_mb']:g} MB | {r['measured_s']:.3f} | "

@@ -213,8 +213,8 @@ def _reason(best: Prediction, rows: Sequence[Prediction], link: Link) -> str:
     gain = other.step_seconds - best.step_seconds
     head = (f"predicted step {best.step_seconds * 1e3:.2f} ms vs {other.scheme.label()} "
             f"{other.step_seconds * 1e3:.2f} ms")  # fmt: skip
-    latency_saved = (other.cost.rounds - best.cost.rounds) * link.latency
-    bytes_saved = (other.cost.network_bytes - best.cost.network_bytes) / link.bandwidth
+    latency_saved = other.cost.latency_seconds - best.cost.latency_seconds
+    bytes_saved = other.cost.transfer_seconds - best.cost.transfer_seconds
     if gain <= 0.01 * max(other.step_seconds, 1e-12):
         if best.optimizer_state_bytes < other.optimizer_state_bytes:
             return (
@@ -226,7 +226,9 @@ def _reason(best: Prediction, rows: Sequence[Prediction], link: Link) -> str:
         return f"{head}: compressing with {best.scheme.compression} moves fewer bytes through the busiest link"
     if latency_saved >= bytes_saved and latency_saved > 0:
         return (f"{head}: {best.cost.rounds} message rounds per step instead of {other.cost.rounds}, and latency "
-                f"({link.latency * 1e3:.2f} ms a round) dominates")  # fmt: skip
+                f"({link.latencies_per_round * link.latency * 1e3:.2f} ms a round) dominates")  # fmt: skip
+    if bytes_saved > 0 and best.cost.network_bytes >= other.cost.network_bytes:
+        return f"{head}: as many bytes, but fewer machines sending into each link at once (incast)"
     if bytes_saved > 0:
         return (
             f"{head}: fewer bytes through the busiest machine's link ({best.cost.network_bytes / 2**20:.1f} MiB "

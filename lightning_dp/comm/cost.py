@@ -8,13 +8,13 @@ The network (:class:`Link`) is the latency-bandwidth model with two refinements 
 (``benchmarks/advisor_validation.py``) needed. Every machine sends and receives ``B`` bytes/s at once (full duplex);
 ranks of one machine exchange at ``C`` bytes/s (shared memory or loopback). A message round costs ``ρ α``, ``α``
 the one-way latency: gloo's TCP pairs send data only once the receiver's ready notice has arrived, so a round whose
-receive is posted as its send is costs the notice's trip and then the data's (``ρ = 2``). ``F`` flows arriving at
-one link at once (an all-to-all, a server's fan-in) share it less well than one flow: ``1 + β (F − 1)`` times the
-time (incast; ``β`` = 0.05 from ``benchmarks/gloo_flows.py``, an all-to-all through the member group). A step is a
-sequence of :class:`Phase` s; a phase of ``r`` rounds that puts ``W`` bytes through the busiest machine's link (one
-direction) in ``F`` concurrent flows and copies ``Q`` bytes inside a machine takes
-``r ρ α + (1 + β (F − 1)) W / B + Q / C``. For ``N = M L`` ranks (``M`` machines of ``L`` ranks) and ``S`` bytes
-of gradient buckets (travelling as ``S_w`` after compression), per bucket:
+receive is posted as its send is costs the notice's trip and then the data's (``ρ = 2``). ``F`` machines sending
+into one link at once (an all-to-all, a server's fan-in) share it less well than one: ``1 + β (F − 1)`` times the
+time (incast; ``β`` = 0.05 from ``benchmarks/gloo_flows.py``, an all-to-all through the member group, measured at
+``F`` = 1 to 3 and not extrapolated past it). A step is a sequence of :class:`Phase` s; a phase of ``r`` rounds that
+puts ``W`` bytes through the busiest machine's link (one direction) from ``F`` machines at once and copies ``Q``
+bytes inside a machine takes ``r ρ α + (1 + β (min(F, 3) − 1)) W / B + Q / C``. For ``N = M L`` ranks (``M``
+machines of ``L`` ranks) and ``S`` bytes of gradient buckets (travelling as ``S_w`` after compression), per bucket:
 
 =================================  =============  ===========================================
 exchange                           rounds         bytes through the busiest link
@@ -47,12 +47,15 @@ class Link:
     """The network between machines and the copies inside one.
 
     Attributes:
-        latency: seconds of one message round between two machines (one way, software included).
+        latency: seconds a message takes from one machine to another (one way, software included); a round costs
+            ``latencies_per_round`` of them.
         bandwidth: bytes/s a machine sends, and at the same time receives.
         local_bandwidth: bytes/s of copies between ranks of one machine (shared memory, loopback).
         local_latency: seconds of one synchronization between the ranks of one machine (a shared-memory barrier).
         latencies_per_round: one-way latencies a message round costs (``ρ``: 2 over gloo's TCP pairs).
         incast: the extra time, as a fraction, each concurrent flow beyond the first adds to a link (``β``).
+        incast_flows: the most flows into one link the incast term was measured at; beyond them it is not
+            extrapolated (a link with more flows is priced as with this many).
     """
 
     latency: float
@@ -61,6 +64,7 @@ class Link:
     local_latency: float = 2e-5
     latencies_per_round: float = 2.0
     incast: float = 0.05
+    incast_flows: int = 3
 
     def __post_init__(self) -> None:
         if self.latency < 0 or self.bandwidth <= 0 or self.local_bandwidth <= 0:
@@ -156,13 +160,22 @@ class Phase:
     overlaps_backward: bool = False
     #: synchronizations among the ranks of one machine (shared-memory barriers)
     local_rounds: int = 0
-    #: flows arriving at the busiest link at once (1: a ring's neighbour; N - 1: an all-to-all)
+    #: machines sending into the busiest link at once (1: a ring's neighbour; M - 1: an all-to-all)
     flows: int = 1
 
     def seconds(self, link: Link) -> float:
-        sharing = 1.0 + link.incast * (max(1, self.flows) - 1)
-        network = self.rounds * link.latencies_per_round * link.latency + sharing * self.network_bytes / link.bandwidth
-        return network + self.local_rounds * link.local_latency + self.local_bytes / link.local_bandwidth
+        return self.latency_seconds(link) + self.transfer_seconds(link)
+
+    def latency_seconds(self, link: Link) -> float:
+        """The rounds' part of :meth:`seconds` (network and shared-memory synchronizations)."""
+        return self.rounds * link.latencies_per_round * link.latency + self.local_rounds * link.local_latency
+
+    def transfer_seconds(self, link: Link) -> float:
+        """The bytes' part of :meth:`seconds`: through the busiest link (its flows sharing it) and copied inside a
+        machine."""
+        extra_flows = min(max(1, self.flows), link.incast_flows) - 1
+        sharing = 1.0 + link.incast * extra_flows
+        return sharing * self.network_bytes / link.bandwidth + self.local_bytes / link.local_bandwidth
 
 
 @dataclass(frozen=True)
@@ -182,6 +195,16 @@ class StepCost:
     @property
     def rounds(self) -> int:
         return sum(p.rounds for p in self.phases)
+
+    @property
+    def latency_seconds(self) -> float:
+        """The part of :attr:`seconds` the message rounds cost."""
+        return sum(p.latency_seconds(self.link) for p in self.phases)
+
+    @property
+    def transfer_seconds(self) -> float:
+        """The part of :attr:`seconds` the bytes cost."""
+        return sum(p.transfer_seconds(self.link) for p in self.phases)
 
     @property
     def network_bytes(self) -> float:
@@ -256,22 +279,22 @@ def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | No
         return (*phases, Phase("vote", 1, 0.0), Phase("weights", 0, 0.0, copied_back, local_rounds=k))
     # sockets; on one machine every exchange goes over its loopback, priced as the link; across machines the hops
     # inside a machine run beside the network's, at the copy rate
-    remote = n - local if m > 1 else n - 1  # the ranks that reach one machine through its link
     if scheme.strategy == "parameter_server":  # the server's machine receives from (and sends to) every other rank
         per_link, per_copy = (float(n - local), float(local - 1)) if m > 1 else (float(n - 1), 0.0)
-        fan_in, fan_out = remote, 1  # into the server's link; each rank's link gets one flow back
+        fan_in, fan_out = m - 1 if m > 1 else n - 1, 1  # into the server's link; each rank's gets one flow back
     else:  # each rank exchanges 1 / N of the buckets with every other rank
         per_link, per_copy = (local * (n - local) / n, (local - 1) / n) if m > 1 else ((n - 1) / n, 0.0)
-        fan_in = fan_out = remote * (local if m > 1 else 1)
+        fan_in = fan_out = m - 1 if m > 1 else n - 1  # the machines sending to one machine's link at once
     weights = s_w if wire.weights_compressed else s
-    if scheme.staleness != 0:  # each worker pushes all its buckets in one message after backward, then pulls
-        return (Phase("gradients", 1, per_link * s, per_copy * s, flows=fan_in),
-                Phase("weights", 1, per_link * s, per_copy * s, flows=fan_out))  # fmt: skip
+    if scheme.staleness != 0:  # each worker pushes all its buckets in one message after backward, then pulls, on
+        # its own schedule: the flows are not priced as arriving together
+        return (Phase("gradients", 1, per_link * s, per_copy * s), Phase("weights", 1, per_link * s, per_copy * s))
     # a low-rank codec averages each factor with a push and a pull, and every rank then holds the result
     low_rank = wire.passes > 1
-    trips = 2 if low_rank else 1
-    phases = [Phase("gradients", k * wire.passes * trips, per_link * s_w * trips, per_copy * s_w * trips, True,
-                    flows=fan_in)]  # fmt: skip
+    rounds = k * wire.passes
+    phases = [Phase("gradients", rounds, per_link * s_w, per_copy * s_w, True, flows=fan_in)]
+    if low_rank:
+        phases.append(Phase("averaged factors", rounds, per_link * s_w, per_copy * s_w, True, flows=fan_out))
     if scheme.full_gradients and not low_rank:
         phases.append(Phase("averaged gradients", k, per_link * s_w, per_copy * s_w, True, flows=fan_out))
     phases.append(Phase("vote", 1, 0.0))
@@ -290,7 +313,9 @@ def _dedicated_phases(scheme: Scheme, topology: Topology, s: float) -> tuple[Pha
         fan_in, fan_out = n, k + (n - 1 if trainer_share(n, k) > 0 else 0)
     else:  # only the servers serve: a server's machine receives n S / k, a trainer's sends S
         per_phase = max(1.0, n / k) * s
-        fan_in, fan_out = n, k
+        # the busiest link: a server's (n >= k), receiving from every trainer and sending, or a trainer's, receiving
+        # from every server
+        fan_in, fan_out = n, (1 if n >= k else k)
     members = n + k
     return (
         Phase("gradients", 1, per_phase, overlaps_backward=True, flows=fan_in),
