@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
     quick = ["--quick"] if args.quick else []
-    modules = ["benchmarks.collectives", "benchmarks.end_to_end", "benchmarks.straggler"]
+    modules = ["benchmarks.collectives", "benchmarks.end_to_end", "benchmarks.straggler", "benchmarks.scale_model"]
     if os.geteuid() == 0:
         modules += ["benchmarks.emulated_cluster", "benchmarks.compression", "benchmarks.dedicated_servers",
                     "benchmarks.gloo_flows", "benchmarks.advisor_validation"]  # fmt: skip
@@ -41,7 +41,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
     names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
              "straggler_accuracy", "app_accuracy", "dedicated_servers", "gloo_flows", "end_to_end_emulated",
-             "advisor_validation")  # fmt: skip
+             "advisor_validation", "scale_model")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

@@ -83,12 +83,28 @@ def app_accuracy_summary(rows: list[dict]) -> list[str]:
     return [f"Test accuracy over {runs:g} runs each: " + "; ".join(parts) + "."]
 
 
+def scale_best(rows: list[dict]) -> list[str]:
+    """``scale_model``'s fastest scheme per size, cluster and model."""
+    from benchmarks.scale_model import best_lines
+
+    return best_lines(rows)
+
+
+def scale_anchor(rows: list[dict]) -> list[str]:
+    """``scale_model``'s Horovod anchor."""
+    from benchmarks.scale_model import anchor_lines
+
+    return anchor_lines(rows)
+
+
 #: ``(name, view)`` -> a function of the rows giving the block's body in place of the full report
 VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("end_to_end", "speedups"): speedups,
     ("end_to_end", "phases"): comm_bound_phases,
     ("collectives", "summary"): collectives_summary,
     ("app_accuracy", "summary"): app_accuracy_summary,
+    ("scale_model", "best"): scale_best,
+    ("scale_model", "anchor"): scale_anchor,
 }
 
 

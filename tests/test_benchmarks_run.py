@@ -94,6 +94,25 @@ def test_gloo_flows_benchmark_runs_and_the_links_bind(tmp_path):
     assert "lddp-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.multiprocess
+def test_scale_model_measures_a_message_and_prices_every_point(tmp_path):
+    from benchmarks.scale_model import HOROVOD, RANKS, clusters, schemes
+
+    out = run(["-m", "benchmarks.scale_model", "--messages", "200", "--out", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = result_rows(tmp_path / "scale_model.json")
+    sweep = [r for r in rows if r["kind"] == "sweep"]
+    assert len(sweep) == len(clusters(0.0)) * 2 * len(RANKS) * len(schemes(8))
+    assert [r["model"] for r in rows if r["kind"] == "anchor"] == [m for m in HOROVOD for _ in ("RDMA", "TCP")]
+    assert 0 < rows[0]["message_seconds"] < 0.01  # a message over loopback: microseconds, not nothing
+    assert all(0 < r["efficiency"] <= 1 and r["exposed_s"] <= r["comm_s"] + 1e-12 for r in rows)
+    text = (tmp_path / "scale_model.md").read_text()
+    tables = len(clusters(0.0)) * 2
+    # the legend, each table's title, and each row's fastest scheme
+    assert text.count("**") == 2 * (1 + tables + tables * len(RANKS))
+    assert "| Inception V3 | 90% |" in text
+
+
 @pytest.mark.unit
 def test_strategy_specs_of_the_benchmarks():
     from benchmarks.end_to_end import build_strategy

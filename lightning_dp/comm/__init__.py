@@ -3,8 +3,8 @@
 One folder per axis of a scheme: the transports and the collectives they run (:mod:`.transports`), the codecs
 (:mod:`.codecs`), the consistency models (:mod:`.consistency`), the servers (:mod:`.servers`: the sharded optimizer,
 dedicated server processes) and the cluster a job runs on (:mod:`.cluster`); beside them gradient buckets
-(:mod:`.buckets`), the cost model (:mod:`.cost`), the counters (:mod:`.stats`) and the error family
-(:mod:`.errors`).
+(:mod:`.buckets`), the cost model (:mod:`.cost`; on racks of machines past one switch, :mod:`.scale`), the counters
+(:mod:`.stats`) and the error family (:mod:`.errors`).
 """
 
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket

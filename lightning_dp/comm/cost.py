@@ -215,12 +215,17 @@ class StepCost:
         backward computes the rest, so at most ``(K - 1) / K`` of the backward time hides it, never the last
         bucket's share; every other phase is waited for."""
         overlapping = sum(p.seconds(self.link) for p in self.phases if p.overlaps_backward)
-        waited = self.seconds - overlapping
-        if overlapping == 0.0:
-            return waited
-        k = max(1, self.num_buckets)
-        hidden_window = backward_seconds * (k - 1) / k
-        return waited + max(overlapping / k, overlapping - hidden_window)
+        return exposed_seconds(overlapping, self.seconds - overlapping, self.num_buckets, backward_seconds)
+
+
+def exposed_seconds(overlapping: float, waited: float, num_buckets: int, backward_seconds: float) -> float:
+    """Seconds a step waits for its communication: all of ``waited``, and of ``overlapping`` (the bucket-by-bucket
+    gradient exchange) what ``(K - 1) / K`` of backward cannot hide, at least the last bucket's ``1 / K``."""
+    if overlapping == 0.0:
+        return waited
+    k = max(1, num_buckets)
+    hidden_window = backward_seconds * (k - 1) / k
+    return waited + max(overlapping / k, overlapping - hidden_window)
 
 
 # ---------------------------------------------------------------------------------------------------- dedicated servers
