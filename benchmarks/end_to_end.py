@@ -168,6 +168,7 @@ def worker(args) -> None:
     class StepTimer(Callback):
         def __init__(self):
             self.times = []
+            self.cpu_times = []  # this process's CPU seconds, all its threads
             self.comm_at_warmup = 0.0
             self.exposed_at_warmup = 0.0
             self.isolated_exchange_seconds = None
@@ -176,6 +177,7 @@ def worker(args) -> None:
             if trainer.strategy.root_device.type == "cuda":  # the step's kernels done, not only launched
                 torch.cuda.synchronize(trainer.strategy.root_device)
             self.times.append(time.perf_counter())
+            self.cpu_times.append(time.process_time())
             if len(self.times) == args.warmup:
                 stats = getattr(trainer.strategy, "sync_stats", None)  # ddp has none
                 self.comm_at_warmup = stats.comm_seconds if stats is not None else 0.0
@@ -259,6 +261,7 @@ def worker(args) -> None:
     result = {
         "rank": trainer.global_rank,
         "steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
+        "cpu_seconds_per_step": (timer.cpu_times[-1] - timer.cpu_times[args.warmup - 1]) / (len(timed) - 1),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "optimizer_state_bytes": state_bytes,
         "params": sum(p.numel() for p in model.parameters()),
@@ -355,6 +358,23 @@ def emulated_report(rows: list[dict]) -> list[str]:
             f"| {r['model']} | {r['strategy']} | {r['steps_per_s']:.2f} | {r['vs_ddp']:.2f} | {s / 2**20:.1f} | "
             f"{r['comm_s_per_step']:.3f} | {analytic:.3f} | {r['comm_s_per_step'] / analytic:.2f} |"
         )
+    timed = [r for r in rows if "phase_ms_per_step" in r]
+    if timed:
+        lines += [
+            "",
+            *phase_lines(timed),
+            "",
+            "The exchange inside the step against the same exchange alone (every trainer starting it together after "
+            "training, measured in the same run), and each trainer's CPU time per step (all its threads; 2 cores "
+            "are shared by every trainer and server):",
+            "",
+            "| strategy | exchange alone ms | comm in the step ms (max over ranks) | trainer CPU ms/step |",
+            "|---|---|---|---|",
+        ]
+        for r in timed:
+            alone = f"{r['isolated_exchange_ms']:.0f}" if "isolated_exchange_ms" in r else "n/a"
+            comm = f"{1000 * r['comm_s_per_step']:.0f}" if r["strategy"] != "ddp" else "n/a"
+            lines.append(f"| {r['strategy']} | {alone} | {comm} | {r['trainer_cpu_ms_per_step']:.0f} |")
     return lines
 
 
@@ -423,7 +443,15 @@ def main() -> None:
                         "steps_per_s": median([r["steps_per_s"] for r in ranks]),
                         "sync_bytes": ranks[0]["sync_bytes"],
                         "comm_s_per_step": max(r["comm_seconds_per_step"] for r in ranks),
+                        "world_size": args.emulated_hosts,
+                        "phase_ms_per_step": {
+                            phase: median([r["phase_ms_per_step"][phase] for r in ranks]) for phase in PHASES
+                        },
+                        "trainer_cpu_ms_per_step": 1000 * median([r["cpu_seconds_per_step"] for r in ranks]),
                     }
+                    if ranks[0]["isolated_exchange_seconds"]:
+                        row["exposed_ms_per_step"] = 1000 * median([r["exposed_comm_seconds_per_step"] for r in ranks])
+                        row["isolated_exchange_ms"] = 1000 * median([r["isolated_exchange_seconds"] for r in ranks])
                     if strategy == "ddp":
                         baseline = row
                     row["vs_ddp"] = row["steps_per_s"] / baseline["steps_per_s"]

@@ -2,11 +2,13 @@
 per-message costs against amounts derived by hand."""
 
 import math
+import re
 
 import pytest
 
 from lightning_dp.comm.cost import Link, Scheme, Topology, Wire, dedicated_exchange_seconds, step_cost
 from lightning_dp.comm.scale import Cluster, cluster_step, dedicated_link_bytes
+from tests.helpers.launch import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -148,3 +150,11 @@ def test_bad_input_is_refused():
         Cluster(8, 4, 2, B, ALPHA, ALPHA, flow_window=0)
     with pytest.raises(ValueError, match="staleness"):
         cluster_step(Scheme("sharded_ps", staleness=2), Cluster(8, 4, 2, B, ALPHA, ALPHA), Wire((S,)))
+
+
+def test_the_guides_snippet_runs_as_pasted(capsys):
+    (code,) = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "at-scale.md").read_text(), re.S)
+    exec(code, {})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["ddp", "ring_allreduce", "sharded_ps"]
+    assert all(line.endswith("ms exposed") for line in lines)
