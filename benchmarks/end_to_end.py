@@ -365,16 +365,17 @@ def emulated_report(rows: list[dict]) -> list[str]:
             *phase_lines(timed),
             "",
             "The exchange inside the step against the same exchange alone (every trainer starting it together after "
-            "training, measured in the same run), and each trainer's CPU time per step (all its threads; 2 cores "
-            "are shared by every trainer and server):",
+            f"training, measured in the same run), and each trainer's CPU time per step (all its threads; the "
+            f"{os.cpu_count()} cores are shared by every trainer and server):",
             "",
-            "| strategy | exchange alone ms | comm in the step ms (max over ranks) | trainer CPU ms/step |",
-            "|---|---|---|---|",
+            "| model | strategy | exchange alone ms | comm in the step ms (max over ranks) | trainer CPU ms/step |",
+            "|---|---|---|---|---|",
         ]
         for r in timed:
             alone = f"{r['isolated_exchange_ms']:.0f}" if "isolated_exchange_ms" in r else "n/a"
             comm = f"{1000 * r['comm_s_per_step']:.0f}" if r["strategy"] != "ddp" else "n/a"
-            lines.append(f"| {r['strategy']} | {alone} | {comm} | {r['trainer_cpu_ms_per_step']:.0f} |")
+            cpu = r["trainer_cpu_ms_per_step"]
+            lines.append(f"| {r['model']} | {r['strategy']} | {alone} | {comm} | {cpu:.0f} |")
     return lines
 
 

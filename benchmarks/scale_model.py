@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.report import pyplot, save
@@ -40,27 +40,35 @@ RANKS = (64, 128, 256, 512, 1024, 2048, 4096)
 #: Linux's default largest TCP send buffer (net.ipv4.tcp_wmem), the window a flow can keep in flight
 TCP_WINDOW = 4 * MiB
 #: P100, batch 64, synthetic data (TensorFlow's published benchmarks, DGX-1): images/s of one GPU. ResNet-101 is not
-#: in that table: its time per image is interpolated between ResNet-50 (4.1 GFLOPs) and ResNet-152 (11.5) at 7.8.
+#: in that table: its time per image is interpolated by forward GFLOPs between ResNet-50's and ResNet-152's.
 MODELS = {
-    "ResNet-50": {"parameters": 25_557_032, "images_per_second": 238.0},
+    "ResNet-50": {"parameters": 25_557_032, "images_per_second": 238.0, "gflops": 4.1},
+    "ResNet-152": {"parameters": 60_192_808, "images_per_second": 95.6, "gflops": 11.5},
     "VGG-16": {"parameters": 138_357_544, "images_per_second": 132.0},
     "Inception V3": {"parameters": 23_851_784, "images_per_second": 142.0},
-    "ResNet-101": {"parameters": 44_549_160, "images_per_second": None},
+    "ResNet-101": {"parameters": 44_549_160, "images_per_second": None, "gflops": 7.8},
 }
 BATCH = 64
 #: backward's share of a step's compute (a backward pass costs about twice the forward)
 BACKWARD_SHARE = 2 / 3
 #: Horovod's published 512-GPU scaling efficiencies
 HOROVOD = {"Inception V3": 0.90, "ResNet-101": 0.90, "VGG-16": 0.68}
+#: Horovod's cluster (128 machines of 4 GPUs, 25 Gbit/s) priced with RDMA's and with TCP's parameters
+ANCHOR_CLUSTERS = {
+    "RDMA": Cluster(512, 4, 32, 25e9 / 8, 3e-6, 5e-6, latencies_per_round=1.0),
+    "TCP": Cluster(512, 4, 32, 25e9 / 8, 15e-6, 25e-6, flow_window=TCP_WINDOW, latencies_per_round=1.0),
+}
 
 
 def images_per_second(model: str) -> float:
+    """One GPU's published images/s, or one interpolated by GFLOPs between ResNet-50's and ResNet-152's."""
     known = MODELS[model]["images_per_second"]
     if known is not None:
         return float(known)
-    per_gflop = [(4.1, 1 / 238.0), (11.5, 1 / 95.6)]  # seconds per image of ResNet-50 and ResNet-152
-    (g0, t0), (g1, t1) = per_gflop
-    return 1 / (t0 + (7.8 - g0) / (g1 - g0) * (t1 - t0))
+    low, high = MODELS["ResNet-50"], MODELS["ResNet-152"]
+    t0, t1 = 1 / low["images_per_second"], 1 / high["images_per_second"]
+    fraction = (MODELS[model]["gflops"] - low["gflops"]) / (high["gflops"] - low["gflops"])
+    return 1 / (t0 + fraction * (t1 - t0))
 
 
 def schemes(machines: int) -> list[Scheme]:
@@ -105,7 +113,6 @@ def point(scheme: Scheme, cluster: Cluster, model: str, cap: int) -> dict:
     compute = BATCH / images_per_second(model)
     step = cluster_step(scheme, cluster, buckets(MODELS[model]["parameters"], cap))
     backward = BACKWARD_SHARE * compute
-    exposed = step.exposed_seconds(backward)
     return {
         "scheme": label(scheme),
         "ranks": cluster.ranks,
@@ -113,9 +120,9 @@ def point(scheme: Scheme, cluster: Cluster, model: str, cap: int) -> dict:
         "comm_s": step.seconds,
         "latency_s": step.latency_seconds,
         "transfer_s": step.transfer_seconds,
-        "exposed_s": exposed,
+        "exposed_s": step.exposed_seconds(backward),
         "compute_s": compute,
-        "efficiency": compute / (compute + exposed),
+        "efficiency": step.efficiency(compute, backward),
     }
 
 
@@ -131,15 +138,11 @@ def sweep(message_seconds: float) -> list[dict]:
 
 
 def anchors() -> list[dict]:
-    """Horovod's 512 GPUs: NCCL's ring over every rank (no rendezvous per round, its per-message cost inside ``α``),
-    64 MiB fusion buffers, non-blocking racks of 32 machines."""
-    variants = {
-        "RDMA": Cluster(512, 4, 32, 25e9 / 8, 3e-6, 5e-6, latencies_per_round=1.0),
-        "TCP": Cluster(512, 4, 32, 25e9 / 8, 15e-6, 25e-6, flow_window=TCP_WINDOW, latencies_per_round=1.0),
-    }
+    """Horovod's 512 GPUs: NCCL's ring over every rank (ρ = 1: no rendezvous per round; μ = 0: its per-message
+    cost inside ``α``), 64 MiB fusion buffers, non-blocking racks of 32 machines."""
     rows = []
     for model, published in HOROVOD.items():
-        for variant, cluster in variants.items():
+        for variant, cluster in ANCHOR_CLUSTERS.items():
             row = point(Scheme("ddp"), cluster, model, 64 * MiB)
             rows.append({"kind": "anchor", "cluster": f"Horovod, 25 Gbit/s {variant}", "published": published, **row})
     return rows
@@ -180,25 +183,39 @@ def measure_message_seconds(count: int = 2000, repeats: int = 5) -> float:
         procs = [subprocess.Popen([*worker, str(r), str(port), str(count), str(repeats), str(out)], env=env)
                  for r in (0, 1)]  # fmt: skip
         deadline = time.monotonic() + 120
-        for p in procs:
-            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(f"the message timing process exited with {p.returncode}")
+        try:
+            for p in procs:
+                if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                    raise RuntimeError(f"the message timing process exited with {p.returncode}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         measured = json.loads(out.read_text())
     return measured["seconds"] / measured["count"]
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def cluster_rows(message_seconds: float) -> list[dict]:
+    """The clusters' parameters, stored beside the points they priced."""
+    rows = [{"kind": "cluster", "cluster": name, **asdict(c)} for name, c in clusters(message_seconds).items()]
+    rows += [{"kind": "cluster", "cluster": f"Horovod, 25 Gbit/s {v}", **asdict(c)} for v, c in ANCHOR_CLUSTERS.items()]
+    return rows
+
+
 def _parameters(rows: list[dict]) -> list[str]:
-    mu = rows[0]["message_seconds"]
     lines = [
-        "| cluster | B per machine | α in a rack / across | uplinks | window | ρ | μ |",
-        "|---|---|---|---|---|---|---|",
+        "| cluster | B per machine | ranks a machine, machines a rack | α in a rack / across | uplinks | window | ρ "
+        "| μ |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, c in clusters(mu).items():
-        window = f"{c.flow_window / MiB:g} MiB × {c.flows_per_peer}" if c.flow_window else "none (RDMA)"
+    for c in (r for r in rows if r["kind"] == "cluster"):
+        window = f"{c['flow_window'] / MiB:g} MiB × {c['flows_per_peer']}" if c["flow_window"] else "none (RDMA)"
         lines.append(
-            f"| {name} | {c.bandwidth * 8 / 1e9:g} Gbit/s | {c.latency * 1e6:g} / {c.rack_latency * 1e6:g} µs | "
-            f"{c.oversubscription:g} : 1 | {window} | {c.latencies_per_round:g} | {c.message_seconds * 1e6:.1f} µs |"
+            f"| {c['cluster']} | {c['bandwidth'] * 8 / 1e9:g} Gbit/s | {c['ranks_per_node']}, {c['nodes_per_rack']} | "
+            f"{c['latency'] * 1e6:g} / {c['rack_latency'] * 1e6:g} µs | {c['oversubscription']:g} : 1 | {window} | "
+            f"{c['latencies_per_round']:g} | {c['message_seconds'] * 1e6:.1f} µs |"
         )
     return lines
 
@@ -249,9 +266,14 @@ def report_lines(rows: list[dict]) -> list[str]:
     anchor (``Machine: ...`` first)."""
     sweep_rows = _sweep(rows)
     names = list(dict.fromkeys(r["scheme"] for r in sweep_rows))
+    mu = sweep_rows[0]
+    source = (
+        f"μ measured on {mu['cpus']} CPUs, two gloo processes over loopback"
+        if mu["message_seconds_measured"]
+        else "μ given on the command line"
+    )
     lines = [
-        f"Machine: the cost model on paper (lightning_dp.comm.scale); μ measured on {rows[0]['cpus']} CPUs, two gloo "
-        "processes over loopback",
+        f"Machine: the cost model on paper (lightning_dp.comm.scale); {source}",
         "",
         *_parameters(rows),
         "",
@@ -270,8 +292,8 @@ def report_lines(rows: list[dict]) -> list[str]:
                 lines.append(f"| {n} | " + " | ".join(cells) + " |")
             lines.append("")
     lines += [
-        "Horovod's 512 GPUs (128 machines of 4 P100s, 25 Gbit/s, batch 64, 64 MiB fusion buffers), a ring over every "
-        "rank as the model prices it",
+        "Horovod's 512 GPUs (128 machines of 4 Pascal GPUs at P100 speeds, 25 Gbit/s, batch 64, 64 MiB fusion "
+        "buffers), NCCL's ring over every rank as the model prices it (ρ = 1, μ = 0)",
         "",
         *anchor_lines(rows),
     ]
@@ -325,8 +347,9 @@ def main() -> None:
     mu = args.message_seconds if args.message_seconds is not None else measure_message_seconds(args.messages)
     rows = sweep(mu) + anchors()
     for row in rows:
-        row["message_seconds"] = mu
+        row["message_seconds_measured"] = args.message_seconds is None
         row["cpus"] = os.cpu_count()
+    rows += cluster_rows(mu)
     save(args.out, "scale_model", rows, report_lines)
     plot(rows, Path(args.out) / "scale_model.png")
 

@@ -318,9 +318,9 @@ def _dedicated_phases(scheme: Scheme, topology: Topology, s: float) -> tuple[Pha
         fan_in, fan_out = n, k + (n - 1 if trainer_share(n, k) > 0 else 0)
     else:  # only the servers serve: a server's machine receives n S / k, a trainer's sends S
         per_phase = max(1.0, n / k) * s
-        # the busiest link: a server's (n >= k), receiving from every trainer and sending, or a trainer's, receiving
-        # from every server
-        fan_in, fan_out = n, (1 if n >= k else k)
+        # the busier link, at equal bytes the one receiving from many: the push into a server from every trainer
+        # (n >= k), the pull into a trainer from every server (k >= n)
+        fan_in, fan_out = (n if n >= k else 1), (k if k >= n else 1)
     members = n + k
     return (
         Phase("gradients", 1, per_phase, overlaps_backward=True, flows=fan_in),

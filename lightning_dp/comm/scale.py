@@ -5,33 +5,34 @@ machines more things decide, and :class:`Cluster` adds them:
 
 * **racks**: ``R`` machines share a top-of-rack switch whose uplink carries ``R B / o`` bytes/s each way (``o`` : 1
   oversubscription); a message between racks takes ``α_r`` one way instead of ``α``;
-* **windows**: a TCP flow keeps at most ``W`` bytes in flight, so it moves at most ``W / (2 α)`` bytes/s; a machine
-  whose bytes travel on ``f`` flows at once moves ``min(B, f W / (2 α))`` (RDMA: no window);
-* **messages**: every message costs the rank that sends it ``μ`` seconds of software, so an all-to-all over ``N``
-  ranks pays ``(N - 1) μ`` per bucket where a ring pays ``μ`` per round.
+* **windows**: a TCP flow keeps at most ``w`` bytes in flight, so it moves at most ``w / (2 α)`` bytes/s; a machine
+  whose bytes travel on ``c`` connections of ``f`` flows each moves ``min(B, c f w / (2 α))`` (RDMA: no window);
+* **messages**: every message costs the rank that sends or receives it ``μ`` seconds of software, so an all-to-all
+  over ``N`` ranks pays ``(N - 1) μ`` per bucket where a ring pays ``μ`` per round.
 
-A phase of ``r`` rounds over the slowest path (``α_p``: ``α_r`` once the ranks span racks), ``m`` messages, ``W_m``
-bytes through the busiest machine's link on ``f`` flows from ``F`` sending machines, ``W_u`` through the busiest
-rack uplink and ``Q`` copied inside a machine costs::
+A phase of ``r`` rounds over the slowest path (``α_p``: ``α_r`` once the machines span racks), ``m`` messages,
+``W_m`` bytes through the busiest machine's link on ``c`` connections from ``F`` sending machines, ``W_u`` through
+the busiest rack uplink and ``Q`` copied inside a machine costs::
 
-    r ρ α_p + m μ + max((1 + β (min(F, F_max) - 1)) W_m / min(B, f W / (2 α_p)), W_u o / (R' B)) + Q / C
+    r ρ α_p + m μ + max((1 + β (min(F, F_max) - 1)) W_m / min(B, c f w / (2 α_p)), W_u o / (R' B)) + Q / C
 
 (``ρ``, ``β``, ``F_max`` and ``C`` as in :class:`.cost.Link`; ``R'`` the machines of a rack). On one rack with no
-window and ``μ = 0`` every phase is :func:`.cost.step_phases`' own (tested). For ``N = M L`` ranks (``M`` machines
-of ``L``, ``P`` racks), ``S`` bytes in ``K`` buckets, per step:
+window, ``μ = 0`` and the same copy rates, every phase is :func:`.cost.step_phases`' own (tested). For
+``N = M L`` ranks (``M`` machines of ``L``, ``P`` racks), ``S`` bytes in ``K`` buckets (``K`` times ``passes`` for
+a low-rank codec), per step:
 
 =========================  ==================  ==========================  ===================================
 exchange                   rounds              a machine's link            a rack's uplink
 =========================  ==================  ==========================  ===================================
 ring (flat, ``ddp``)       ``2 (N - 1) K``     ``2 (N - 1) / N · S``       the same (the ring leaves a rack once)
-hierarchical ring          ``2 (M - 1) K``     ``2 (M - 1) / M · S``       the same, on ``L`` rings' flows
+hierarchical ring          ``2 (M - 1) K``     ``2 (M - 1) / M · S``       the same, on ``L`` rings' connections
 central server             ``K`` each way      ``(N - L) S`` each way      ``(N - R' L) S`` each way
-sharded servers            ``K`` each way      ``L (N - L) / N · S``       ``R' L (N - R' L) / N · S``
-dedicated servers (``k``)  1 each way          :func:`dedicated_link_bytes` spread over racks with the servers
+sharded servers            ``K`` each way      ``L (N - L) / N · S``       ``R' L (N - R' L) / N · S`` each way
+dedicated servers (``k``)  1 each way          :func:`dedicated_link_bytes` ``(P - 1) / P · N S / P`` each way
 =========================  ==================  ==========================  ===================================
 
-The dedicated servers' control and vote run as a ring over the ``N + k`` members (``2 (N + k - 1)`` rounds); the
-parameter servers' vote is one round of ``N - 1`` messages.
+The parameter servers' vote is one round of ``N - 1`` messages; the dedicated servers' control message and vote
+are ``1 + 2 (N + k - 1)`` rounds (a ring over all members).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_dp.comm.cost import Scheme, Topology, Wire, exposed_seconds, trainer_share
+from lightning_dp.comm.servers.members import MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,16 @@ class Cluster:
         latency: one-way seconds between two machines of one rack, software included (``α``).
         rack_latency: one-way seconds between machines of different racks (``α_r``).
         oversubscription: a rack's machines can send ``o`` times what its uplink carries (``o`` : 1).
-        flow_window: bytes one flow keeps in flight (``W``; TCP's send buffer); ``None``: no window (RDMA).
-        flows_per_peer: connections between two ranks that carry one exchange side by side.
-        message_seconds: software seconds one message costs the rank that sends it (``μ``).
-        local_bandwidth, local_latency: copies and synchronizations among the ranks of one machine.
+        flow_window: bytes one flow keeps in flight (``w``; TCP's send buffer); ``None``: no window (RDMA).
+        flows_per_peer: TCP flows that carry one connection between two ranks side by side (``f``: several
+            sockets per pair, as NCCL's ``NCCL_NSOCKS_PERTHREAD``).
+        message_seconds: software seconds one message costs the rank that sends or receives it (``μ``).
+        local_bandwidth, local_latency: copies and synchronizations among the ranks of one machine (defaults:
+            GPUs joined by NVLink; :class:`.cost.Link`'s are a CPU machine's shared memory).
         latencies_per_round, incast, incast_flows: as :class:`.cost.Link`'s.
-        num_servers: dedicated server machines, one server each, spread over the racks with the trainers.
+
+    Dedicated servers (a :class:`.cost.Scheme` with ``num_servers``) are machines of their own, spread evenly over
+    the racks with the trainers' machines.
     """
 
     ranks: int
@@ -111,14 +117,15 @@ class Cluster:
         """One-way seconds of the slowest path among ``machines`` machines."""
         return self.rack_latency if self.racks(machines) > 1 else self.latency
 
-    def machine_rate(self, flows: int, machines: int) -> float:
-        """Bytes/s a machine moves on ``flows`` flows at once: its link, or what their windows allow."""
+    def machine_rate(self, connections: int, machines: int) -> float:
+        """Bytes/s a machine moves on ``connections`` connections at once: its link, or what their windows allow
+        (each connection between two ranks is ``flows_per_peer`` flows)."""
         if self.flow_window is None:
             return self.bandwidth
         round_trip = 2 * self.path_latency(machines)
         if round_trip == 0:
             return self.bandwidth
-        return min(self.bandwidth, flows * self.flows_per_peer * self.flow_window / round_trip)
+        return min(self.bandwidth, connections * self.flows_per_peer * self.flow_window / round_trip)
 
 
 @dataclass(frozen=True)
@@ -131,14 +138,14 @@ class Transfer:
     machine_bytes: float
     #: bytes through the busiest rack uplink, one direction
     uplink_bytes: float = 0.0
-    #: flows carrying ``machine_bytes`` at once (windows)
-    flows: int = 1
+    #: connections carrying ``machine_bytes`` at once (each limited by its window)
+    connections: int = 1
     #: machines sending into the busiest link at once (incast)
     senders: int = 1
     local_bytes: float = 0.0
     local_rounds: int = 0
-    #: messages the busiest rank sends
-    messages: int = 0
+    #: messages the busiest rank sends or receives
+    messages: float = 0.0
     overlaps_backward: bool = False
 
     def latency_seconds(self, cluster: Cluster, machines: int) -> float:
@@ -149,7 +156,7 @@ class Transfer:
     def transfer_seconds(self, cluster: Cluster, machines: int) -> float:
         """The bytes' part of :meth:`seconds`: the busiest machine link or rack uplink, and the local copies."""
         sharing = 1.0 + cluster.incast * (min(max(1, self.senders), cluster.incast_flows) - 1)
-        link = sharing * self.machine_bytes / cluster.machine_rate(self.flows, machines)
+        link = sharing * self.machine_bytes / cluster.machine_rate(self.connections, machines)
         uplink = self.uplink_bytes / cluster.uplink_bandwidth(machines) if self.uplink_bytes else 0.0
         return max(link, uplink) + self.local_bytes / cluster.local_bandwidth
 
@@ -195,8 +202,11 @@ def dedicated_link_bytes(scheme: Scheme, ranks: int, ranks_per_node: int, nbytes
     """``(trainer machine, server)`` bytes one direction of each link carries in one step with ``k`` dedicated
     servers, every rank a trainer that pushes and pulls for itself (as the strategies do): ``sharded_ps`` keeps
     :func:`.cost.trainer_share` ``x`` per trainer, so a machine of ``L`` trainers sends ``L S (1 + (N - 2 L) x)``
-    and a server ``N (1 - N x) S / k``; ``parameter_server`` (``x = 0``) ``L S`` and ``N S / k``."""
+    over the push and the pull and a server ``N (1 - N x) S / k``; ``parameter_server`` (``x = 0``) sends ``L S``
+    and ``N S / k`` in each."""
     n, k, local = ranks, scheme.num_servers, ranks_per_node
+    if k < 1:
+        raise ValueError(f"num_servers={k}: dedicated servers need num_servers >= 1")
     x = trainer_share(n, k) if scheme.strategy == "sharded_ps" else 0.0
     return local * nbytes * (1 + (n - 2 * local) * x), n * (1 - n * x) * nbytes / k
 
@@ -225,7 +235,7 @@ def cluster_step(scheme: Scheme, cluster: Cluster, wire: Wire, plain: Wire | Non
                 rounds,
                 network,
                 network if spans_racks else 0.0,
-                flows=local,
+                connections=local,
                 local_bytes=2 * (local - 1) / local * s,
                 local_rounds=2 * k,
                 messages=rounds,
@@ -243,12 +253,12 @@ def cluster_step(scheme: Scheme, cluster: Cluster, wire: Wire, plain: Wire | Non
         raise ValueError("a cluster of one machine is priced by lightning_dp.comm.cost.step_cost")
     if scheme.strategy == "parameter_server":  # the server's machine receives from (and sends to) every other rank
         per_link, per_copy, per_uplink = float(n - local), float(local - 1), float(n - racked)
-        fan_in, fan_out, flows, sent = m - 1, 1, n - local, n - 1
+        fan_in, fan_out, connections, sent = m - 1, 1, n - local, n - 1
     else:  # each rank exchanges 1 / N of the buckets with every other rank
         per_link, per_copy = local * (n - local) / n, (local - 1) / n
         per_uplink = racked * (n - racked) / n
         fan_in = fan_out = m - 1
-        flows, sent = local * (n - local), n - 1
+        connections, sent = local * (n - local), n - 1
     weights = s_w if wire.weights_compressed else s
     rounds = k * wire.passes
 
@@ -258,7 +268,7 @@ def cluster_step(scheme: Scheme, cluster: Cluster, wire: Wire, plain: Wire | Non
             rounds,
             per_link * nbytes,
             per_uplink * nbytes if spans_racks else 0.0,
-            flows=flows,
+            connections=connections,
             senders=senders,
             local_bytes=per_copy * nbytes,
             messages=rounds * sent,
@@ -279,33 +289,49 @@ def _dedicated(scheme: Scheme, cluster: Cluster, s: float, num_buckets: int) -> 
     """Trainers push their gradients to ``k`` server machines (spread over the racks with the trainers' machines)
     and pull the weights; every machine's link and every rack's uplink carries its share (see
     :func:`dedicated_link_bytes`). ``sharded_ps``: the push and the pull share the step's bytes, as
-    :func:`.cost.dedicated_exchange_seconds`; ``parameter_server``: each moves them all."""
+    :func:`.cost.dedicated_exchange_seconds`; ``parameter_server``: each moves them all. Messages travel in
+    pieces of :data:`.servers.members.MESSAGE_BYTES`, each bucket's with a message of used-flags ahead."""
     n, m, local, k = cluster.ranks, cluster.nodes, cluster.ranks_per_node, scheme.num_servers
     machines = m + k
     trainer_bytes, server_bytes = dedicated_link_bytes(scheme, n, local, s)
     racks = cluster.racks(machines)
-    # with the servers spread evenly, (P - 1) / P of what a rack's machines send leaves it
-    leaving = (racks - 1) / racks
-    if scheme.strategy == "sharded_ps":  # trainers' pushes and servers' weights leave a rack side by side
-        per_machine = max(trainer_bytes, server_bytes) / 2
-        uplink = leaving * (m * trainer_bytes + k * server_bytes) / racks / 2
-        keeps = trainer_share(n, k) > 0
-        fan_in, fan_out = m, k + (m - 1 if keeps else 0)
-    else:  # the trainers push, then the servers send the weights
-        per_machine = max(trainer_bytes, server_bytes)
-        uplink = leaving * max(m * trainer_bytes, k * server_bytes) / racks
-        keeps = False
-        fan_in, fan_out = m, (1 if n >= k else k)
-    flows = local * (k + (n - 1 if keeps else 0))
-    sent = k + (n - 1 if keeps else 0)
+    # with the servers spread evenly a rack holds N / P trainers, and (P - 1) / P of the shares each of them
+    # pushes (and of the weights each pulls) lie outside it: (P - 1) / P · N S / P each way
+    uplink = (racks - 1) / racks * n * s / racks
+    keeps = scheme.strategy == "sharded_ps" and trainer_share(n, k) > 0
+    owners = k + (n - 1 if keeps else 0)  # where a trainer's push goes, and its pull comes from
+    pieces_trainer = trainer_bytes / local / MESSAGE_BYTES  # one rank's
+    pieces_server = server_bytes / MESSAGE_BYTES
+    if scheme.strategy == "sharded_ps":  # trainers' pushes and owners' weights cross the links side by side
+        push = pull = max(trainer_bytes, server_bytes) / 2
+        push_senders, pull_senders = m, k + (m - 1 if keeps else 0)
+        pieces_trainer, pieces_server = pieces_trainer / 2, pieces_server / 2
+    else:  # the trainers push, then the servers send the weights; the busier link, at equal bytes the receiving one
+        push = pull = max(trainer_bytes, server_bytes)
+        push_senders = m if server_bytes >= trainer_bytes else 1
+        pull_senders = k if trainer_bytes >= server_bytes else 1
+    connections = local * (k + (n - local if keeps else 0))
+    # the busiest rank's messages: a trainer's flags and gradients to every owner, a server's from every trainer;
+    # a server's weights and status to every trainer, a trainer's weights (of its own share) to every other
+    push_messages = max(num_buckets * 2 * owners + pieces_trainer, num_buckets * 2 * n + pieces_server)
+    pull_messages = max(num_buckets * owners + pieces_trainer, num_buckets * 2 * n + pieces_server)
     members = n + k
     return ClusterStep(
         scheme,
         cluster,
         (
-            Transfer("gradients", 1, per_machine, uplink, flows, fan_in, messages=sent, overlaps_backward=True),
+            Transfer(
+                "gradients",
+                1,
+                push,
+                uplink,
+                connections=connections,
+                senders=push_senders,
+                messages=push_messages,
+                overlaps_backward=True,
+            ),
             Transfer("control and vote", 1 + 2 * (members - 1), 0.0, messages=1 + 2 * (members - 1)),
-            Transfer("weights", 1, per_machine, uplink, flows, fan_out, messages=sent),
+            Transfer("weights", 1, pull, uplink, connections=connections, senders=pull_senders, messages=pull_messages),
         ),
         num_buckets,
         machines,

@@ -1,12 +1,19 @@
 """The cost model past one switch: one rack reproduces :mod:`lightning_dp.comm.cost`, and racks, windows and
 per-message costs against amounts derived by hand."""
 
-import math
 import re
 
 import pytest
 
-from lightning_dp.comm.cost import Link, Scheme, Topology, Wire, dedicated_exchange_seconds, step_cost
+from lightning_dp.comm.cost import (
+    Link,
+    Scheme,
+    Topology,
+    Wire,
+    dedicated_exchange_seconds,
+    step_cost,
+    trainer_share,
+)
 from lightning_dp.comm.scale import Cluster, cluster_step, dedicated_link_bytes
 from tests.helpers.launch import REPO
 
@@ -123,20 +130,14 @@ def test_dedicated_servers_bytes_per_link():
     # four trainers a machine, servers alone: the machine sends its four trainers' S, a server N S / k
     trainer, server = dedicated_link_bytes(Scheme("parameter_server", num_servers=k), 8, 4, S)
     assert (trainer, server) == pytest.approx((4 * S, 8 * S / k))
-    # over racks: (P - 1) / P of a rack's sends leave it, the uplink as wide as its machines' links / o
+    # over racks: a rack holds N / P trainers, each pushing S spread over owners of whom (P - 1) / P are outside
+    # (the shares add up to S wherever they lie), and as much comes back as weights
     cluster = Cluster(64, 1, 16, B, ALPHA, 2 * ALPHA, oversubscription=3)
-    step = cluster_step(Scheme("sharded_ps", num_servers=64), cluster, Wire((S,)))
-    machines, racks = 128, 8
-    per_machine = S / 2  # k = n: every link carries S over the push and the pull
-    uplink = (racks - 1) / racks * (machines / racks) * per_machine / (16 * B / 3)
-    assert step.transfers[0].transfer_seconds(cluster, machines) == pytest.approx(uplink)
-    assert math.isclose(step.machines, machines)
-    # half as many servers: 96 machines in 6 racks; every link still carries t(n, k) B over the step, and a rack's
-    # 16 machines (two thirds trainers) send 5 / 6 of it out
-    half = cluster_step(Scheme("sharded_ps", num_servers=32), cluster, Wire((S,)))
-    per_link = dedicated_exchange_seconds(64, 32, S, B) * B
-    uplink = 5 / 6 * 16 * per_link / 2 / (16 * B / 3)
-    assert half.transfers[0].transfer_seconds(cluster, 96) == pytest.approx(uplink)
+    for k, machines, racks in ((64, 128, 8), (32, 96, 6)):
+        step = cluster_step(Scheme("sharded_ps", num_servers=k), cluster, Wire((S,)))
+        assert step.machines == machines
+        uplink = (racks - 1) / racks * (64 / racks) * S / (16 * B / 3)
+        assert step.transfers[0].transfer_seconds(cluster, machines) == pytest.approx(uplink)
 
 
 def test_bad_input_is_refused():
@@ -158,3 +159,119 @@ def test_the_guides_snippet_runs_as_pasted(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["ddp", "ring_allreduce", "sharded_ps"]
     assert all(line.endswith("ms exposed") for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------------- brute force
+def busiest(pairs, place):
+    """The most bytes one direction of any link carries: ``pairs`` maps (sender, receiver) to bytes, ``place`` a
+    member to its machine (or rack); traffic inside one place uses no link."""
+    out, into = {}, {}
+    for (a, b), nbytes in pairs.items():
+        if place(a) != place(b):
+            out[place(a)] = out.get(place(a), 0.0) + nbytes
+            into[place(b)] = into.get(place(b), 0.0) + nbytes
+    return max([*out.values(), *into.values(), 0.0])
+
+
+def exchange_pairs(scheme, n, local):
+    """Bytes each rank sends each other rank in one exchange of S, from what each transport does: the ring passes
+    2 (N - 1) chunks of S / N to its neighbour, the hierarchical ring 2 (M - 1) chunks of S / (L M) on the ring of
+    local rank i, the central server receives S from every rank, the sharded servers S / N from every rank."""
+    m = n // local
+    if scheme.strategy == "ddp":
+        return {(r, (r + 1) % n): 2 * (n - 1) / n * S for r in range(n)}
+    if scheme.strategy == "ring_allreduce":
+        return {
+            (j * local + i, (j + 1) % m * local + i): 2 * (m - 1) / m * S / local
+            for j in range(m)
+            for i in range(local)
+        }
+    if scheme.strategy == "parameter_server":
+        return {(r, 0): float(S) for r in range(1, n)}
+    return {(a, b): S / n for a in range(n) for b in range(n) if a != b}
+
+
+@pytest.mark.parametrize("scheme", [Scheme("ddp"), Scheme("ring_allreduce", "shm"), Scheme("parameter_server", "ring"),
+                                    Scheme("sharded_ps", "ring")], ids=lambda s: s.label())  # fmt: skip
+@pytest.mark.parametrize("n, local, per_rack", [(16, 2, 3), (24, 4, 2), (12, 1, 4), (64, 8, 4)])
+def test_every_links_bytes_add_up_from_the_pairs(scheme, n, local, per_rack):
+    cluster = Cluster(n, local, per_rack, B, ALPHA, 2 * ALPHA)
+    pairs = exchange_pairs(scheme, n, local)
+    first = cluster_step(scheme, cluster, Wire((S,))).transfers[0]
+    assert first.machine_bytes == pytest.approx(busiest(pairs, lambda r: r // local))
+    assert first.uplink_bytes == pytest.approx(busiest(pairs, lambda r: r // local // per_rack))
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", "sharded_ps"])
+@pytest.mark.parametrize("machines, local, k, per_rack", [(8, 2, 4, 3), (6, 1, 3, 3), (4, 4, 2, 3)])
+def test_dedicated_servers_links_add_up_from_the_pairs(strategy, machines, local, k, per_rack):
+    """Members 0..N-1 the trainers, N.. the servers; each rack holds M / P trainer machines and k / P servers. A
+    trainer pushes share x of S to every other trainer and y to every server, and pulls as much back."""
+    n = machines * local
+    racks = (machines + k) // per_rack
+    x = trainer_share(n, k) if strategy == "sharded_ps" else 0.0
+    y = (1 - n * x) / k
+    push = {(a, b): x * S for a in range(n) for b in range(n) if a != b}
+    push |= {(a, n + j): y * S for a in range(n) for j in range(k)}
+    pull = {(b, a): v for (a, b), v in push.items()}
+
+    def machine(member):
+        return member // local if member < n else machines + member - n
+
+    def rack(member):
+        if member < n:
+            return member // local // (machines // racks)
+        return (member - n) // (k // racks)
+
+    step = cluster_step(Scheme(strategy, num_servers=k), Cluster(n, local, per_rack, B, ALPHA, 2 * ALPHA), Wire((S,)))
+    gradients, weights = step.transfers[0], step.transfers[2]
+    if strategy == "parameter_server":  # the push, then the pull
+        assert gradients.machine_bytes == pytest.approx(busiest(push, machine))
+        assert weights.machine_bytes == pytest.approx(busiest(pull, machine))
+        assert gradients.uplink_bytes == pytest.approx(busiest(push, rack))
+    else:  # push and pull overlap: each phase carries half the step's bytes
+        step_pairs = {key: push.get(key, 0.0) + pull.get(key, 0.0) for key in push.keys() | pull.keys()}
+        assert gradients.machine_bytes + weights.machine_bytes == pytest.approx(busiest(step_pairs, machine))
+        assert gradients.uplink_bytes + weights.uplink_bytes == pytest.approx(busiest(step_pairs, rack))
+
+
+def test_windows_limit_every_connection_the_transports_open():
+    """A 1 KiB window over a 2 ms round trip (512 KB/s a flow) binds every scheme: a machine's rate is its
+    connections' windows, one connection per pair of ranks on different machines."""
+    window, rack_latency = 1024, 1e-3
+    per_flow = window / (2 * rack_latency)
+    n, local = 32, 4
+    cluster = Cluster(n, local, 4, B, ALPHA, rack_latency, flow_window=window, incast=0.0)
+    sharded = cluster_step(Scheme("sharded_ps", "ring"), cluster, Wire((S,))).transfers[0]
+    # each of a machine's 4 ranks talks to the 28 ranks on other machines (and copies 3 / 32 of S to its neighbours)
+    copies = 3 / 32 * S / cluster.local_bandwidth
+    assert sharded.transfer_seconds(cluster, 8) == pytest.approx(4 * 28 / 32 * S / (4 * 28 * per_flow) + copies)
+    central = cluster_step(Scheme("parameter_server", "ring"), cluster, Wire((S,))).transfers[0]
+    # the server's rank hears from the 28 ranks elsewhere (and its 3 neighbours by copies)
+    assert central.transfer_seconds(cluster, 8) == pytest.approx(
+        28 * S / (28 * per_flow) + 3 * S / cluster.local_bandwidth
+    )
+    dedicated = cluster_step(Scheme("sharded_ps", num_servers=8), cluster, Wire((S,))).transfers[0]
+    # trainers keep a share (k < N): each rank to the 8 servers and the 28 trainers elsewhere
+    assert dedicated.transfer_seconds(cluster, 16) == pytest.approx(dedicated.machine_bytes / (4 * 36 * per_flow))
+
+
+@pytest.mark.parametrize("strategy", ["parameter_server", "sharded_ps"])
+def test_dedicated_servers_count_every_message_of_the_protocol(strategy):
+    """With μ = 1 s a message and no latency, the seconds are the busiest rank's messages: per bucket a trainer
+    sends used-flags and gradients to each owner, a server receives both from every trainer; the weights come back
+    with a status per bucket; the bytes travel in 256 KiB pieces; control and vote go around the ring of members."""
+    n, local, k, buckets = 16, 2, 4, 3
+    cluster = Cluster(n, local, 64, B, 0.0, 0.0, message_seconds=1.0)
+    step = cluster_step(Scheme(strategy, num_servers=k), cluster, Wire((S // buckets,) * buckets))
+    piece = 256 * 1024
+    x = trainer_share(n, k) if strategy == "sharded_ps" else 0.0
+    owners = k + (n - 1 if x else 0)
+    trainer_pieces = S * (1 + (n - 2 * local) * x) / piece
+    server_pieces = n * (1 - n * x) * S / k / piece
+    if strategy == "sharded_ps":
+        trainer_pieces, server_pieces = trainer_pieces / 2, server_pieces / 2
+    push = max(buckets * 2 * owners + trainer_pieces, buckets * 2 * n + server_pieces)
+    pull = max(buckets * owners + trainer_pieces, buckets * 2 * n + server_pieces)
+    control = 1 + 2 * (n + k - 1)
+    assert [t.latency_seconds(cluster, 12) for t in step.transfers] == pytest.approx([push, control, pull])
