@@ -194,7 +194,11 @@ def worker(args) -> None:
         gradient exchange completes inside it, as DDP's reducer does), the hooks between backward and the optimizer
         step (gradient checks and edits), and the step (clipping, the optimizer, the servers' weight pull). On a GPU
         the marks are the host's view (kernels run on asynchronously) but for the step's end, which
-        :class:`StepTimer`, called first, waits for."""
+        :class:`StepTimer`, called first, waits for. It reads no gradient, and says so: the parameter servers keep
+        the step they run without it (no averaged gradients sent back, dedicated servers updating as buckets
+        arrive)."""
+
+        reads_gradients = False
 
         def __init__(self):
             self.marks: dict[str, float] = {}

@@ -18,10 +18,13 @@ GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_ze
 def gradient_readers(trainer: pl.Trainer, module: pl.LightningModule) -> list[str]:
     """What in this run may read or edit gradients between backward and the optimizer step: overridden gradient
     hooks of the module and of callbacks, a custom ``configure_gradient_clipping``, and manual optimization (whose
-    ``training_step`` may touch ``param.grad`` between ``manual_backward`` and ``optimizer.step``)."""
+    ``training_step`` may touch ``param.grad`` between ``manual_backward`` and ``optimizer.step``). A callback with
+    ``reads_gradients = False`` overrides those hooks only to observe the step (a timer) and is not counted."""
     found = [f"{type(module).__name__}.{hook}" for hook in (*GRADIENT_HOOKS, "configure_gradient_clipping")
              if is_overridden(hook, module, pl.LightningModule)]  # fmt: skip
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if getattr(callback, "reads_gradients", True) is False:
+            continue
         found += [
             f"{type(callback).__name__}.{hook}" for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)
         ]

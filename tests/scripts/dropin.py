@@ -20,6 +20,7 @@ Each rank saves one record per case (see :class:`Record`).
 
 import argparse
 import os
+import time
 
 import lightning as L
 import torch
@@ -207,6 +208,21 @@ class SaveAfterStep(L.Callback):
         del pl_module.history[: self.step]
 
 
+class BackwardTimer(L.Callback):
+    """Overrides the gradient hooks only to time backward, and says so: the parameter servers keep their plain step."""
+
+    reads_gradients = False
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.start = time.perf_counter()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        assert self.seconds >= 0
+
+
 def fit(case, model, callbacks=(), reentrant=False, fit_model=None, ckpt_path=None, **kwargs) -> L.Trainer:
     options = dict(
         strategy=strategy(args.strategy, reentrant), **placement.trainer_placement(2), logger=False,
@@ -236,7 +252,7 @@ class AdamW(Base):
 def main() -> None:
     if "hooks" in args.cases:
         fit("hooks", GradientEdits(), callbacks=[DoubleBiasGradient()])
-        fit("plain", Base())
+        fit("plain", Base(), callbacks=[BackwardTimer()])
     if "add_group" in args.cases:
         fit("add_group", AddGroupLater())
     if "compiled" in args.cases:
