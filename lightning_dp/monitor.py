@@ -132,7 +132,8 @@ class CommMonitor(Callback):
         return measure_link(group, device=strategy.root_device)
 
     # ------------------------------------------------------------------ per step
-    # no gradient hook here (on_after_backward, ...): the parameter servers would send the averaged gradients back
+    # no gradient hook here (on_after_backward, ...): unless a callback declares reads_gradients = False, the
+    # parameter servers would send the averaged gradients back
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if not isinstance(trainer.strategy, DataParallelStrategy):  # those time their own backward

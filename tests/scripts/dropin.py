@@ -3,7 +3,8 @@ compares each run with Lightning's ``ddp`` running this same script).
 
 Cases (``--cases``, default all):
   hooks       gradient edits in ``on_after_backward`` (a masked layer, a scaled layer), clipping one layer in
-              ``on_before_optimizer_step``, a callback that edits a gradient, ``grad_norm`` logged there
+              ``on_before_optimizer_step``, a callback that edits a gradient, ``grad_norm`` logged there; and
+              ``plain``, the same model without them, timed by a callback declaring ``reads_gradients = False``
   add_group   ``optimizer.add_param_group`` at step 2 with a parameter trainable from the start
   compiled    ``trainer.fit(torch.compile(model))`` and a module with a compiled submodule
   reentrant   reentrant activation checkpointing reusing one weight in two segments
@@ -214,13 +215,13 @@ class BackwardTimer(L.Callback):
     reads_gradients = False
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self.start = time.perf_counter()
+        self.start, self.seconds = time.perf_counter(), None
 
     def on_after_backward(self, trainer, pl_module) -> None:
         self.seconds = time.perf_counter() - self.start
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        assert self.seconds >= 0
+        assert self.seconds is not None, "on_after_backward did not run before this step"
 
 
 def fit(case, model, callbacks=(), reentrant=False, fit_model=None, ckpt_path=None, **kwargs) -> L.Trainer:

@@ -14,7 +14,20 @@ parser.add_argument("--optimizer", required=True)
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--sparse", action="store_true", help="add an nn.Embedding(sparse=True)")
 parser.add_argument("--num-servers", type=int, default=0, help="strategy option: dedicated server processes")
+parser.add_argument(
+    "--halve-lr-in-hook", action="store_true", help="a callback declaring reads_gradients = False halves the lr"
+)
 args = parser.parse_args()
+
+
+class HalvesLearningRate(L.Callback):
+    """Breaks its promise: declares it reads no gradient, then changes the optimizer in a gradient hook."""
+
+    reads_gradients = False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] /= 2
 
 
 class Model(BoringModel):
@@ -43,5 +56,6 @@ if args.num_servers:
 L.Trainer(
     strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=1, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    callbacks=[HalvesLearningRate()] if args.halve_lr_in_hook else [],
 ).fit(Model())  # fmt: skip
 print("TRAINED")

@@ -37,7 +37,8 @@ def test_gradient_edits_in_hooks_and_callbacks_take_effect_as_under_ddp(runs, st
 @pytest.mark.parametrize("strategy", ["parameter_server", "sharded_ps"])
 def test_parameter_servers_send_averaged_gradients_back_only_when_something_reads_them(runs, strategy):
     """The extra traffic is counted in ``last_step_bytes``: with the hooks every rank also receives the averaged
-    gradients (central: S per worker, (N - 1) S from the server; sharded: (N - 1) / N S each)."""
+    gradients (central: S per worker, (N - 1) S from the server; sharded: (N - 1) / N S each); a timing callback
+    that declares ``reads_gradients = False`` (the plain case) does not count as reading them."""
     hooks, plain = runs.case(strategy, "hooks"), runs.case(strategy, "plain")
     assert all(r["full_gradients"] is False for r in plain)
     sync = plain[0]["sync_bytes"]

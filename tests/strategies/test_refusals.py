@@ -40,6 +40,17 @@ def test_parameter_server_runs_adafactor(num_servers):
     assert "TRAINED" in result.stdout
 
 
+@pytest.mark.multiprocess
+def test_an_observer_that_changes_the_learning_rate_after_the_overlapped_update_is_refused():
+    """Dedicated servers update as gradients arrive when nothing reads them; a callback declaring
+    ``reads_gradients = False`` runs its hooks after that update, so changing the learning rate there is an error
+    that names the declaration, not a silently different step."""
+    args = ["--strategy", "sharded_ps", "--optimizer", "SGD", "--num-servers", "1", "--halve-lr-in-hook"]
+    result = run_script("refuse", *args, check=False, timeout=120)
+    assert result.returncode != 0 and "TRAINED" not in result.stdout
+    assert "UnsupportedChangeError" in result.stdout and "reads_gradients = False" in result.stdout
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("server_rank", [-1, 1.5, True, "0"])
 def test_bad_server_rank_fails_at_construction(server_rank):

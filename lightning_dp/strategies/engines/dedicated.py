@@ -273,7 +273,8 @@ class DedicatedEngine(StepEngine):
         if strategy.reducer.consume():
             self.layout.take_bucket_gradients()
         self._clip = None
-        after_closure(strategy.precision_plugin, model, optimizer)  # hooks that read nothing; clipping is recorded
+        # only hooks of callbacks declaring reads_gradients = False run here; clipping is recorded
+        after_closure(strategy.precision_plugin, model, optimizer)
         if self._clip != self._static_clip:
             raise UnsupportedChangeError(
                 f"strategy {self.name!r}: gradient clipping changed during fit ({self._static_clip} at set-up, "
@@ -282,10 +283,11 @@ class DedicatedEngine(StepEngine):
         if [hyperparameters(g) for g in optimizer.param_groups] != control["hyperparameters"]:
             raise UnsupportedChangeError(
                 f"strategy {self.name!r} with num_servers={self.num_servers}: the optimizer's hyperparameters "
-                "(e.g. the learning rate) changed during the step's forward or backward, after the servers had applied "
-                "them to the gradients as they arrived. Change them before the step starts (an LR scheduler, or "
-                "LightningModule.optimizer_step), or in on_before_optimizer_step, which makes the servers wait for "
-                "the hooks"
+                "(e.g. the learning rate) changed during the step's forward, backward or in a hook of a callback "
+                "declaring reads_gradients = False, after the servers had applied them to the gradients as they "
+                "arrived. Change them before the step starts (an LR scheduler, or LightningModule.optimizer_step), "
+                "or in on_before_optimizer_step of a module or callback without reads_gradients = False, which makes "
+                "the servers wait for the hooks"
             )
         own_bad, ring = False, self.transport.ring
 
