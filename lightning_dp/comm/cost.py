@@ -308,9 +308,11 @@ def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | No
 
 
 def _dedicated_phases(scheme: Scheme, topology: Topology, s: float) -> tuple[Phase, ...]:
-    """Trainers on machines of their own (one rank each), ``k`` servers: the push and the pull each move half of
-    :func:`dedicated_exchange_seconds`' bytes; trainer 0's control message and the members' tiny all-reduce (norm,
-    vote) are rounds of their own."""
+    """Trainers on machines of their own (one rank each), ``k`` servers. ``sharded_ps``: the push and the pull
+    each move half of :func:`dedicated_exchange_seconds`' bytes (what a link sends over the step, pushes and
+    weights together: they overlap when the servers update piece by piece); ``parameter_server``: each moves the
+    busier link's bytes. Trainer 0's control message and the members' tiny all-reduce (norm, vote) are rounds of
+    their own."""
     n, k = topology.world_size, scheme.num_servers
     if scheme.strategy == "sharded_ps":
         per_phase = dedicated_exchange_seconds(n, k, s, 1.0) / 2
