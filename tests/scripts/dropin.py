@@ -278,3 +278,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Lightning's ddp leaves the default gloo group up after fit, and a process that exits with it alive can abort
+    # in the interpreter's finalization ("terminate called without an active exception", pytorch/pytorch#190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
