@@ -72,6 +72,7 @@ def images_per_second(model: str) -> float:
 
 
 def schemes(machines: int) -> list[Scheme]:
+    """Every scheme priced at a point; the dedicated servers as many as the trainers' ``machines``."""
     return [
         Scheme("ddp"),
         Scheme("ring_allreduce", "shm"),
@@ -83,6 +84,7 @@ def schemes(machines: int) -> list[Scheme]:
 
 
 def label(scheme: Scheme) -> str:
+    """A scheme's name in the tables."""
     if scheme.strategy == "ring_allreduce" and scheme.intra_node == "shm":
         return "hierarchical ring"
     if scheme.strategy == "ddp":
@@ -91,6 +93,7 @@ def label(scheme: Scheme) -> str:
 
 
 def clusters(message_seconds: float) -> dict[str, Cluster]:
+    """The four clusters by name (64 ranks: :func:`sweep` sets the size), with μ where a transport pays it."""
     tcp_25 = Cluster(64, 8, 32, 25e9 / 8, 15e-6, 25e-6, oversubscription=3.0, flow_window=TCP_WINDOW,
                      message_seconds=message_seconds)  # fmt: skip
     rdma_100 = Cluster(64, 8, 32, 100e9 / 8, 3e-6, 5e-6, latencies_per_round=1.0)
@@ -104,12 +107,14 @@ def clusters(message_seconds: float) -> dict[str, Cluster]:
 
 
 def buckets(parameters: int, cap: int) -> Wire:
+    """A model's float32 gradients in buckets of ``cap`` bytes."""
     total = 4 * parameters
     whole, rest = divmod(total, cap)
     return Wire((cap,) * whole + ((rest,) if rest else ()))
 
 
 def point(scheme: Scheme, cluster: Cluster, model: str, cap: int) -> dict:
+    """One scheme's row: its communication, what backward leaves exposed, the scaling efficiency."""
     compute = BATCH / images_per_second(model)
     step = cluster_step(scheme, cluster, buckets(MODELS[model]["parameters"], cap))
     backward = BACKWARD_SHARE * compute
@@ -127,6 +132,7 @@ def point(scheme: Scheme, cluster: Cluster, model: str, cap: int) -> dict:
 
 
 def sweep(message_seconds: float) -> list[dict]:
+    """Every scheme at every size on every cluster, for ResNet-50 and VGG-16."""
     rows = []
     for name, base in clusters(message_seconds).items():
         for model in ("ResNet-50", "VGG-16"):
