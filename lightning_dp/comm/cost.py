@@ -146,6 +146,12 @@ class Wire:
         return sum(self.bucket_bytes)
 
 
+def incast_sharing(senders: int, incast: float, most: int) -> float:
+    """How many times longer a link takes with ``senders`` machines sending into it at once than with one:
+    ``1 + incast (min(senders, most) - 1)`` (not extrapolated past the ``most`` it was measured at)."""
+    return 1.0 + incast * (min(max(1, senders), most) - 1)
+
+
 @dataclass(frozen=True)
 class Phase:
     """One part of a step's communication."""
@@ -173,8 +179,7 @@ class Phase:
     def transfer_seconds(self, link: Link) -> float:
         """The bytes' part of :meth:`seconds`: through the busiest link (its flows sharing it) and copied inside a
         machine."""
-        extra_flows = min(max(1, self.flows), link.incast_flows) - 1
-        sharing = 1.0 + link.incast * extra_flows
+        sharing = incast_sharing(self.flows, link.incast, link.incast_flows)
         return sharing * self.network_bytes / link.bandwidth + self.local_bytes / link.local_bandwidth
 
 

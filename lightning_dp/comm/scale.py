@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_dp.comm.cost import Scheme, Topology, Wire, exposed_seconds, trainer_share
+from lightning_dp.comm.cost import Scheme, Topology, Wire, exposed_seconds, incast_sharing, trainer_share
 from lightning_dp.comm.servers.members import MESSAGE_BYTES
 
 
@@ -155,7 +155,7 @@ class Transfer:
 
     def transfer_seconds(self, cluster: Cluster, machines: int) -> float:
         """The bytes' part of :meth:`seconds`: the busiest machine link or rack uplink, and the local copies."""
-        sharing = 1.0 + cluster.incast * (min(max(1, self.senders), cluster.incast_flows) - 1)
+        sharing = incast_sharing(self.senders, cluster.incast, cluster.incast_flows)
         link = sharing * self.machine_bytes / cluster.machine_rate(self.connections, machines)
         uplink = self.uplink_bytes / cluster.uplink_bandwidth(machines) if self.uplink_bytes else 0.0
         return max(link, uplink) + self.local_bytes / cluster.local_bandwidth
