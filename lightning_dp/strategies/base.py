@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp._lightning_compat import _optimizers_to_device, unwrap_optimizer, wrap_closure_of
+from lightning_dp._lightning_compat import _optimizers_to_device, trainer_of, unwrap_optimizer, wrap_closure_of
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cluster.fingerprint import check_replicas_match
 from lightning_dp.comm.codecs import CODEC_NAMES, Codec
@@ -39,6 +39,7 @@ from lightning_dp.comm.transports import Transport
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.comm.transports.shards import any_rank
 from lightning_dp.comm.transports.shm import WAITS, SharedMemoryUnavailable
+from lightning_dp.strategies.balance import BALANCE, CHECKPOINT_KEY, EqualBatches, make_batches
 from lightning_dp.strategies.codec_state import choose_codec, load_codec_state, with_codec_states
 from lightning_dp.strategies.inspection import nonfinite_gradient_error, refuse_sparse_gradients
 from lightning_dp.strategies.options import (
@@ -80,6 +81,15 @@ class DataParallelStrategy(ProcessGroupStrategy):
         error_feedback: keep what compression lost on this rank and add it to the next step's gradients.
         powersgd_rank: the rank ``r`` of PowerSGD's factors.
         powersgd_warmup_steps: synchronizations that run uncompressed before PowerSGD starts.
+        balance: how the global batch is split among the ranks (:mod:`~lightning_dp.strategies.balance`):
+            ``"none"`` (default): equal batches, as under ``ddp``; ``"throughput"``: each rank's share of the global
+            batch (``N`` times the loader's ``batch_size``) follows its measured speed, so a persistently slower rank
+            trains fewer samples per step, and each rank's gradient is weighted by its share, so every step is the
+            step of the whole global batch (see :mod:`lightning_dp.comm.balance`). Needs a loader with Lightning's
+            distributed sampler and a loss that is the mean over the batch.
+        balance_interval: with ``balance="throughput"``, the training batches measured between two decisions.
+        balance_tolerance: with ``balance="throughput"``, the shares change only when the speeds measured would make
+            the step shorter by more than this fraction.
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` and Lightning's ``accelerator``,
             ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin`` (see
             :class:`~.processes.ProcessGroupStrategy`).
@@ -101,6 +111,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         error_feedback: bool = True,
         powersgd_rank: int = 4,
         powersgd_warmup_steps: int = 10,
+        balance: Literal["none", "throughput"] = "none",
+        balance_interval: int = 5,
+        balance_tolerance: float = 0.1,
         **kwargs: Any,
     ) -> None:
         check_known_options(
@@ -115,6 +128,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.error_feedback = check_flag("error_feedback", error_feedback)
         self.powersgd_rank = check_count("powersgd_rank", powersgd_rank, 1)
         self.powersgd_warmup_steps = check_count("powersgd_warmup_steps", powersgd_warmup_steps, 0)
+        self.balance = check_choice("balance", balance, BALANCE)
+        #: the ``balance`` mode: which samples each rank trains and how its gradient counts
+        self.batches: EqualBatches = make_batches(self, self.balance, balance_interval, balance_tolerance)
         self.reducer: BucketReducer | None = None
         self.transport: Transport | None = None
         self.codec = Codec()
@@ -278,6 +294,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             buffers = list(self.model.buffers())
             if buffers:
                 broadcast_tensors(buffers, src=0, group=self.gradient_group)
+        self.batches.forward_started()
         return super().training_step(*args, **kwargs)
 
     @override
@@ -288,8 +305,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         assert self.lightning_module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         start = time.perf_counter()
-        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        weighted = self.batches.weighted(closure_loss)  # the hooks see the loss as computed, backward the weighted one
+        self.precision_plugin.backward(weighted, self.lightning_module, optimizer, *args, **kwargs)
         self.sync_stats.backward_seconds += time.perf_counter() - start
+        self.batches.backward_done()
         self._finish_gradient_sync()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -443,16 +462,35 @@ class DataParallelStrategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ checkpoints: the codec's state of every rank
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Lightning's, plus every rank's codec state (see :mod:`.codec_state`) for a full (not weights-only)
-        checkpoint. Collective, as Lightning calls it on every rank."""
+        """Lightning's, plus every rank's codec state (see :mod:`.codec_state`) and the schedule of batch shares
+        (``balance="throughput"``) for a full (not weights-only) checkpoint. Collective, as Lightning calls it on every
+        rank."""
         if "optimizer_states" in checkpoint and type(self.codec) is not Codec:
             checkpoint = with_codec_states(checkpoint, self.codec, self.world_size, self.is_global_zero)
+        shares = self.batches.state_dict()
+        if "optimizer_states" in checkpoint and shares is not None:
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: shares}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._load_optimizer_states(checkpoint)
         self._load_codec_state(checkpoint)
+        self.batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY))
+
+    # ------------------------------------------------------------------ the training batches (the balance option)
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = trainer_of(self.lightning_module)
+        balanced = self.batches.training_loader(trainer, dataloader) if trainer is not None else None
+        return balanced if balanced is not None else super().process_dataloader(dataloader)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        trainer = trainer_of(self.lightning_module)
+        if trainer is not None:
+            self.batches.on_train_batch_start(trainer, batch_idx)
 
     def _load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the optimizers' states of a checkpoint (subclasses whose servers hold them differently)."""

@@ -96,6 +96,11 @@ class ParameterServerBase(DataParallelStrategy):
                 f"num_servers={self.num_servers} needs compression='none' (dedicated servers exchange full-precision "
                 f"buckets); got compression={self.compression!r}"
             )
+        if self.staleness != 0 and self.balance != "none":
+            raise ConfigurationError(
+                f"balance={self.balance!r} needs staleness=0: it sizes the ranks' shares of each synchronous step's "
+                f"global batch, and with staleness={self.staleness!r} there is no such step; use balance='none'"
+            )
         if self.staleness != 0 and self.compression != "none":
             raise ConfigurationError(
                 f"compression={self.compression!r} needs staleness=0: with staleness={self.staleness!r} each "

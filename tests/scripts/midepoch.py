@@ -2,13 +2,15 @@
 (under torchrun) kill a rank at a step and resume from the newest checkpoint in the restarted attempt.
 
 Every rank writes ``<out>/rank<r>.pt``: its final weights, the sample indices it trained batch by batch in this
-process (a resumed run: from the checkpoint on) and the checkpoint it resumed from.
+process (a resumed run: from the checkpoint on), ``(epoch, batch index, weights after the batch)`` of each of those
+batches, the checkpoint it resumed from and, with ``--balance throughput``, the schedule of batch shares.
 """
 
 import argparse
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -35,6 +37,10 @@ parser.add_argument("--kill-at-step", type=int, default=None, help="attempt 0: S
 parser.add_argument("--variables-environment", action="store_true",
                     help="ranks started by the test itself, told their place by RANK, WORLD_SIZE, LOCAL_RANK, "
                          "NODE_RANK (a cluster that starts the processes, as Ray Train and SLURM do)")  # fmt: skip
+parser.add_argument("--balance", default=None, help="strategy option balance")
+parser.add_argument("--balance-interval", type=int, default=None, help="strategy option balance_interval")
+parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-per-sample x its batch size")
+parser.add_argument("--slow-per-sample", type=float, default=0.0)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -61,13 +67,18 @@ class Model(L.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
         self.trained: list[list[int]] = []
+        self.history: list[tuple[int, int, torch.Tensor]] = []
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
+        if self.global_rank == args.slow_rank:
+            time.sleep(args.slow_per_sample * len(index))
         self.trained.append(index.tolist())
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        weights = torch.cat([p.detach().flatten() for p in self.parameters()])
+        self.history.append((self.current_epoch, batch_idx, weights))
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if args.kill_at_step == self.global_step and restart == 0 and self.global_rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -126,9 +137,17 @@ def newest_checkpoint() -> str | None:
 
 
 resume = newest_checkpoint() if args.resume_from == "newest" else args.resume_from
+strategy = args.strategy
+options = {"balance": args.balance, "balance_interval": args.balance_interval}
+options = {k: v for k, v in options.items() if v is not None}
+if options:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[strategy]
+    strategy = entry["strategy"](**{**entry["init_params"], **options})
 model = Model()
 trainer = L.Trainer(
-    strategy=args.strategy,
+    strategy=strategy,
     accelerator="cpu",
     devices=args.devices if args.devices == "auto" else int(args.devices),
     max_epochs=args.max_epochs,
@@ -143,5 +162,7 @@ trainer = L.Trainer(
 )
 trainer.fit(model, ckpt_path=resume)
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-torch.save({"weights": weights, "trained": model.trained, "resumed_from": resume},
-           out / f"rank{trainer.global_rank}.pt")  # fmt: skip
+balancer = getattr(getattr(trainer.strategy, "batches", None), "balancer", None)
+decisions = balancer.state_dict()["decisions"] if balancer is not None else None
+torch.save({"weights": weights, "trained": model.trained, "history": model.history, "resumed_from": resume,
+            "decisions": decisions}, out / f"rank{trainer.global_rank}.pt")  # fmt: skip

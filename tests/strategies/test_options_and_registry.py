@@ -67,6 +67,9 @@ def test_trainer_accepts_name_and_instance():
         ({"error_feedback": 1}, "error_feedback must be True or False"),
         ({"powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
         ({"powersgd_warmup_steps": 2.5}, "powersgd_warmup_steps must be an integer >= 0"),
+        ({"balance": "speed"}, "balance='speed' is not supported; allowed values: 'none', 'throughput'"),
+        ({"balance": "throughput", "balance_interval": 0}, "balance_interval must be an integer >= 1, got 0"),
+        ({"balance": "throughput", "balance_tolerance": -1}, "balance_tolerance must be a positive number"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs, message):
@@ -127,3 +130,27 @@ def test_gloo_is_accepted_on_cuda_devices_and_nccl_only_there():
         check_backend_for_devices(backend, devices)
     with pytest.raises(lightning_dp.ConfigurationError, match="trains on cpu"):
         check_backend_for_devices("nccl", cpu)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cls", [ParameterServerStrategy, ShardedParameterServerStrategy])
+def test_balance_needs_synchronous_steps(cls):
+    with pytest.raises(ValueError, match="balance='throughput' needs staleness=0"):
+        cls(staleness=2, balance="throughput")
+
+
+@pytest.mark.unit
+def test_balance_refuses_a_loader_it_cannot_resize():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    strategy = RingAllReduceStrategy(balance="throughput")
+    trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING))
+    data = TensorDataset(torch.arange(10))
+    own_sampler = DataLoader(data, batch_size=2, sampler=RandomSampler(data))
+    with pytest.raises(ValueError, match="use_distributed_sampler=True.*sampler RandomSampler"):
+        strategy.batches.training_loader(trainer, own_sampler)
+    validation = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.VALIDATING))
+    assert strategy.batches.training_loader(validation, own_sampler) is None  # only training batches are balanced

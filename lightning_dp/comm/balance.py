@@ -1,0 +1,286 @@
+"""Throughput-balanced batches: each rank's share of a constant global batch follows its measured speed.
+
+Under plain data parallelism every rank trains ``b`` samples per step, so a rank that stays slower (an older machine,
+a noisy neighbour) makes every step wait for it. Here the global batch of ``B = N b`` samples is the same as the
+data-parallel run's, but rank ``r`` trains ``n_r`` of them, ``sum n_r = B``, chosen so that every rank finishes its
+share at about the same time. The update stays one global-batch step: rank ``r``'s gradient (the mean over its
+``n_r`` samples) is weighted by ``N n_r / B`` before the ranks' gradients are averaged, so the average is the mean over
+all ``B`` samples, as one process training the same global batch computes it (:func:`gradient_weight`).
+
+- :func:`apportion`: whole shares of ``B`` proportional to speeds (largest remainder), each at least one sample.
+- :func:`deal`: which rank trains which position of a global batch; equal shares give rank ``r`` the positions
+  ``r, r + N, ...``, exactly the samples ``DistributedSampler`` and a ``BatchSampler`` of ``b`` give it.
+- :class:`ThroughputBalancer`: the measurements and the schedule of shares. Every ``interval`` batches, each rank's
+  seconds of its own computation (from the start of each training step to the end of its backward, before the wait
+  for the gradient exchange; the median batch's seconds per sample) and samples are gathered, and every rank
+  computes the same decision from them. Shares move a fraction ``gain`` of the way to the speeds' proportions, and
+  only when that would shorten the step by more than ``tolerance`` and by more than 2 ms (equal speeds keep equal
+  shares). A decision made at batch ``j`` applies from batch ``j + lag``: a loader may have drawn the batches before.
+- :class:`BalancedBatchSampler`: the training loader's batch sampler, drawing each step's global batch as
+  ``DistributedSampler`` orders the epoch, and this rank's part of it by the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler, Sampler
+
+#: ``(epoch, batch index in the epoch)``: where a batch lies in training, ordered
+BatchKey = tuple[int, int]
+#: the shares change only if the step would get shorter by more than this too: below it, the ranks' timings differ by
+#: the scheduler's and the timer's noise, not by their speeds
+MIN_SAVING_SECONDS = 0.002
+
+
+def apportion(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
+    """Whole numbers summing to ``total``, proportional to ``weights`` (largest remainder; ties to the lower index),
+    each at least ``minimum``. Needs ``total >= minimum * len(weights)`` and positive weights."""
+    n = len(weights)
+    if n == 0 or total < minimum * n:
+        raise ValueError(f"cannot give {n} ranks at least {minimum} of {total} each")
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise ValueError(f"weights must be positive and finite, got {list(weights)}")
+    spare = total - minimum * n
+    scale = sum(weights)
+    exact = [spare * w / scale for w in weights]
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in by_remainder[: spare - sum(shares)]:
+        shares[i] += 1
+    return [minimum + s for s in shares]
+
+
+def deal(shares: Sequence[int]) -> list[int]:
+    """The rank of each position of a global batch of ``sum(shares)`` samples: round robin over the ranks that still
+    have room. Equal shares give rank ``r`` the positions ``r, r + N, r + 2N, ...``."""
+    left = list(shares)
+    owners: list[int] = []
+    rank = 0
+    n = len(left)
+    for _ in range(sum(left)):
+        while left[rank] == 0:
+            rank = (rank + 1) % n
+        owners.append(rank)
+        left[rank] -= 1
+        rank = (rank + 1) % n
+    return owners
+
+
+def gradient_weight(num_ranks: int, samples: int, batch_samples: int) -> float:
+    """The factor on a rank's gradient (the mean over its ``samples``) that makes the ranks' average the mean over
+    the ``batch_samples`` of the global batch: ``N n_r / B`` (exactly 1 with equal shares)."""
+    return num_ranks * samples / batch_samples
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Shares of a full global batch, in force from batch ``start`` on."""
+
+    start: BatchKey
+    shares: tuple[int, ...]
+
+
+@dataclass
+class ThroughputBalancer:
+    """The schedule of shares and this rank's measurements (see the module docstring). Every rank holds an equal
+    schedule: decisions are computed from measurements gathered from every rank."""
+
+    num_ranks: int
+    global_batch: int
+    interval: int = 5
+    tolerance: float = 0.1
+    gain: float = 0.5
+    lag: int = 2
+    decisions: list[Decision] = field(default_factory=list)
+    #: this rank's ``(seconds, samples)`` of the batches measured since the last decision
+    window: list[tuple[float, int]] = field(default_factory=list)
+    #: ``(this rank's samples, the global batch's samples)`` of each batch drawn and not yet trained
+    drawn: dict[BatchKey, tuple[int, int]] = field(default_factory=dict)
+    #: the latest batch a loader has drawn
+    latest_drawn: BatchKey = (-1, -1)
+
+    def __post_init__(self) -> None:
+        if self.global_batch < self.num_ranks:
+            raise ValueError(
+                f"a global batch of {self.global_batch} samples cannot give each of {self.num_ranks} ranks one"
+            )
+        if not self.decisions:
+            self.decisions = [Decision((0, 0), tuple(apportion(self.global_batch, [1.0] * self.num_ranks)))]
+
+    def shares_at(self, key: BatchKey) -> tuple[int, ...]:
+        """The shares of a full global batch at batch ``key``."""
+        current = self.decisions[0].shares
+        for decision in self.decisions:
+            if decision.start <= key:
+                current = decision.shares
+        return current
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """The latest decision's shares."""
+        return self.decisions[-1].shares
+
+    def sizes(self, key: BatchKey, batch_samples: int) -> list[int]:
+        """Every rank's samples of the global batch at ``key`` with ``batch_samples`` samples (fewer than the full
+        batch at an epoch's end: the shares scaled down, equal shares staying equal)."""
+        shares = self.shares_at(key)
+        if batch_samples == sum(shares):
+            return list(shares)
+        return apportion(batch_samples, [float(s) for s in shares])
+
+    def note_drawn(self, key: BatchKey, samples: int, batch_samples: int) -> None:
+        self.drawn[key] = (samples, batch_samples)
+        self.latest_drawn = max(self.latest_drawn, key)
+
+    def take_drawn(self, key: BatchKey) -> tuple[int, int] | None:
+        """``(this rank's samples, the global batch's)`` of the batch at ``key``, forgetting it and older ones."""
+        found = self.drawn.get(key)
+        for old in [k for k in self.drawn if k <= key]:
+            del self.drawn[old]
+        return found
+
+    def record(self, seconds: float, samples: int) -> None:
+        """One measured batch of this rank: ``seconds`` of its own work on ``samples`` samples."""
+        self.window.append((seconds, samples))
+
+    @property
+    def window_full(self) -> bool:
+        return len(self.window) >= self.interval
+
+    def measurement(self) -> tuple[float, float]:
+        """This rank's ``(seconds, samples)`` over the window, the seconds at the median batch's seconds per sample
+        (one batch slowed by something passing, a page fault or the scheduler, does not move the shares)."""
+        samples = sum(n for _, n in self.window)
+        return statistics.median(s / n for s, n in self.window) * samples, float(samples)
+
+    def decide(self, measurements: Sequence[tuple[float, float]], at: BatchKey) -> Decision | None:
+        """From every rank's ``(seconds, samples)`` over the window (rank order), the new shares, in force from
+        ``at`` plus :attr:`lag` batches (``None``: the shares stay). Clears the window."""
+        self.window = []
+        if len(measurements) != self.num_ranks:
+            raise ValueError(f"{len(measurements)} measurements for {self.num_ranks} ranks")
+        if any(seconds <= 0 or samples <= 0 for seconds, samples in measurements):
+            return None
+        speeds = [samples / seconds for seconds, samples in measurements]
+        shares = self.shares
+        now = max(n / v for n, v in zip(shares, speeds))  # the step's time at the current shares
+        best = self.global_batch / sum(speeds)  # every rank busy for the same time
+        if now - best <= max(self.tolerance * best, MIN_SAVING_SECONDS):
+            return None
+        target = [self.global_batch * v / sum(speeds) for v in speeds]
+        moved = [n + self.gain * (t - n) for n, t in zip(shares, target)]
+        new = tuple(apportion(self.global_batch, moved))
+        if new == shares:
+            return None
+        start = (at[0], at[1] + self.lag)
+        if start <= self.latest_drawn:
+            raise RuntimeError(
+                f"the training loader has drawn batch {self.latest_drawn[1]} of epoch {self.latest_drawn[0]} ahead of "
+                f"batch {at[1]}, past the {self.lag} batches a change of shares waits: prefetching runs deeper than "
+                "the balancer allows for"
+            )
+        decision = Decision(start, new)
+        self.decisions.append(decision)
+        return decision
+
+    def state_dict(self) -> dict:
+        """The schedule (equal on every rank); the measurements of a window in progress are not kept."""
+        return {
+            "num_ranks": self.num_ranks,
+            "global_batch": self.global_batch,
+            "decisions": [[list(d.start), list(d.shares)] for d in self.decisions],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_ranks"] != self.num_ranks or state["global_batch"] != self.global_batch:
+            raise ValueError(
+                f"the saved shares are of {state['num_ranks']} ranks and a global batch of {state['global_batch']}, "
+                f"this run has {self.num_ranks} ranks and a global batch of {self.global_batch}"
+            )
+        self.decisions = [Decision((int(s[0]), int(s[1])), tuple(int(n) for n in shares))
+                          for s, shares in state["decisions"]]  # fmt: skip
+        self.window = []
+
+
+def gather_measurements(
+    measurement: tuple[float, float], group: dist.ProcessGroup | None, device: torch.device
+) -> list[tuple[float, float]]:
+    """Every rank's ``(seconds, samples)`` of ``group``, in rank order (collective)."""
+    size = dist.get_world_size(group)
+    mine = torch.tensor(measurement, dtype=torch.float64, device=device)
+    everyone = torch.empty(size * 2, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    values = everyone.cpu().tolist()
+    return [(values[2 * r], values[2 * r + 1]) for r in range(size)]
+
+
+class BalancedBatchSampler(Sampler[list[int]]):
+    """Rank ``rank``'s batches: each step's global batch is the next ``N b`` indices of the epoch as ``base`` (a
+    ``DistributedSampler`` of ``N`` replicas) orders and pads it for all ranks together, and this rank's part is its
+    positions by :func:`deal` over the balancer's shares at that batch. One epoch has as many batches as
+    ``BatchSampler(base, b, drop_last)`` gives each rank; with equal shares they are exactly its batches. The epoch
+    is ``base``'s.
+
+    ``skip``: batches of the epoch ``base`` is set to at construction already trained (an exact mid-epoch resume);
+    the first iteration starts after them."""
+
+    def __init__(
+        self,
+        base: DistributedSampler,
+        batch_size: int,
+        drop_last: bool,
+        balancer: ThroughputBalancer,
+        rank: int,
+        skip: int = 0,
+    ) -> None:
+        self.sampler = base
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.balancer = balancer
+        self.rank = rank
+        self.num_replicas = base.num_replicas
+        self.skip = skip
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of ``base`` (Lightning sets the epoch of a batch sampler's ``sampler``)."""
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        per_rank = self.sampler.num_samples
+        return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+
+    def _epoch_order(self) -> list[int]:
+        """The epoch's indices for every rank, in the order of the global batches: position ``i N + r`` holds rank
+        ``r``'s ``i``-th index under ``DistributedSampler``."""
+        base = self.sampler
+        per_rank = []
+        for r in range(self.num_replicas):
+            sampler: DistributedSampler = DistributedSampler(
+                base.dataset, self.num_replicas, r, shuffle=base.shuffle, seed=base.seed, drop_last=base.drop_last
+            )
+            sampler.set_epoch(self.epoch)
+            per_rank.append(list(sampler))
+        return [per_rank[r][i] for i in range(base.num_samples) for r in range(self.num_replicas)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._epoch_order()
+        full = self.batch_size * self.num_replicas
+        start, self.skip = self.skip, 0  # the next iteration, this epoch again or a later one, is whole
+        for j in range(start, len(self)):
+            chunk = order[j * full : (j + 1) * full]
+            key = (self.epoch, j)
+            sizes = self.balancer.sizes(key, len(chunk))
+            owners = deal(sizes)
+            mine = [index for index, owner in zip(chunk, owners) if owner == self.rank]
+            self.balancer.note_drawn(key, len(mine), len(chunk))
+            yield mine

@@ -1,0 +1,197 @@
+"""The ``balance`` option: how a strategy splits the global batch among its ranks, one object per mode.
+
+- :class:`EqualBatches` (``balance="none"``): every rank trains the batches Lightning's ``DistributedSampler`` gives
+  it, as under ``ddp``.
+- :class:`ThroughputBatches` (``balance="throughput"``): the training loader's batches come from a
+  :class:`~lightning_dp.comm.balance.BalancedBatchSampler`, each rank's share of the global batch following its
+  measured speed (:mod:`lightning_dp.comm.balance`), and each rank's loss is weighted by ``N n_r / B`` for backward,
+  so the averaged gradients are those of the whole global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+
+from lightning_dp.comm.balance import BalancedBatchSampler, ThroughputBalancer, gather_measurements, gradient_weight
+from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.strategies.options import check_count, check_positive
+from lightning_dp.strategies.resume import batches_already_trained
+
+#: values of the ``balance`` option
+BALANCE = ("none", "throughput")
+#: where a full checkpoint keeps the schedule of shares
+CHECKPOINT_KEY = "lightning_dp_batch_shares"
+
+
+class EqualBatches:
+    """``balance="none"``: the batches are Lightning's, every rank's gradient counts alike."""
+
+    name = "none"
+
+    def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
+        """The training loader to use instead of ``dataloader`` (``None``: keep it)."""
+        return None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """A training batch starts (every rank at the same batch)."""
+
+    def forward_started(self) -> None:
+        """The training step's own computation starts (after the strategy's collectives before it)."""
+
+    def backward_done(self) -> None:
+        """A backward's computation has ended (before the wait for the gradient exchange)."""
+
+    def weighted(self, loss: Tensor) -> Tensor:
+        """The loss whose gradients this rank contributes for the current batch."""
+        return loss
+
+    def state_dict(self) -> dict | None:
+        """What a full checkpoint keeps (``None``: nothing)."""
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Take what a checkpoint kept."""
+
+
+class ThroughputBatches(EqualBatches):
+    """``balance="throughput"``: shares of the global batch by measured speed (see the module docstring).
+
+    ``strategy``: the strategy whose ranks, gradient group and step timings this uses; ``interval``: batches
+    measured per decision; ``tolerance``: the shortening of the step below which the shares stay."""
+
+    name = "throughput"
+
+    def __init__(self, strategy: Any, interval: int, tolerance: float) -> None:
+        self.strategy = strategy
+        self.interval = interval
+        self.tolerance = tolerance
+        self.balancer: ThroughputBalancer | None = None
+        self._saved: dict | None = None
+        #: the batch being trained, when its training step started, and the seconds from then to the end of its
+        #: last backward
+        self._batch: tuple[int, int] | None = None
+        self._forward_start = 0.0
+        self._computed: float | None = None
+        #: ``N n_r / B`` of the batch being trained
+        self._weight = 1.0
+
+    def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
+        if trainer.state.stage != RunningStage.TRAINING:
+            return None
+        sampler = getattr(dataloader, "sampler", None)
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        if (
+            type(dataloader) is not DataLoader
+            or isinstance(dataloader.dataset, IterableDataset)
+            or type(sampler) is not DistributedSampler
+            or type(batch_sampler) is not BatchSampler
+        ):
+            raise ConfigurationError(
+                f"balance='throughput' resizes each rank's batches through the training loader's sampler, which needs "
+                "a plain torch DataLoader over a map-style dataset with Lightning's DistributedSampler "
+                "(Trainer(use_distributed_sampler=True), no sampler or batch_sampler of your own); got "
+                f"{type(dataloader).__name__} with sampler {type(sampler).__name__} and batch sampler "
+                f"{type(batch_sampler).__name__}. Use balance='none' with this loader."
+            )
+        assert isinstance(sampler, DistributedSampler) and isinstance(batch_sampler, BatchSampler)
+        strategy = self.strategy
+        global_batch = batch_sampler.batch_size * strategy.world_size
+        # a loader draws up to workers x prefetch_factor batches ahead, and Lightning's fetcher one more
+        ahead = dataloader.num_workers * (dataloader.prefetch_factor or 0) if dataloader.num_workers else 0
+        if self.balancer is None or self.balancer.global_batch != global_batch:
+            self.balancer = ThroughputBalancer(strategy.world_size, global_batch, self.interval, self.tolerance,
+                                               lag=ahead + 2)  # fmt: skip
+            if self._saved is not None:
+                try:
+                    self.balancer.load_state_dict(self._saved)
+                except ValueError as error:
+                    raise ConfigurationError(f"balance='throughput' cannot resume: {error}") from None
+                self._saved = None
+        self.balancer.lag = ahead + 2
+        done = batches_already_trained(trainer)
+        if done >= len(batch_sampler):
+            done = 0  # the epoch was complete: the next one starts from its beginning
+        balanced = BalancedBatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last, self.balancer,
+                                        strategy.global_rank, skip=done)  # fmt: skip
+        balanced.set_epoch(trainer.current_epoch)
+        if done:
+            rank_zero_info(f"resuming mid-epoch: the balanced sampler skips the {done} batches already trained")
+        return _with_batch_sampler(dataloader, balanced)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        balancer = self.balancer
+        if balancer is None:
+            return
+        key = (trainer.current_epoch, batch_idx)
+        strategy = self.strategy
+        if self._batch is not None and self._computed is not None:
+            drawn = balancer.take_drawn(self._batch)
+            if drawn is not None:
+                balancer.record(self._computed, drawn[0])
+        if balancer.window_full:
+            measurements = gather_measurements(balancer.measurement(), strategy.gradient_group, strategy.root_device)
+            decision = balancer.decide(measurements, key)
+            if decision is not None:
+                rank_zero_info(
+                    f"balance='throughput': from batch {decision.start[1]} of epoch {decision.start[0]} the ranks "
+                    f"train {list(decision.shares)} samples of each global batch of {balancer.global_batch}"
+                )
+        current = balancer.drawn.get(key)
+        self._weight = gradient_weight(strategy.world_size, *current) if current is not None else 1.0
+        self._batch, self._computed = key, None
+
+    def forward_started(self) -> None:
+        self._forward_start = time.perf_counter()
+
+    def backward_done(self) -> None:
+        self._computed = time.perf_counter() - self._forward_start
+
+    def weighted(self, loss: Tensor) -> Tensor:
+        return loss if self._weight == 1.0 else loss * self._weight
+
+    def state_dict(self) -> dict | None:
+        return self.balancer.state_dict() if self.balancer is not None else self._saved
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        self._saved = state
+        if self.balancer is not None:
+            self.balancer.load_state_dict(state)
+            self._saved = None
+
+
+def make_batches(strategy: Any, balance: str, interval: Any, tolerance: Any) -> EqualBatches:
+    """The object of the ``balance`` mode (options checked by the caller: ``balance``; here the others)."""
+    interval = check_count("balance_interval", interval, 1)
+    tolerance = check_positive("balance_tolerance", tolerance)
+    if balance == "throughput":
+        return ThroughputBatches(strategy, interval, tolerance)
+    return EqualBatches()
+
+
+def _with_batch_sampler(dataloader: DataLoader, batch_sampler: BalancedBatchSampler) -> DataLoader:
+    """``dataloader``'s settings with ``batch_sampler`` drawing the batches."""
+    kwargs: dict[str, Any] = {
+        "num_workers": dataloader.num_workers,
+        "collate_fn": dataloader.collate_fn,
+        "pin_memory": dataloader.pin_memory,
+        "timeout": dataloader.timeout,
+        "worker_init_fn": dataloader.worker_init_fn,
+        "multiprocessing_context": dataloader.multiprocessing_context,
+        "generator": dataloader.generator,
+        "persistent_workers": dataloader.persistent_workers,
+        "pin_memory_device": dataloader.pin_memory_device,
+    }
+    if dataloader.num_workers:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    if hasattr(dataloader, "in_order"):
+        kwargs["in_order"] = dataloader.in_order
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)

@@ -1,0 +1,129 @@
+"""``balance="throughput"``: equal speeds give today's step bit for bit; a slow rank trains a smaller share while every
+step stays the step of one process on the same global batch; a mid-epoch resume continues the same shares exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.launch import run_script
+from tests.helpers.replicas import close
+
+pytestmark = pytest.mark.multiprocess
+
+BATCH, SAMPLES, DEVICES = 4, 64, 2
+#: the straggler: rank 1 sleeps this long per sample it trains (its other costs are a few milliseconds per batch)
+SLOW = ("--slow-rank", "1", "--slow-per-sample", "0.01", "--balance", "throughput", "--balance-interval", "2")
+
+
+def _ranks(folder) -> list[dict]:
+    return [torch.load(folder / f"rank{r}.pt") for r in range(DEVICES)]
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [("ring_allreduce", ()), ("sharded_ps", ("--workers", "2")), ("parameter_server", ("--accumulate", "2"))],
+)
+def test_equal_speeds_train_todays_batches_bit_for_bit(tmp_path, uninterrupted, strategy, options):
+    _, today = uninterrupted(strategy, *options)
+    run_script("midepoch", "--strategy", strategy, *options, "--balance", "throughput", "--out", str(tmp_path),
+               timeout=180)  # fmt: skip
+    balanced = _ranks(tmp_path)
+    assert balanced[0]["decisions"] == [[[0, 0], [BATCH] * DEVICES]], "equal speeds changed the shares"
+    for rank, (a, b) in enumerate(zip(today, balanced)):
+        assert a["trained"] == b["trained"], rank
+        assert len(a["history"]) == len(b["history"]) == 2 * SAMPLES // (BATCH * DEVICES), rank
+        for (epoch, batch, want), (_, _, got) in zip(a["history"], b["history"]):
+            assert torch.equal(got, want), (rank, epoch, batch)
+
+
+class _Reference(nn.Module):
+    """``tests/scripts/midepoch.py``'s model, data and optimizer in one process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(SAMPLES, 6, generator=g)
+        self.y = torch.randn(SAMPLES, 2, generator=g)
+
+    def weights(self) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in self.parameters()])
+
+
+def _replay(ranks: list[dict], accumulate: int) -> list[torch.Tensor]:
+    """One process training the ranks' global batches (the union of what every rank trained at each batch) with
+    the script's optimizer, scheduler and accumulation; the weights after every batch."""
+    model = _Reference()
+    optimizer = torch.optim.SGD(model.net.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    history = []
+    epoch_of = [epoch for epoch, _, _ in ranks[0]["history"]]
+    for j, epoch in enumerate(epoch_of):
+        if j and epoch != epoch_of[j - 1]:
+            scheduler.step()
+        batch = sorted(i for rank in ranks for i in rank["trained"][j])
+        loss = nn.functional.mse_loss(model.net(model.x[batch]), model.y[batch]) / accumulate
+        loss.backward()
+        last_of_epoch = j + 1 == len(epoch_of) or epoch_of[j + 1] != epoch
+        if (ranks[0]["history"][j][1] + 1) % accumulate == 0 or last_of_epoch:
+            optimizer.step()
+            optimizer.zero_grad()
+        history.append(model.weights())
+    return history
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [("ring_allreduce", ("--accumulate", "2")), ("sharded_ps", ("--workers", "2")), ("parameter_server", ())],
+)
+def test_a_slow_rank_trains_less_and_every_step_is_the_global_batchs(tmp_path, strategy, options):
+    run_script("midepoch", "--strategy", strategy, *options, *SLOW, "--out", str(tmp_path), timeout=180)
+    ranks = _ranks(tmp_path)
+    accumulate = 2 if "--accumulate" in options else 1
+    sizes = [[len(batch) for batch in rank["trained"]] for rank in ranks]
+    assert len(sizes[0]) == len(sizes[1]) == 2 * SAMPLES // (BATCH * DEVICES)
+    assert all(a + b == BATCH * DEVICES for a, b in zip(*sizes)), sizes  # the global batch stays whole
+    assert sizes[1][0] == BATCH and min(sizes[1]) < BATCH, sizes  # equal at first, then the slow rank trains less
+    decisions = ranks[0]["decisions"]
+    assert len(decisions) >= 2 and decisions == ranks[1]["decisions"]
+    # each batch's sizes follow the schedule in force at it
+    for j, (epoch, batch, _) in enumerate(ranks[0]["history"]):
+        in_force = [shares for start, shares in decisions if tuple(start) <= (epoch, batch)][-1]
+        assert [sizes[0][j], sizes[1][j]] == in_force, (epoch, batch)
+    trained = [sorted(i for rank in ranks for i in rank["trained"][j]) for j in range(len(sizes[0]))]
+    for epoch in range(2):  # every epoch trains every sample once
+        per_epoch = SAMPLES // (BATCH * DEVICES)
+        assert sorted(i for batch in trained[epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch) == list(
+            range(SAMPLES)
+        )
+    reference = _replay(ranks, accumulate)
+    for j, want in enumerate(reference):
+        got = ranks[0]["history"][j][2]
+        assert torch.equal(got, ranks[1]["history"][j][2]), f"the replicas differ after batch {j}"
+        close(got, want, f"{strategy}: after batch {j}")
+
+
+def test_a_mid_epoch_resume_continues_with_the_same_shares(tmp_path):
+    full_dir = tmp_path / "full"
+    run_script("midepoch", "--strategy", "sharded_ps", *SLOW, "--out", str(full_dir), timeout=180)
+    full = _ranks(full_dir)
+    step = 12  # epoch 1, batch 4 of 8
+    resumed_dir = tmp_path / "resumed"
+    # no decision after the resume: the batches are those of the schedule the checkpoint holds
+    run = run_script("midepoch", "--strategy", "sharded_ps", *SLOW[:-1], "1000", "--resume-from",
+                     str(full_dir / "ckpt" / f"step={step}.ckpt"), "--out", str(resumed_dir), timeout=180)  # fmt: skip
+    assert "the balanced sampler skips the 4 batches" in run.stdout, run.stdout[-3000:]
+    resumed = _ranks(resumed_dir)
+    saved = [d for d in full[0]["decisions"] if tuple(d[0]) <= (1, 4)]
+    assert resumed[0]["decisions"] == saved and len(saved) >= 2
+    later = [tuple(d[0]) for d in full[0]["decisions"] if tuple(d[0]) > (1, 4)]
+    same = [j for j, (epoch, batch, _) in enumerate(full[0]["history"]) if (epoch, batch) >= (1, 4)]
+    same = [j for j in same if not later or full[0]["history"][j][:2] < later[0]]
+    assert len(same) >= 1 and len(resumed[0]["history"]) == 4
+    for rank in range(DEVICES):
+        for k, j in enumerate(same):
+            assert resumed[rank]["trained"][k] == full[rank]["trained"][j], (rank, j)
+            assert torch.equal(resumed[rank]["history"][k][2], full[rank]["history"][j][2]), (rank, j)
