@@ -1,6 +1,7 @@
 """The benchmarks still run as ``python -m benchmarks.<name>`` (smallest settings; the numbers themselves are not
 asserted here)."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -134,17 +135,30 @@ def test_strategy_specs_of_the_benchmarks():
 
 @pytest.mark.multiprocess
 def test_straggler_benchmark_runs_one_setting(tmp_path):
-    from benchmarks.straggler import GLOBAL_BATCH, expected_step, throughput_report
+    from benchmarks.straggler import GLOBAL_BATCH, PERSISTENT_SETTINGS, SETTINGS, expected_step, throughput_report
     from benchmarks.straggler import run as run_one
+    from lightning_dp.demos import DigitsDataModule
 
-    row = run_one("mlp", 2, "none", "transient", 0.01, 1, tmp_path)
+    row = run_one("mlp", 2, SETTINGS[-1], "transient", 0.01, 1, tmp_path)
+    assert row["setting"] == "async" and row["staleness"] == "none"
     assert row["steps_per_rank"] == 10  # asynchronous: no rank is more steps ahead than its own run is long
     assert 0 <= row["staleness_max"] <= row["steps_per_rank"] - 1 and 0 <= row["staleness_mean"] <= row["staleness_max"]
-    assert row["samples_per_s"] == pytest.approx(2 * 10 * (GLOBAL_BATCH // 2) / row["seconds"])
-    row.update(setting="async", t=0.01, expected_step_s=expected_step("async", "transient", 0.01, 0.04, 2))
+    data = DigitsDataModule(batch_size=GLOBAL_BATCH // 2)
+    data.setup("fit")
+    epoch = 2 * math.ceil(len(data.train_set) / 2)  # every sample once, padded to a multiple of N
+    assert row["samples"] == epoch and row["samples_per_s"] == pytest.approx(epoch / row["seconds"])
+    row.update(t=0.01, expected_step_s=expected_step("async", "transient", 0.01, 0.04, 2))
     assert row["expected_step_s"] == pytest.approx(0.01 + 0.2 * 0.04)
     assert expected_step("sync", "transient", 0.01, 0.04, 2) == pytest.approx(0.01 + (1 - 0.8**2) * 0.04)
-    assert "| mlp | 2 | transient | async |" in "\n".join(throughput_report([row]))
+    assert expected_step("ring_allreduce balanced", "persistent", 0.01, 0.01, 2) == pytest.approx(0.02 * 2 / 3)
+    # a slow rank 0 under balanced batches: it ends with the smaller share of each global batch
+    balanced = run_one("mlp", 2, PERSISTENT_SETTINGS[2], "persistent", 0.02, 1, tmp_path)
+    assert balanced["strategy"] == "ring_allreduce" and balanced["balance"] == "throughput"
+    assert sum(balanced["shares"]) == GLOBAL_BATCH and balanced["shares"][0] < GLOBAL_BATCH // 2
+    assert balanced["samples"] == epoch
+    report = "\n".join(throughput_report([row, balanced]))
+    assert "| mlp | 2 | transient | async |" in report
+    assert f"| {balanced['shares'][0]} / {balanced['shares'][1]} |" in report
 
 
 @pytest.mark.multiprocess
