@@ -62,6 +62,17 @@ def after_closure(plugin: Precision, model: Any, optimizer: torch.optim.Optimize
     plugin._after_closure(model, optimizer)
 
 
+def skip_closure(closure: Any) -> None:
+    """Mark Lightning's training-step closure as run without a loss: the loop then treats the batch as one whose
+    ``training_step`` returned ``None`` (skipped), instead of failing because the closure never ran."""
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    target = getattr(closure, "__self__", closure)  # a bound method of the closure object, or the object
+    if not hasattr(target, "_result"):
+        raise TypeError(f"cannot skip a training step whose closure is {type(closure).__name__}")
+    target._result = ClosureResult(None)
+
+
 def wrap_closure_of(plugin: Precision, check: Callable[[torch.optim.Optimizer], None]) -> Callable[[], None]:
     """Make ``plugin`` call ``check(optimizer)`` after each closure it wraps has run (the backward, the hooks and
     clipping) and before the optimizer uses the gradients; returns a function restoring the plugin's own."""

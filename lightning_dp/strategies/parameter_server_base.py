@@ -14,12 +14,13 @@ from typing_extensions import override
 from lightning_dp._lightning_compat import unwrap_optimizer
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency import StalenessRecord, check_staleness
+from lightning_dp.comm.consistency.backup import check_backup_workers
 from lightning_dp.comm.cost import Scheme
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.servers.members import message_bytes_from_environment
 from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.strategies.base import DataParallelStrategy
-from lightning_dp.strategies.engines import DedicatedEngine, StaleEngine, StepEngine
+from lightning_dp.strategies.engines import BackupEngine, DedicatedEngine, StaleEngine, StepEngine
 from lightning_dp.strategies.inspection import gradient_readers
 from lightning_dp.strategies.options import check_count, check_flag
 
@@ -53,6 +54,13 @@ class ParameterServerBase(DataParallelStrategy):
             Synchronous only (``staleness=0``), uncompressed.
         start_servers: with ``num_servers > 0``, whether trainer 0 starts the servers on its own machine (default)
             or they are started elsewhere with ``python -m lightning_dp.server`` (on spare CPU machines).
+        backup_workers: ``b`` (default ``0``: every step waits for every rank). With ``b >= 1`` each synchronous
+            step aggregates the first ``N - b`` gradients to reach the servers (their mean, under the optimizer's own
+            learning rate) and drops the rest, counted in :attr:`late_gradients`; a rank whose step closed before it
+            started skips it (:attr:`skipped_steps`), so a persistently slow rank keeps up, and every rank holds the
+            same weights after every step (see :mod:`lightning_dp.comm.consistency.backup` and
+            :class:`~lightning_dp.strategies.engines.BackupEngine` for what it refuses). CPU training (gloo) only;
+            ``staleness=0``, no dedicated servers, no compression, ``balance="none"``.
         **kwargs: see :class:`~lightning_dp.strategies.base.DataParallelStrategy`.
     """
 
@@ -66,6 +74,7 @@ class ParameterServerBase(DataParallelStrategy):
         staleness: int | None = 0,
         num_servers: int = 0,
         start_servers: bool = True,
+        backup_workers: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -75,6 +84,19 @@ class ParameterServerBase(DataParallelStrategy):
             raise ConfigurationError(str(error)) from None
         self.num_servers = check_count("num_servers", num_servers, 0)
         self.start_servers = check_flag("start_servers", start_servers)
+        try:
+            self.backup_workers = check_backup_workers(backup_workers)
+        except ValueError as error:
+            raise ConfigurationError(str(error)) from None
+        if self.backup_workers:
+            other = {"staleness": (self.staleness, 0), "num_servers": (self.num_servers, 0),
+                     "compression": (self.compression, "none"), "balance": (self.balance, "none")}  # fmt: skip
+            for option, (value, needed) in other.items():
+                if value != needed:
+                    raise ConfigurationError(
+                        f"backup_workers={self.backup_workers} needs {option}={needed!r} (each synchronous step of the "
+                        f"servers among the trainers closes with the first N - b gradients); got {option}={value!r}"
+                    )
         if not self.start_servers and not self.num_servers:
             raise ConfigurationError(
                 "start_servers=False says the dedicated servers are started elsewhere, but num_servers=0 asks for "
@@ -114,7 +136,19 @@ class ParameterServerBase(DataParallelStrategy):
         """The staleness this rank saw at each of its steps (always 0 when synchronous)."""
         return self.engine.staleness_seen
 
+    @property
+    def late_gradients(self) -> int:
+        """This rank's gradients dropped for reaching the servers after their step closed (``backup_workers``)."""
+        return self.engine.late_gradients
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps this rank skipped because they closed before it started them (``backup_workers``)."""
+        return self.engine.skipped_steps
+
     def _make_engine(self) -> StepEngine:
+        if self.backup_workers:
+            return BackupEngine(self, self.backup_workers, self._served_segments)
         if self.num_servers:
             return DedicatedEngine(self, self.num_servers, self.start_servers, trainers_serve=self._trainers_serve)
         if self.staleness != 0:
@@ -133,6 +167,11 @@ class ParameterServerBase(DataParallelStrategy):
     @override
     def _check_world_size(self, world_size: int) -> None:
         super()._check_world_size(world_size)
+        if world_size and self.backup_workers:
+            try:
+                check_backup_workers(self.backup_workers, world_size)
+            except ValueError as error:
+                raise ConfigurationError(str(error)) from None
         self.engine.check_devices(self.parallel_devices or [])
 
     @override
@@ -203,6 +242,21 @@ class ParameterServerBase(DataParallelStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self.engine.on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.engine.on_train_batch_start()
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        self.engine.check_collective("Lightning's reduce (self.log(..., sync_dist=True))")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        self.engine.check_collective("Lightning's all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def on_validation_start(self) -> None:

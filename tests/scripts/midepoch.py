@@ -2,8 +2,10 @@
 (under torchrun) kill a rank at a step and resume from the newest checkpoint in the restarted attempt.
 
 Every rank writes ``<out>/rank<r>.pt``: its final weights, the sample indices it trained batch by batch in this
-process (a resumed run: from the checkpoint on), ``(epoch, batch index, weights after the batch)`` of each of those
-batches, the checkpoint it resumed from and, with ``--balance throughput``, the schedule of batch shares.
+process (a resumed run: from the checkpoint on; ``None`` for a batch it skipped), ``(epoch, batch index, weights
+after the batch)`` of each of those batches, the checkpoint it resumed from, with ``--balance throughput`` the
+schedule of batch shares, and with ``--backup-workers`` which of its batches' gradients came late and what its
+server dropped.
 """
 
 import argparse
@@ -39,6 +41,7 @@ parser.add_argument("--variables-environment", action="store_true",
                          "NODE_RANK (a cluster that starts the processes, as Ray Train and SLURM do)")  # fmt: skip
 parser.add_argument("--balance", default=None, help="strategy option balance")
 parser.add_argument("--balance-interval", type=int, default=None, help="strategy option balance_interval")
+parser.add_argument("--backup-workers", type=int, default=None, help="strategy option backup_workers")
 parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-per-sample x its batch size")
 parser.add_argument("--slow-per-sample", type=float, default=0.0)
 parser.add_argument("--out", required=True)
@@ -68,17 +71,25 @@ class Model(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
         self.trained: list[list[int]] = []
         self.history: list[tuple[int, int, torch.Tensor]] = []
+        self.current: list[int] | None = None
+        self.late: list[bool] = []
+        self.late_so_far = 0
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
         if self.global_rank == args.slow_rank:
             time.sleep(args.slow_per_sample * len(index))
-        self.trained.append(index.tolist())
+        self.current = index.tolist()
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.trained.append(self.current)
+        self.current = None
         weights = torch.cat([p.detach().flatten() for p in self.parameters()])
         self.history.append((self.current_epoch, batch_idx, weights))
+        late = getattr(self.trainer.strategy, "late_gradients", 0)
+        self.late.append(late > self.late_so_far)
+        self.late_so_far = late
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if args.kill_at_step == self.global_step and restart == 0 and self.global_rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -138,7 +149,7 @@ def newest_checkpoint() -> str | None:
 
 resume = newest_checkpoint() if args.resume_from == "newest" else args.resume_from
 strategy = args.strategy
-options = {"balance": args.balance, "balance_interval": args.balance_interval}
+options = {"balance": args.balance, "balance_interval": args.balance_interval, "backup_workers": args.backup_workers}
 options = {k: v for k, v in options.items() if v is not None}
 if options:
     from lightning.pytorch.strategies import StrategyRegistry
@@ -164,5 +175,8 @@ trainer.fit(model, ckpt_path=resume)
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
 balancer = getattr(getattr(trainer.strategy, "batches", None), "balancer", None)
 decisions = balancer.state_dict()["decisions"] if balancer is not None else None
+server = getattr(getattr(trainer.strategy, "engine", None), "server", None)
 torch.save({"weights": weights, "trained": model.trained, "history": model.history, "resumed_from": resume,
-            "decisions": decisions}, out / f"rank{trainer.global_rank}.pt")  # fmt: skip
+            "decisions": decisions, "late": model.late, "dropped_by_server": getattr(server, "dropped", None),
+            "skipped": getattr(trainer.strategy, "skipped_steps", 0), "global_step": trainer.global_step},
+           out / f"rank{trainer.global_rank}.pt")  # fmt: skip

@@ -66,6 +66,11 @@ class StalenessClient:
         self._exchange(Request.FLUSH, 0)
 
     def _exchange(self, kind: int, optimizer_index: int) -> int:
+        return self._conclude(self._send_and_receive(kind, optimizer_index))
+
+    def _send_and_receive(self, kind: int, optimizer_index: int) -> dict[int, tuple[Tensor, Tensor]]:
+        """Send a request of ``kind`` (with the buckets' gradients for a push) to every server; every server's
+        ``(reply header, weights)``."""
         header = torch.tensor([kind, self.clock, optimizer_index, 0], dtype=torch.int64)
         sends, receives, local = [], {}, None
         for server in self.layout.servers:
@@ -95,6 +100,11 @@ class StalenessClient:
             if self.stats is not None:
                 self.stats.add(received=weights.numel() * weights.element_size())
             replies[server] = (reply, weights)
+        return replies
+
+    def _conclude(self, replies: dict[int, tuple[Tensor, Tensor]]) -> int:
+        """Raise a failure any server reported, else put the weights into the parameters and return the staleness
+        of those weights."""
         staleness = 0
         for reply, _ in replies.values():
             status, seen, culprit, reason = (int(v) for v in reply.tolist())

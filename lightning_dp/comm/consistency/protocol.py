@@ -16,13 +16,17 @@ from lightning_dp.comm.servers.sharded_optimizer import Segment
 
 
 class Request(IntEnum):
-    """A message's kind, worker to server; ``LOST`` is a receiving thread's note that its worker is gone."""
+    """A message's kind, worker to server; ``LOST`` is a receiving thread's note that its worker is gone. With backup
+    workers, ``SKIP`` asks for the weights after a step closed without this worker, and ``DECIDED`` is the
+    coordinating server's word on which workers a step aggregates."""
 
     PUSH = 1
     FLUSH = 2
     BYE = 3
     ABORT = 4
     LOST = 5
+    SKIP = 6
+    DECIDED = 7
 
 
 class Reply(IntEnum):

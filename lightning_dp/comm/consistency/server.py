@@ -185,6 +185,10 @@ class StalenessServer:
             weights = torch.zeros(self.layout.storage.numel(), dtype=self.layout.storage.dtype)
         else:
             header = torch.tensor([Reply.OK, staleness, -1, 0], dtype=torch.int64)
+        self._send(request, header, weights)
+
+    def _send(self, request: _Request, header: Tensor, weights: Tensor) -> None:
+        """Send a reply to ``request``'s worker (this rank's own: through :attr:`local_replies`)."""
         if request.worker == self.rank:
             self.local_replies.put((header, weights))
             return

@@ -89,7 +89,23 @@ class StepEngine:
     def check_measurable(self) -> None:
         """Raise where a synchronous exchange cannot be timed on its own."""
 
+    def check_collective(self, what: str) -> None:
+        """Raise where Lightning's collective ``what`` (a reduce, an all-gather) cannot run now."""
+
+    @property
+    def late_gradients(self) -> int:
+        """This rank's gradients dropped for arriving after their step closed (backup workers)."""
+        return 0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps this rank skipped because they closed without it (backup workers)."""
+        return 0
+
     # ------------------------------------------------------------------ Lightning's loop
+    def on_train_batch_start(self) -> None:
+        """A training batch starts on this rank."""
+
     def on_train_start(self) -> None:
         """Every server takes the weights as they are now (after ``on_fit_start``, a restore)."""
 

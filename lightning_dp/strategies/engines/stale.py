@@ -67,7 +67,7 @@ class StaleEngine(StepEngine):
         self.optimizers: list[ShardedOptimizer] = []
         self.client: StalenessClient | None = None
         self.server: StalenessServer | None = None
-        self._groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._groups: tuple[dist.ProcessGroup, ...] | None = None
         self._restore_sigterm: list[Callable[[], None]] = []
 
     def _lock(self) -> AbstractContextManager[Any]:
@@ -114,23 +114,14 @@ class StaleEngine(StepEngine):
         buckets = [GradientBucket(i, [params[j] for j in group]) for i, group in enumerate(assign_buckets(params, cap))]
         segments = self.served_segments(buckets)
         if self._groups is None:  # collective: every rank creates them in the same order
-            push_group = dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT)
-            reply_group = dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT)
-            self._groups = (push_group, reply_group)  # type: ignore[assignment]
-        assert self._groups is not None
-        push_group, reply_group = self._groups
+            self._groups = self._new_groups()
         owner = f"strategy {self.name!r}"
         layout = ShardLayout(buckets, segments, strategy.global_rank, owner, own_storage=True)
         optimizers = [
             ShardedOptimizer(unwrap_optimizer(o), layout, strategy.gradient_group, owner) for o in strategy.optimizers
         ]
         push_layout = PushLayout(buckets, segments, strategy.world_size)
-        server = None
-        if strategy.global_rank in push_layout.servers:
-            server = StalenessServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
-                                     self.staleness, push_group, reply_group, strategy.sync_stats)  # fmt: skip
-        client = StalenessClient(push_layout, strategy.global_rank, push_group, reply_group, server,
-                                 strategy.timeout.total_seconds(), strategy.sync_stats)  # fmt: skip
+        server, client = self._serve(layout, optimizers, push_layout, self._groups)
         self.buckets, self.layout, self.optimizers, self.client, self.server = (
             buckets, layout, optimizers, client, server
         )  # fmt: skip
@@ -138,6 +129,29 @@ class StaleEngine(StepEngine):
         strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in buckets)
         if server is not None:
             server.start()
+
+    def _new_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The protocol's process groups (collective)."""
+        groups = tuple(dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT) for _ in range(2))
+        return groups  # type: ignore[return-value]
+
+    def _serve(
+        self,
+        layout: ShardLayout,
+        optimizers: list[ShardedOptimizer],
+        push_layout: PushLayout,
+        groups: tuple[dist.ProcessGroup, ...],
+    ) -> tuple[StalenessServer | None, StalenessClient]:
+        """This rank's server (where it serves a share) and client."""
+        strategy = self.strategy
+        push_group, reply_group = groups
+        server = None
+        if strategy.global_rank in push_layout.servers:
+            server = StalenessServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
+                                     self.staleness, push_group, reply_group, strategy.sync_stats)  # fmt: skip
+        client = StalenessClient(push_layout, strategy.global_rank, push_group, reply_group, server,
+                                 strategy.timeout.total_seconds(), strategy.sync_stats)  # fmt: skip
+        return server, client
 
     def setup_trainer(self, trainer: pl.Trainer) -> None:
         if self._serving:
