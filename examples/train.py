@@ -16,6 +16,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -97,6 +98,12 @@ def train(cfg: DictConfig) -> dict:
     staleness = (
         {"max": seen.max, "mean": seen.mean(), "histogram": dict(sorted(seen.histogram.items()))} if seen else None
     )
+    # backup workers: the gradients dropped as late and the steps skipped, over every rank (collective)
+    backup = None
+    if getattr(trainer.strategy, "backup_workers", 0):
+        counts = torch.tensor([trainer.strategy.late_gradients, trainer.strategy.skipped_steps], dtype=torch.float64)
+        late, skipped = (int(v) for v in trainer.strategy.reduce(counts, reduce_op="sum").tolist())
+        backup = {"backup_workers": trainer.strategy.backup_workers, "late_gradients": late, "skipped_steps": skipped}
     has_test = datamodule is not None or L.pytorch.utilities.model_helpers.is_overridden("test_step", model)
     if cfg.test and has_test:
         for result in trainer.test(model, datamodule=datamodule, ckpt_path=None, verbose=False):
@@ -107,6 +114,8 @@ def train(cfg: DictConfig) -> dict:
                    "global_step": trainer.global_step, "metrics": metrics}  # fmt: skip
         if staleness is not None:
             summary["staleness_seen"] = staleness
+        if backup is not None:
+            summary["backup"] = backup
         (output / "metrics.json").write_text(json.dumps(summary, indent=2))
         print("final metrics:", json.dumps(metrics, sort_keys=True))
     return metrics

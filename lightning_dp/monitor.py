@@ -33,6 +33,9 @@ class CommSummary:
     #: mean measured values per step; ``None`` where the strategy does not measure them (``ddp``'s seconds)
     measured: dict[str, float | None] = field(default_factory=dict)
     predicted: dict[str, float | None] = field(default_factory=dict)
+    #: with backup workers: this rank's gradients dropped as late, and the steps it skipped
+    late_gradients: int = 0
+    skipped_steps: int = 0
 
     def table(self) -> str:
         """The summary as a plain-text table."""
@@ -45,6 +48,9 @@ class CommSummary:
         lines.append(f"{'':<22}{'measured':>14}{'predicted':>14}")
         for name in METRICS:
             lines.append(f"{name:<22}{_fmt(self.measured.get(name)):>14}{_fmt(self.predicted.get(name)):>14}")
+        if self.late_gradients or self.skipped_steps:
+            lines.append(f"backup workers: {self.late_gradients} late gradients dropped, {self.skipped_steps} steps "
+                         "skipped")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -151,6 +157,9 @@ class CommMonitor(Callback):
         for name, value in metrics.items():
             self._totals[name] += value * steps
         logged = {f"{self.prefix}{name}": value for name, value in metrics.items() if name in METRICS}
+        if getattr(trainer.strategy, "backup_workers", 0):  # running totals of this rank
+            logged[f"{self.prefix}late_gradients"] = float(trainer.strategy.late_gradients)
+            logged[f"{self.prefix}skipped_steps"] = float(trainer.strategy.skipped_steps)
         pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
     @staticmethod
@@ -197,6 +206,8 @@ class CommMonitor(Callback):
             return
         timed = isinstance(trainer.strategy, DataParallelStrategy)
         summary.steps = self._steps
+        summary.late_gradients = getattr(trainer.strategy, "late_gradients", 0)
+        summary.skipped_steps = getattr(trainer.strategy, "skipped_steps", 0)
         mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}
         summary.measured = {name: (mean[name] if timed or name.startswith("bytes") else None) for name in METRICS}
         backward = mean["backward"]

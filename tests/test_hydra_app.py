@@ -192,6 +192,18 @@ def test_train_py_end_to_end(tmp_path, strategy):
 
 
 @pytest.mark.multiprocess
+def test_train_py_with_backup_workers_counts_every_gradient_left_out(tmp_path):
+    overrides = ["strategy=sharded_ps", "strategy.backup_workers=1", "trainer.devices=3", "global_batch_size=96"]
+    run_app([*overrides, *QUICK, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    summary = check_run_dir(tmp_path / "run")
+    backup = summary["backup"]
+    # each step used the first N - b = 2 gradients: every step left exactly one rank's out, late or skipped
+    assert backup["backup_workers"] == 1 and summary["global_step"] == 3
+    assert backup["late_gradients"] + backup["skipped_steps"] == 3, backup
+    assert "comm/late_gradients" in summary["metrics"]  # CommMonitor's running total on rank 0
+
+
+@pytest.mark.multiprocess
 def test_train_py_runs_a_module_from_lightning_demos(tmp_path):
     run_app(["model=boring", *QUICK, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 3

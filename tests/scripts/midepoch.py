@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from lightning_dp import CommMonitor
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
@@ -157,6 +158,7 @@ if options:
     entry = StrategyRegistry[strategy]
     strategy = entry["strategy"](**{**entry["init_params"], **options})
 model = Model()
+monitor = CommMonitor(print_summary=False) if args.backup_workers else None
 trainer = L.Trainer(
     strategy=strategy,
     accelerator="cpu",
@@ -165,7 +167,8 @@ trainer = L.Trainer(
     accumulate_grad_batches=args.accumulate,
     logger=False,
     callbacks=[
-        ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}")
+        ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}"),
+        *([monitor] if monitor is not None else []),
     ],  # fmt: skip
     enable_progress_bar=False,
     enable_model_summary=False,
@@ -178,5 +181,7 @@ decisions = balancer.state_dict()["decisions"] if balancer is not None else None
 server = getattr(getattr(trainer.strategy, "engine", None), "server", None)
 torch.save({"weights": weights, "trained": model.trained, "history": model.history, "resumed_from": resume,
             "decisions": decisions, "late": model.late, "dropped_by_server": getattr(server, "dropped", None),
-            "skipped": getattr(trainer.strategy, "skipped_steps", 0), "global_step": trainer.global_step},
+            "skipped": getattr(trainer.strategy, "skipped_steps", 0), "global_step": trainer.global_step,
+            "monitor": (monitor.summary.late_gradients, monitor.summary.skipped_steps) if monitor else None,
+            "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k}},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip

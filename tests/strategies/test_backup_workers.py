@@ -63,6 +63,8 @@ def test_a_slow_rank_is_left_out_and_every_step_is_its_members_mean(tmp_path, st
     skipped = sum(t is None for t in slow["trained"])
     assert late >= 1 and skipped >= 1 and late + skipped >= steps // 2, (late, skipped)
     assert slow["skipped"] == skipped
+    assert slow["monitor"] == (late, skipped)  # CommMonitor's summary
+    assert slow["logged"] == {"comm/late_gradients": late, "comm/skipped_steps": skipped}  # its running totals
     assert [sum(r["late"]) for r in ranks[:2]] == [0, 0]  # the fast ranks are never late
     dropped = [r["dropped_by_server"] for r in ranks if r["dropped_by_server"] is not None]
     assert dropped and all(d == [0, 0, late] for d in dropped)  # every server dropped exactly the late gradients
