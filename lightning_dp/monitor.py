@@ -157,9 +157,10 @@ class CommMonitor(Callback):
         for name, value in metrics.items():
             self._totals[name] += value * steps
         logged = {f"{self.prefix}{name}": value for name, value in metrics.items() if name in METRICS}
-        if getattr(trainer.strategy, "backup_workers", 0):  # running totals of this rank
-            logged[f"{self.prefix}late_gradients"] = float(trainer.strategy.late_gradients)
-            logged[f"{self.prefix}skipped_steps"] = float(trainer.strategy.skipped_steps)
+        strategy = trainer.strategy
+        if getattr(strategy, "backup_workers", 0):  # running totals of this rank
+            logged[f"{self.prefix}late_gradients"] = float(getattr(strategy, "late_gradients", 0))
+            logged[f"{self.prefix}skipped_steps"] = float(getattr(strategy, "skipped_steps", 0))
         pl_module.log_dict(logged, on_step=True, on_epoch=False)
 
     @staticmethod
