@@ -14,8 +14,10 @@ sleeping where a straggler would be slow:
 - (b) persistent: rank 0 computes at half speed: before each backward it sleeps t times its share of the samples
   relative to an equal share (t with equal batches), the others never.
 
-The staleness settings run ``sharded_ps``; under (b) ``balance="throughput"`` runs on each of the three strategies,
-each compared with the same strategy's synchronous run in the same cell.
+The staleness settings run ``sharded_ps``; under (b) ``balance="throughput"`` runs on each of the three strategies
+and ``backup_workers=1`` on both parameter servers, each compared with the same strategy's synchronous run in the
+same cell. Samples per second count the samples whose gradients a step used (a backup worker's late or skipped
+batches do not count).
 
 Throughput is samples per second over all ranks, from the first rank's start to the last rank's end of training
 (a parameter server's end of training is a flush, so that is when every update is in); ``expected`` under (a) is
@@ -43,21 +45,24 @@ from pathlib import Path
 from benchmarks.report import pyplot, save
 
 REPO = Path(__file__).resolve().parents[1]
-#: (label, strategy, staleness option, balance option, the label of its baseline) of every setting under both patterns
+#: (label, strategy, staleness option, balance option, backup workers, the label of its baseline) of every setting
+#: under both patterns
 SETTINGS = [
-    ("sync", "sharded_ps", "0", "none", "sync"),
-    ("SSP k=1", "sharded_ps", "1", "none", "sync"),
-    ("SSP k=2", "sharded_ps", "2", "none", "sync"),
-    ("SSP k=4", "sharded_ps", "4", "none", "sync"),
-    ("async", "sharded_ps", "none", "none", "sync"),
+    ("sync", "sharded_ps", "0", "none", 0, "sync"),
+    ("SSP k=1", "sharded_ps", "1", "none", 0, "sync"),
+    ("SSP k=2", "sharded_ps", "2", "none", 0, "sync"),
+    ("SSP k=4", "sharded_ps", "4", "none", 0, "sync"),
+    ("async", "sharded_ps", "none", "none", 0, "sync"),
 ]
 #: the settings run under (b) only
 PERSISTENT_SETTINGS = [
-    ("balanced", "sharded_ps", "0", "throughput", "sync"),
-    ("ring_allreduce sync", "ring_allreduce", "0", "none", "ring_allreduce sync"),
-    ("ring_allreduce balanced", "ring_allreduce", "0", "throughput", "ring_allreduce sync"),
-    ("parameter_server sync", "parameter_server", "0", "none", "parameter_server sync"),
-    ("parameter_server balanced", "parameter_server", "0", "throughput", "parameter_server sync"),
+    ("backup b=1", "sharded_ps", "0", "none", 1, "sync"),
+    ("balanced", "sharded_ps", "0", "throughput", 0, "sync"),
+    ("ring_allreduce sync", "ring_allreduce", "0", "none", 0, "ring_allreduce sync"),
+    ("ring_allreduce balanced", "ring_allreduce", "0", "throughput", 0, "ring_allreduce sync"),
+    ("parameter_server sync", "parameter_server", "0", "none", 0, "parameter_server sync"),
+    ("parameter_server backup b=1", "parameter_server", "0", "none", 1, "parameter_server sync"),
+    ("parameter_server balanced", "parameter_server", "0", "throughput", 0, "parameter_server sync"),
 ]
 GLOBAL_BATCH = 128
 P_DELAY = 0.2
@@ -114,6 +119,7 @@ def worker(args) -> None:
             self.record["start"] = time.time()
             self.rng = random.Random(1000 * trainer.global_rank + 7)
             self.batch_size = equal_share
+            self.left_out = 0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.batch_size = len(batch[1])
@@ -129,7 +135,10 @@ def worker(args) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.record["steps"] += 1
-            self.record["samples"] += self.batch_size
+            left_out = getattr(trainer.strategy, "late_gradients", 0) + getattr(trainer.strategy, "skipped_steps", 0)
+            if left_out == self.left_out:  # a step used this batch's gradient
+                self.record["samples"] += self.batch_size
+            self.left_out = left_out
 
         def on_train_end(self, trainer, pl_module):
             self.record["end"] = time.time()
@@ -158,7 +167,7 @@ def worker(args) -> None:
     entry = StrategyRegistry[args.strategy]
     options = {"balance": args.balance}
     if args.strategy != "ring_allreduce":
-        options["staleness"] = staleness
+        options.update(staleness=staleness, backup_workers=args.backup_workers)
     trainer = L.Trainer(
         strategy=entry["strategy"](**{**entry["init_params"], **options}),
         accelerator="cpu",
@@ -178,7 +187,9 @@ def worker(args) -> None:
     balancer = getattr(trainer.strategy.batches, "balancer", None)
     result = {**straggle.record, "rank": trainer.global_rank, "batch": equal_share,
               "staleness_max": seen.max if seen else 0, "staleness_mean": seen.mean() if seen else 0.0,
-              "shares": list(balancer.shares) if balancer is not None else None, "curve": tester.curve}  # fmt: skip
+              "shares": list(balancer.shares) if balancer is not None else None, "curve": tester.curve,
+              "late": getattr(trainer.strategy, "late_gradients", 0),
+              "skipped": getattr(trainer.strategy, "skipped_steps", 0)}  # fmt: skip
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
@@ -187,10 +198,11 @@ def run(model: str, devices: int, setting: tuple, pattern: str, delay: float, ep
         accuracy: bool = False) -> dict:  # fmt: skip
     """One run of ``setting`` (an entry of :data:`SETTINGS`); the ranks' records combined: samples/s over all
     ranks, first start to last end."""
-    label, strategy, staleness, balance, baseline = setting
+    label, strategy, staleness, balance, backups, baseline = setting
     result_dir = tmp / f"{model}-{devices}-{strategy}-{staleness}-{balance}-{pattern}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "benchmarks.straggler", "--worker", "--model", model, "--devices", str(devices),
-           "--strategy", strategy, "--staleness", staleness, "--balance", balance, "--pattern", pattern,
+           "--strategy", strategy, "--staleness", staleness, "--balance", balance, "--backup-workers", str(backups),
+           "--pattern", pattern,
            "--delay", str(delay), "--p", str(P_DELAY), "--epochs", str(epochs), "--result-dir", str(result_dir),
            *(["--accuracy"] if accuracy else [])]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -201,7 +213,9 @@ def run(model: str, devices: int, setting: tuple, pattern: str, delay: float, ep
     samples = sum(r["samples"] for r in ranks)
     return {
         "model": model, "devices": devices, "setting": label, "baseline": baseline, "strategy": strategy,
-        "staleness": staleness, "balance": balance, "shares": ranks[0]["shares"], "pattern": pattern, "delay_s": delay,
+        "staleness": staleness, "balance": balance, "backup_workers": backups, "shares": ranks[0]["shares"],
+        "late_gradients": sum(r["late"] for r in ranks), "skipped_steps": sum(r["skipped"] for r in ranks),
+        "pattern": pattern, "delay_s": delay,
         "epochs": epochs, "seconds": end - start, "samples": samples, "samples_per_s": samples / (end - start),
         "seconds_per_epoch": (end - start) / epochs, "steps_per_rank": ranks[0]["steps"],
         "staleness_max": max(r["staleness_max"] for r in ranks),
@@ -232,8 +246,11 @@ def throughput(models: list[str], sizes: list[int], epochs: int) -> list[dict]:
 
 def expected_step(label: str, pattern: str, t: float, d: float, n: int) -> float | None:
     """Analytic seconds per step under (a); under (b) every equal-share setting is bound by the slow rank's share,
-    2 t, and balanced shares by the N ranks' speeds together, 2 t N / (2 N - 1)."""
+    2 t, balanced shares by the N ranks' speeds together, 2 t N / (2 N - 1), and backup workers by the fast ranks, t
+    (with samples of N - 1 ranks per step)."""
     if pattern == "persistent":
+        if "backup" in label:
+            return t * n / (n - 1)  # seconds per N ranks' worth of samples
         return 2 * t * n / (2 * n - 1) if label.endswith("balanced") else 2 * t
     if label == "sync":
         return t + (1 - (1 - P_DELAY) ** n) * d
@@ -251,8 +268,8 @@ def throughput_report(rows: list[dict]) -> list[str]:
         "with its strategy's synchronous row of the same block.",
         "",
         "| model | N | pattern | setting | samples/s | vs sync | expected vs sync | s/epoch | max / mean staleness | "
-        "shares at the end |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "shares at the end | late / skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     baselines = {(r["model"], r["devices"], r["pattern"], r["setting"]): r for r in rows}
     for r in rows:
@@ -262,10 +279,12 @@ def throughput_report(rows: list[dict]) -> list[str]:
         if base and r.get("expected_step_s") and base.get("expected_step_s"):
             expected = f"{base['expected_step_s'] / r['expected_step_s']:.2f}x"
         pattern = "none" if r["setting"] == "sync, no delays" else r["pattern"]
+        shares = " / ".join(map(str, r["shares"])) if r.get("shares") and r.get("balance") != "none" else ""
+        left_out = f"{r['late_gradients']} / {r['skipped_steps']}" if r.get("backup_workers") else ""
         lines.append(
             f"| {r['model']} | {r['devices']} | {pattern} | {r['setting']} | {r['samples_per_s']:.0f} | {vs} | "
             f"{expected} | {r['seconds_per_epoch']:.2f} | {r['staleness_max']} / {r['staleness_mean']:.2f} | "
-            f"{' / '.join(map(str, r['shares'])) if r.get('shares') and r['balance'] != 'none' else ''} |"
+            f"{shares} | {left_out} |"
         )
     return lines
 
@@ -280,7 +299,7 @@ def accuracy(devices: int, epochs: int) -> list[dict]:
             row.update(t=t)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for setting in [SETTINGS[0], PERSISTENT_SETTINGS[0]]:
+        for setting in [SETTINGS[0], PERSISTENT_SETTINGS[0], PERSISTENT_SETTINGS[1]]:
             row = run("reference_cnn", devices, setting, "persistent", t, epochs, Path(tmp), True)
             row.update(t=t)
             rows.append(row)
@@ -339,6 +358,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="sharded_ps", help=argparse.SUPPRESS)
     parser.add_argument("--staleness", default="0", help=argparse.SUPPRESS)
     parser.add_argument("--balance", default="none", help=argparse.SUPPRESS)
+    parser.add_argument("--backup-workers", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--pattern", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--p", type=float, default=P_DELAY, help=argparse.SUPPRESS)

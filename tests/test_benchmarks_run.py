@@ -152,11 +152,16 @@ def test_straggler_benchmark_runs_one_setting(tmp_path):
     assert expected_step("sync", "transient", 0.01, 0.04, 2) == pytest.approx(0.01 + (1 - 0.8**2) * 0.04)
     assert expected_step("ring_allreduce balanced", "persistent", 0.01, 0.01, 2) == pytest.approx(0.02 * 2 / 3)
     # a slow rank 0 under balanced batches: it ends with the smaller share of each global batch
-    balanced = run_one("mlp", 2, PERSISTENT_SETTINGS[2], "persistent", 0.02, 1, tmp_path)
+    setting = {s[0]: s for s in PERSISTENT_SETTINGS}
+    balanced = run_one("mlp", 2, setting["ring_allreduce balanced"], "persistent", 0.02, 1, tmp_path)
     assert balanced["strategy"] == "ring_allreduce" and balanced["balance"] == "throughput"
     assert sum(balanced["shares"]) == GLOBAL_BATCH and balanced["shares"][0] < GLOBAL_BATCH // 2
     assert balanced["samples"] == epoch
-    report = "\n".join(throughput_report([row, balanced]))
+    # backup workers: each step uses one of the two ranks' gradients, the other's is late or skipped and not counted
+    backup = run_one("mlp", 2, setting["parameter_server backup b=1"], "persistent", 0.02, 1, tmp_path)
+    assert backup["late_gradients"] + backup["skipped_steps"] == backup["steps_per_rank"] == 10
+    assert epoch // 2 - GLOBAL_BATCH // 2 < backup["samples"] <= epoch // 2
+    report = "\n".join(throughput_report([row, balanced, backup]))
     assert "| mlp | 2 | transient | async |" in report
     assert f"| {balanced['shares'][0]} / {balanced['shares'][1]} |" in report
 
