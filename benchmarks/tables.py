@@ -97,6 +97,13 @@ def scale_anchor(rows: list[dict]) -> list[str]:
     return anchor_lines(rows)
 
 
+def straggler_persistent(rows: list[dict]) -> list[str]:
+    """``straggler``'s rows with a persistent straggler."""
+    from benchmarks.straggler import throughput_report
+
+    return throughput_report([r for r in rows if r["pattern"] == "persistent"])
+
+
 #: ``(name, view)`` -> a function of the rows giving the block's body in place of the full report
 VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("end_to_end", "speedups"): speedups,
@@ -105,6 +112,7 @@ VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("app_accuracy", "summary"): app_accuracy_summary,
     ("scale_model", "best"): scale_best,
     ("scale_model", "anchor"): scale_anchor,
+    ("straggler", "persistent"): straggler_persistent,
 }
 
 

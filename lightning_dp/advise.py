@@ -155,18 +155,25 @@ class Advice:
 
 def _departure(scheme: Scheme) -> int:
     """How far a scheme departs from synchronous, full-precision training on the training machines alone."""
-    return (scheme.compression != "none") + (scheme.staleness != 0) + (scheme.num_servers > 0)
+    return (
+        (scheme.compression != "none")
+        + (scheme.staleness != 0)
+        + (scheme.num_servers > 0)
+        + (scheme.backup_workers > 0)
+    )
 
 
 def _options(scheme: Scheme) -> dict[str, Any]:
     return {"intra_node": scheme.intra_node, "compression": scheme.compression, "staleness": scheme.staleness,
-            "num_servers": scheme.num_servers}  # fmt: skip
+            "num_servers": scheme.num_servers, "balance": scheme.balance,
+            "backup_workers": scheme.backup_workers}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- what runs
-def candidate_schemes(topology: Topology, cpu: bool = True) -> list[Scheme]:
+def candidate_schemes(topology: Topology, cpu: bool = True, straggler: bool = False) -> list[Scheme]:
     """Every strategy with every option setting that changes its cost on ``topology``; on GPUs (``cpu=False``)
-    without shared memory and staleness, which run on CPUs only."""
+    without shared memory, staleness and backup workers, which run on CPUs only. With a persistent ``straggler``
+    also every strategy with balanced batches and the parameter servers with one backup worker."""
     several_per_node = topology.ranks_per_node > 1
     several_nodes = topology.num_nodes > 1
     intra = ["shm", "ring"] if several_per_node and cpu else ["ring"] if several_per_node else ["shm"]
@@ -184,6 +191,10 @@ def candidate_schemes(topology: Topology, cpu: bool = True) -> list[Scheme]:
             schemes += [Scheme(strategy, staleness=1), Scheme(strategy, staleness=None)]
         if strategy != "ring_allreduce" and topology.ranks_per_node == 1 and several_nodes:
             schemes += [Scheme(strategy, num_servers=k) for k in (1, 2)]
+        if straggler and topology.world_size > 1:
+            schemes.append(Scheme(strategy, balance="throughput"))
+            if strategy != "ring_allreduce" and cpu:
+                schemes.append(Scheme(strategy, backup_workers=1))
     return schemes
 
 
@@ -195,6 +206,8 @@ def _notes(scheme: Scheme) -> list[str]:
         notes.append("gains only with uneven ranks (the model assumes equal ones)")
     if scheme.num_servers:
         notes.append(f"needs {scheme.num_servers} spare machine(s)")
+    if scheme.backup_workers:
+        notes.append(f"each step drops the last {scheme.backup_workers} gradient(s): a smaller batch per step")
     return notes
 
 
@@ -322,13 +335,18 @@ def advise(
     cpu: bool = True,
     measured: Measured | None = None,
     accumulate_grad_batches: int = 1,
+    slowest: float = 1.0,
 ) -> Advice:
     """Predict every scheme for ``module`` trained on batches like ``batch`` (one rank's) by ``num_nodes`` machines
     of ``ranks_per_node`` ranks, and rank them by predicted step time (compute plus the communication the step
     waits for). ``link``: the network between machines; default: measured (inside a process group: over it,
     between rank 0 and the last rank, so every rank must call ``advise``; otherwise by two processes of this
     machine). Compute is measured on the CPU. ``cpu=False``: the ranks train on GPUs (no shared-memory transports,
-    no staleness). ``measured``: skip every measurement (a prediction from known numbers)."""
+    no staleness). ``measured``: skip every measurement (a prediction from known numbers). ``slowest``: one rank
+    computes that many times slower than the others, persistently (the candidates then include balanced batches
+    and backup workers, and each scheme's step is priced per global batch's worth of samples)."""
+    if isinstance(slowest, bool) or not isinstance(slowest, (int, float)) or not 1.0 <= slowest < float("inf"):
+        raise ValueError(f"slowest must be a number >= 1 (how many times slower the slowest rank is), got {slowest!r}")
     topology = Topology(num_nodes, ranks_per_node)
     buckets = _buckets(module, bucket_cap_mb)
     notes = []
@@ -345,9 +363,12 @@ def advise(
         measured = Measured([b.nbytes for b in buckets], forward, backward, step, state, link, source,
                             accumulate_grad_batches)  # fmt: skip
     compressed, plain = wires(buckets)
-    candidates = list(schemes) if schemes is not None else candidate_schemes(topology, cpu)
+    candidates = list(schemes) if schemes is not None else candidate_schemes(topology, cpu, slowest > 1.0)
     predictions = predict(candidates, topology, measured.link, compressed, plain, measured.compute_seconds,
-                          measured.backward_seconds, measured.optimizer_state_bytes)  # fmt: skip
+                          measured.backward_seconds, measured.optimizer_state_bytes, slowest)  # fmt: skip
+    if slowest > 1.0:
+        notes.append(f"one rank computes {slowest:g}x slower than the others: step times are per global batch's "
+                     "worth of samples, with that rank's compute")  # fmt: skip
     for p in predictions:
         p.notes = _notes(p.scheme)
     advice = Advice(type(module).__name__, topology, measured, predictions, "", notes)
@@ -398,7 +419,8 @@ def _main(argv: list[str]) -> None:
         cpu = cfg.trainer.accelerator == "cpu" or (cfg.trainer.accelerator == "auto" and not torch.cuda.is_available())
         advice = advise(module, batch, nodes, devices, link, cpu=cpu,
                         bucket_cap_mb=float(cfg.strategy.get("bucket_cap_mb", BUCKET_CAP_MB)),
-                        accumulate_grad_batches=int(cfg.trainer.get("accumulate_grad_batches", 1)))  # fmt: skip
+                        accumulate_grad_batches=int(cfg.trainer.get("accumulate_grad_batches", 1)),
+                        slowest=float(cfg.get("slowest", 1.0)))  # fmt: skip
         print(advice.to_json() if as_json else advice.table())
 
     run()

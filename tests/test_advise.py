@@ -120,3 +120,25 @@ def test_the_table_keeps_every_number_under_its_header_whatever_the_scheme_names
         end = header.index(column) + len(column)  # numbers are right-aligned under their column's last character
         for row in rows:
             assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (column, row)
+
+
+@pytest.mark.unit
+def test_a_persistent_straggler_brings_balanced_batches_and_backup_workers():
+    model = nn.Linear(256, 256)
+    measured = _measured(model, Link(1e-4, 1.25e9))  # compute 32 ms a step, a fast link
+    plain = advise(model, None, 1, 4, measured=measured)
+    assert not any(p.scheme.balance != "none" or p.scheme.backup_workers for p in plain.predictions)
+    slow = advise(model, None, 1, 4, measured=measured, slowest=2.0)
+    rows = {p.scheme.label(): p for p in slow.predictions}
+    compute = measured.compute_seconds
+    ring, balanced = rows["ring_allreduce"], rows["ring_allreduce balance=throughput"]
+    assert ring.step_seconds == pytest.approx(2 * compute + ring.exposed_seconds)  # equal shares wait for it
+    assert balanced.step_seconds == pytest.approx(compute * 4 * 2 / (3 * 2 + 1) + balanced.exposed_seconds)
+    backup = rows["sharded_ps backup_workers=1"]
+    assert backup.step_seconds == pytest.approx((compute + backup.exposed_seconds) * 4 / 3)  # 3/4 of the samples
+    assert "smaller batch" in "; ".join(backup.notes) and "2x slower" in " ".join(slow.notes)
+    # balanced batches train exactly: they are recommended over every equal-share scheme, backup workers are not
+    assert slow.best.scheme.balance == "throughput"
+    assert json.loads(slow.to_json())["predictions"][0]["options"]["balance"] in ("none", "throughput")
+    with pytest.raises(ValueError, match="slowest must be a number >= 1"):
+        advise(model, None, 1, 4, measured=measured, slowest=0.5)

@@ -100,6 +100,10 @@ class Scheme:
     num_servers: int = 0
     #: the parameter servers also send the averaged gradients back (a hook or clipping reads them)
     full_gradients: bool = False
+    #: ``"throughput"``: each rank's share of the global batch follows its speed (no change to what moves)
+    balance: str = "none"
+    #: each step of the parameter servers uses the first ``N - b`` gradients (pushed whole after backward)
+    backup_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.strategy not in SCHEMES:
@@ -120,13 +124,17 @@ class Scheme:
             options.append(f"staleness={'null' if self.staleness is None else self.staleness}")
         if self.num_servers:
             options.append(f"num_servers={self.num_servers}")
+        if self.balance != "none":
+            options.append(f"balance={self.balance}")
+        if self.backup_workers:
+            options.append(f"backup_workers={self.backup_workers}")
         return " ".join([self.strategy, *options])
 
     def uses_shared_memory(self, topology: Topology) -> bool:
         """Whether the ranks of a node exchange through shared memory (as the strategies decide at set-up)."""
         if self.strategy == "ddp" or self.intra_node != "shm" or topology.ranks_per_node == 1:
             return False
-        if self.num_servers or self.staleness != 0:  # process groups of their own, over sockets
+        if self.num_servers or self.staleness != 0 or self.backup_workers:  # process groups of their own, sockets
             return False
         return self.strategy == "ring_allreduce" or topology.num_nodes == 1
 
@@ -296,8 +304,8 @@ def step_phases(scheme: Scheme, topology: Topology, wire: Wire, plain: Wire | No
         per_link, per_copy = (local * (n - local) / n, (local - 1) / n) if m > 1 else ((n - 1) / n, 0.0)
         fan_in = fan_out = m - 1 if m > 1 else n - 1  # the machines sending to one machine's link at once
     weights = s_w if wire.weights_compressed else s
-    if scheme.staleness != 0:  # each worker pushes all its buckets in one message after backward, then pulls, on
-        # its own schedule: the flows are not priced as arriving together
+    if scheme.staleness != 0 or scheme.backup_workers:  # each worker pushes all its buckets in one message after
+        # backward, then pulls, on its own schedule: the flows are not priced as arriving together
         return (Phase("gradients", 1, per_link * s, per_copy * s), Phase("weights", 1, per_link * s, per_copy * s))
     # a low-rank codec averages each factor with a push and a pull, and every rank then holds the result
     low_rank = wire.passes > 1
@@ -400,6 +408,10 @@ class Prediction:
     backward_seconds: float
     optimizer_state_bytes: float
     notes: list[str] = field(default_factory=list)
+    #: the slowest rank's compute over the others' (``slowest`` of :func:`predict`), as the scheme meets it: the
+    #: factor on the step's compute, and the fraction of the global batch a step uses
+    work_factor: float = 1.0
+    batch_fraction: float = 1.0
 
     @property
     def exposed_seconds(self) -> float:
@@ -407,7 +419,23 @@ class Prediction:
 
     @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.exposed_seconds
+        """Seconds per global batch's worth of samples: the step's compute (as the slowest rank bounds it) and
+        exposed communication, over the fraction of the global batch a step uses."""
+        return (self.compute_seconds * self.work_factor + self.exposed_seconds) / self.batch_fraction
+
+
+def straggler_factors(scheme: Scheme, world_size: int, slowest: float) -> tuple[float, float]:
+    """``(work_factor, batch_fraction)`` of :class:`Prediction` when one of ``world_size`` ranks computes
+    ``slowest`` times slower than the others: equal shares wait for it (``s``); balanced shares spread the global
+    batch by speed (``N s / ((N - 1) s + 1)``); backup workers leave it out (1, with ``(N - b) / N`` of the
+    samples per step)."""
+    if slowest == 1.0 or world_size == 1:
+        return 1.0, 1.0
+    if scheme.backup_workers:
+        return 1.0, (world_size - scheme.backup_workers) / world_size
+    if scheme.balance == "throughput":
+        return world_size * slowest / ((world_size - 1) * slowest + 1), 1.0
+    return slowest, 1.0
 
 
 def predict(
@@ -419,14 +447,17 @@ def predict(
     compute_seconds: float,
     backward_seconds: float,
     state_bytes: float,
+    slowest: float = 1.0,
 ) -> list[Prediction]:
     """A :class:`Prediction` per scheme, fastest predicted step first. ``wires`` maps a compression name to how
-    the buckets travel with it (``"none"``: ``plain``)."""
+    the buckets travel with it (``"none"``: ``plain``); ``slowest``: one rank computes that many times slower
+    than the others (a persistent straggler, :func:`straggler_factors`)."""
     rows = []
     for scheme in schemes:
         wire = wires.get(scheme.compression, plain)
         cost = step_cost(scheme, topology, link, wire, plain)
         state = optimizer_state_peak(scheme, topology.world_size, state_bytes)
-        rows.append(Prediction(scheme, cost, compute_seconds, backward_seconds, state))
+        work, fraction = straggler_factors(scheme, topology.world_size, slowest)
+        rows.append(Prediction(scheme, cost, compute_seconds, backward_seconds, state, [], work, fraction))
     rows.sort(key=lambda p: (p.step_seconds, p.optimizer_state_bytes))
     return rows
