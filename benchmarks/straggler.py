@@ -17,7 +17,7 @@ sleeping where a straggler would be slow:
 The staleness settings run ``sharded_ps``; under (b) ``balance="throughput"`` runs on each of the three strategies
 and ``backup_workers=1`` on both parameter servers, each compared with the same strategy's synchronous run in the
 same cell. Samples per second count the samples whose gradients a step used (a backup worker's late or skipped
-batches do not count).
+batches do not count); steps per second count every rank's steps, as Chen et al. report backup workers.
 
 Throughput is samples per second over all ranks, from the first rank's start to the last rank's end of training
 (a parameter server's end of training is a flush, so that is when every update is in); ``expected`` under (a) is
@@ -267,14 +267,17 @@ def throughput_report(rows: list[dict]) -> list[str]:
         "t: seconds per step of the synchronous run without delays (first row of each block). Each row is compared "
         "with its strategy's synchronous row of the same block.",
         "",
-        "| model | N | pattern | setting | samples/s | vs sync | expected vs sync | s/epoch | max / mean staleness | "
-        "shares at the end | late / skipped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | N | pattern | setting | samples/s | vs sync | expected vs sync | steps/s vs sync | s/epoch | "
+        "max / mean staleness | shares at the end | late / skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     baselines = {(r["model"], r["devices"], r["pattern"], r["setting"]): r for r in rows}
     for r in rows:
         base = baselines.get((r["model"], r["devices"], r["pattern"], r.get("baseline")))
         vs = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else ""
+        steps = (
+            f"{(r['steps_per_rank'] / r['seconds']) / (base['steps_per_rank'] / base['seconds']):.2f}x" if base else ""
+        )
         expected = ""
         if base and r.get("expected_step_s") and base.get("expected_step_s"):
             expected = f"{base['expected_step_s'] / r['expected_step_s']:.2f}x"
@@ -283,7 +286,7 @@ def throughput_report(rows: list[dict]) -> list[str]:
         left_out = f"{r['late_gradients']} / {r['skipped_steps']}" if r.get("backup_workers") else ""
         lines.append(
             f"| {r['model']} | {r['devices']} | {pattern} | {r['setting']} | {r['samples_per_s']:.0f} | {vs} | "
-            f"{expected} | {r['seconds_per_epoch']:.2f} | {r['staleness_max']} / {r['staleness_mean']:.2f} | "
+            f"{expected} | {steps} | {r['seconds_per_epoch']:.2f} | {r['staleness_max']} / {r['staleness_mean']:.2f} | "
             f"{shares} | {left_out} |"
         )
     return lines

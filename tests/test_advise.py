@@ -139,6 +139,11 @@ def test_a_persistent_straggler_brings_balanced_batches_and_backup_workers():
     assert "smaller batch" in "; ".join(backup.notes) and "2x slower" in " ".join(slow.notes)
     # balanced batches train exactly: they are recommended over every equal-share scheme, backup workers are not
     assert slow.best.scheme.balance == "throughput"
-    assert json.loads(slow.to_json())["predictions"][0]["options"]["balance"] in ("none", "throughput")
+    options = {row["scheme"]: row["options"] for row in json.loads(slow.to_json())["predictions"]}
+    assert options["ring_allreduce balance=throughput"]["balance"] == "throughput"
+    assert (options["ring_allreduce"]["balance"], options["sharded_ps backup_workers=1"]["backup_workers"]) == (
+        "none",
+        1,
+    )
     with pytest.raises(ValueError, match="slowest must be a number >= 1"):
         advise(model, None, 1, 4, measured=measured, slowest=0.5)

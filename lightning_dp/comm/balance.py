@@ -22,6 +22,7 @@ all ``B`` samples, as one process training the same global batch computes it (:f
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Iterator, Sequence
@@ -227,8 +228,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
     ``BatchSampler(base, b, drop_last)`` gives each rank; with equal shares they are exactly its batches. The epoch
     is ``base``'s.
 
-    ``skip``: batches of the epoch ``base`` is set to at construction already trained (an exact mid-epoch resume);
-    the first iteration starts after them."""
+    ``skip``: batches of epoch ``skip_epoch`` already trained (an exact mid-epoch resume); the first iteration
+    starts after them if it is of that epoch."""
 
     def __init__(
         self,
@@ -238,6 +239,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         balancer: ThroughputBalancer,
         rank: int,
         skip: int = 0,
+        skip_epoch: int = 0,
     ) -> None:
         self.sampler = base
         self.batch_size = batch_size
@@ -246,6 +248,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.num_replicas = base.num_replicas
         self.skip = skip
+        self.skip_epoch = skip_epoch
 
     @property
     def epoch(self) -> int:
@@ -261,21 +264,19 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     def _epoch_order(self) -> list[int]:
         """The epoch's indices for every rank, in the order of the global batches: position ``i N + r`` holds rank
-        ``r``'s ``i``-th index under ``DistributedSampler``."""
-        base = self.sampler
-        per_rank = []
-        for r in range(self.num_replicas):
-            sampler: DistributedSampler = DistributedSampler(
-                base.dataset, self.num_replicas, r, shuffle=base.shuffle, seed=base.seed, drop_last=base.drop_last
-            )
-            sampler.set_epoch(self.epoch)
-            per_rank.append(list(sampler))
-        return [per_rank[r][i] for i in range(base.num_samples) for r in range(self.num_replicas)]
+        ``r``'s ``i``-th index under ``DistributedSampler``. That is ``DistributedSampler``'s shuffled and padded
+        list before it takes every ``N``-th index for a rank: its own iteration with one replica over the ``N``
+        replicas' total."""
+        whole = copy.copy(self.sampler)
+        whole.num_replicas, whole.rank, whole.num_samples = 1, 0, self.sampler.total_size
+        whole.set_epoch(self.epoch)
+        return list(whole)
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self._epoch_order()
         full = self.batch_size * self.num_replicas
-        start, self.skip = self.skip, 0  # the next iteration, this epoch again or a later one, is whole
+        start = self.skip if self.epoch == self.skip_epoch else 0
+        self.skip = 0  # the next iteration, this epoch again or a later one, is whole
         for j in range(start, len(self)):
             chunk = order[j * full : (j + 1) * full]
             key = (self.epoch, j)

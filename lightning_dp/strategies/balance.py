@@ -14,15 +14,17 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
+from lightning_dp._lightning_compat import _parse_num_batches
 from lightning_dp.comm.balance import BalancedBatchSampler, ThroughputBalancer, gather_measurements, gradient_weight
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.strategies.options import check_count, check_positive
-from lightning_dp.strategies.resume import batches_already_trained
+from lightning_dp.strategies.resume import _silence_not_resumable, batches_already_trained
 
 #: values of the ``balance`` option
 BALANCE = ("none", "throughput")
@@ -38,6 +40,9 @@ class EqualBatches:
     def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         """The training loader to use instead of ``dataloader`` (``None``: keep it)."""
         return None
+
+    def reset(self) -> None:
+        """A fit starts: nothing of an earlier one carries over (a checkpoint's state is loaded after this)."""
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """A training batch starts (every rank at the same batch)."""
@@ -82,6 +87,9 @@ class ThroughputBatches(EqualBatches):
         #: ``N n_r / B`` of the batch being trained
         self._weight = 1.0
 
+    def reset(self) -> None:
+        self.balancer, self._saved, self._batch, self._computed, self._weight = None, None, None, None, 1.0
+
     def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         if trainer.state.stage != RunningStage.TRAINING:
             return None
@@ -116,12 +124,13 @@ class ThroughputBatches(EqualBatches):
                 self._saved = None
         self.balancer.lag = ahead + 2
         done = batches_already_trained(trainer)
-        if done >= len(batch_sampler):
+        if done >= _parse_num_batches(RunningStage.TRAINING, len(batch_sampler), trainer.limit_train_batches):
             done = 0  # the epoch was complete: the next one starts from its beginning
         balanced = BalancedBatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last, self.balancer,
-                                        strategy.global_rank, skip=done)  # fmt: skip
+                                        strategy.global_rank, skip=done, skip_epoch=trainer.current_epoch)  # fmt: skip
         balanced.set_epoch(trainer.current_epoch)
         if done:
+            _silence_not_resumable()
             rank_zero_info(f"resuming mid-epoch: the balanced sampler skips the {done} batches already trained")
         return _with_batch_sampler(dataloader, balanced)
 
@@ -144,14 +153,29 @@ class ThroughputBatches(EqualBatches):
                     f"train {list(decision.shares)} samples of each global batch of {balancer.global_batch}"
                 )
         current = balancer.drawn.get(key)
+        if current is None and len(set(balancer.shares_at(key))) > 1:
+            raise RuntimeError(
+                f"balance='throughput': batch {batch_idx} of epoch {key[0]} is not one this rank's balanced sampler "
+                "drew, so its share of the global batch (and its gradient's weight) is unknown: the training loop "
+                "does not take its batches from the loader the strategy set up (a training_step taking "
+                "dataloader_iter, several training loaders). Use balance='none' here."
+            )
         self._weight = gradient_weight(strategy.world_size, *current) if current is not None else 1.0
         self._batch, self._computed = key, None
 
     def forward_started(self) -> None:
+        self._synchronize()
         self._forward_start = time.perf_counter()
 
     def backward_done(self) -> None:
+        self._synchronize()
         self._computed = time.perf_counter() - self._forward_start
+
+    def _synchronize(self) -> None:
+        """On a GPU the clock must wait for the kernels, not their launches."""
+        device = self.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def weighted(self, loss: Tensor) -> Tensor:
         return loss if self._weight == 1.0 else loss * self._weight

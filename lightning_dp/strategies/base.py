@@ -151,6 +151,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            self.batches.reset()
             refuse_sparse_gradients(self.model, f"strategy {self.strategy_name!r}")
             self.full_gradients = self._needs_full_gradients(trainer)
         if fitting and self._layer_sync:

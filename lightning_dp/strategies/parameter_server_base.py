@@ -244,9 +244,9 @@ class ParameterServerBase(DataParallelStrategy):
         self.engine.on_train_start()
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.engine.on_train_batch_start()
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.on_training_step()
+        return super().training_step(*args, **kwargs)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

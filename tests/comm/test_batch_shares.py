@@ -75,9 +75,12 @@ def test_equal_shares_give_the_distributed_samplers_batches(length, drop_last_sa
         sampler.set_epoch(2)
         got = list(sampler)
         assert got == expected and len(sampler) == len(expected)
-        resumed = BalancedBatchSampler(base, b, drop_last_batches, balancer, rank, skip=2)
+        resumed = BalancedBatchSampler(base, b, drop_last_batches, balancer, rank, skip=2, skip_epoch=2)
         resumed.set_epoch(2)
         assert list(resumed) == expected[2:] and list(resumed) == expected  # the skip holds for one iteration
+        other_epoch = BalancedBatchSampler(base, b, drop_last_batches, balancer, rank, skip=2, skip_epoch=1)
+        other_epoch.set_epoch(2)
+        assert list(other_epoch) == expected  # a skip is of its own epoch only
 
 
 def test_unequal_shares_split_the_same_global_batches():

@@ -42,6 +42,7 @@ parser.add_argument("--variables-environment", action="store_true",
                          "NODE_RANK (a cluster that starts the processes, as Ray Train and SLURM do)")  # fmt: skip
 parser.add_argument("--balance", default=None, help="strategy option balance")
 parser.add_argument("--balance-interval", type=int, default=None, help="strategy option balance_interval")
+parser.add_argument("--lr-every-step", action="store_true", help="the scheduler steps after every optimizer step")
 parser.add_argument("--backup-workers", type=int, default=None, help="strategy option backup_workers")
 parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-per-sample x its batch size")
 parser.add_argument("--slow-per-sample", type=float, default=0.0)
@@ -97,6 +98,9 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if args.lr_every_step:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)]
 
     def train_dataloader(self):

@@ -20,25 +20,23 @@ DEVICES, BATCH, SAMPLES = 3, 4, 72  # 6 batches of 4 per rank and epoch, 2 epoch
 
 
 def _replay(ranks: list[dict]) -> list[torch.Tensor]:
-    """One process with ``tests/scripts/midepoch.py``'s model, data and optimizer, each step on the batches of the
-    ranks whose gradients the step used; the weights after every step."""
+    """One process with ``tests/scripts/midepoch.py``'s model, data and optimizer (the learning rate scheduled per
+    step), each step on the batches of the ranks whose gradients the step used; the weights after every step."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(SAMPLES, 6, generator=g), torch.randn(SAMPLES, 2, generator=g)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
     history = []
-    epochs = [epoch for epoch, _, _ in ranks[0]["history"]]
-    for j, epoch in enumerate(epochs):
-        if j and epoch != epochs[j - 1]:
-            scheduler.step()
+    for j in range(len(ranks[0]["history"])):
         used = [rank["trained"][j] for rank in ranks if rank["trained"][j] is not None and not rank["late"][j]]
         # the servers' mean of the members' gradients, each the mean over its own batch of equal size
         loss = sum(nn.functional.mse_loss(net(x[batch]), y[batch]) for batch in used) / len(used)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        scheduler.step()
         history.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
     return history
 
@@ -47,8 +45,8 @@ def _replay(ranks: list[dict]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("strategy", ["parameter_server", "sharded_ps"])
 def test_a_slow_rank_is_left_out_and_every_step_is_its_members_mean(tmp_path, strategy):
     run_script("midepoch", "--strategy", strategy, "--devices", str(DEVICES), "--samples", str(SAMPLES),
-               "--backup-workers", "1", "--slow-rank", "2", "--slow-per-sample", "0.05", "--out", str(tmp_path),
-               timeout=180)  # fmt: skip
+               "--backup-workers", "1", "--slow-rank", "2", "--slow-per-sample", "0.05", "--lr-every-step",
+               "--out", str(tmp_path), timeout=180)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DEVICES)]
     steps = 2 * SAMPLES // (DEVICES * BATCH)
     assert all(len(r["history"]) == len(r["trained"]) == len(r["late"]) == steps for r in ranks)
@@ -117,6 +115,6 @@ def test_what_a_skipping_rank_cannot_do_is_refused_at_set_up():
         engine.setup_trainer(trainer)
     with pytest.raises(ValueError, match="read or edited before the optimizer step by GradLogger"):
         engine.full_gradients(trainer, ["GradLogger"])
-    engine.on_train_batch_start()
+    engine.on_training_step()
     with pytest.raises(ValueError, match="sync_dist"):
         engine.check_collective("Lightning's reduce (self.log(..., sync_dist=True))")

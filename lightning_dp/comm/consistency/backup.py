@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency.client import StalenessClient
 from lightning_dp.comm.consistency.protocol import PushLayout, Reply, Request, _Request
 from lightning_dp.comm.consistency.server import StalenessServer
-from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout
+from lightning_dp.comm.servers.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout, hyperparameters
 from lightning_dp.comm.stats import CommStats
 
 #: versions of its share a server keeps for workers that are behind
@@ -49,6 +50,78 @@ def check_backup_workers(backups: object, workers: int | None = None) -> int:
     return backups
 
 
+def _numeric(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Hyperparameters:
+    """A user optimizer's numeric hyperparameters (``lr``, ``betas``, ``weight_decay``, ...) of every parameter
+    group as float64 values, which every push carries: a server steps with those of the step's members, not with
+    its own rank's optimizer, whose schedule a slow rank's loop may not have advanced yet. Which keys travel (and
+    their tuple lengths) is read once from ``optimizer``; tensors and flags stay the server's own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.template = [
+            [(key, len(value) if isinstance(value, tuple) else 0, type(value[0] if isinstance(value, tuple) else value))
+             for key, value in sorted(hyperparameters(group).items())
+             if _numeric(value) or (isinstance(value, tuple) and value and all(map(_numeric, value)))]
+            for group in optimizer.param_groups
+        ]  # fmt: skip
+        self.count = sum(max(1, n) for group in self.template for _, n, _ in group)
+
+    def encode(self, optimizer: torch.optim.Optimizer) -> Tensor:
+        values: list[float] = []
+        for group, keys in zip(optimizer.param_groups, self.template):
+            for key, n, _ in keys:
+                values += [float(v) for v in group[key]] if n else [float(group[key])]
+        return torch.tensor(values, dtype=torch.float64)
+
+    def decode(self, values: Tensor) -> list[dict]:
+        flat = values.tolist()
+        groups, i = [], 0
+        for keys in self.template:
+            group: dict = {}
+            for key, n, kind in keys:
+                if n:
+                    group[key] = tuple(kind(v) for v in flat[i : i + n])
+                else:
+                    group[key] = kind(flat[i])
+                i += max(1, n)
+            groups.append(group)
+        return groups
+
+
+class BackupPushLayout(PushLayout):
+    """A push's layout with the worker's hyperparameters (:class:`Hyperparameters`) after the used-flags, as float64
+    values seen as the buckets' dtype (set :meth:`set_hyperparameters` before each push)."""
+
+    def __init__(
+        self,
+        buckets: Sequence[GradientBucket],
+        segments: Sequence[Sequence[Segment]],
+        size: int,
+        hyper: Hyperparameters,
+    ) -> None:
+        super().__init__(buckets, segments, size)
+        self.hyper = hyper
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self.words = hyper.count * 8 // itemsize
+        self._values = torch.zeros(self.words, dtype=self.dtype)
+
+    def message_numel(self, server: int) -> int:
+        return super().message_numel(server) + self.words
+
+    def gradients_for(self, server: int) -> Tensor:
+        return torch.cat([super().gradients_for(server), self._values])
+
+    def set_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
+        self._values = self.hyper.encode(optimizer).view(self.dtype)
+
+    def hyperparameters_of(self, payload: Tensor) -> list[dict]:
+        """The per-group hyperparameters a push carries."""
+        return self.hyper.decode(payload[payload.numel() - self.words :].clone().view(torch.float64))
+
+
 class BackupServer(StalenessServer):
     """Serves this rank's share with backup workers (see the module docstring): step ``version`` closes with the
     first ``size - backups`` pushes, as the server ``coordinator`` decides them.
@@ -59,7 +132,7 @@ class BackupServer(StalenessServer):
         self,
         layout: ShardLayout,
         optimizers: Sequence[ShardedOptimizer],
-        push_layout: PushLayout,
+        push_layout: BackupPushLayout,
         rank: int,
         size: int,
         backups: int,
@@ -165,8 +238,12 @@ class BackupServer(StalenessServer):
             total += request.payload
         numel = self.push_layout.numel[self.rank]
         total[:numel] /= len(members)  # the used-flags stay summed: a parameter any member used has a gradient
+        assert isinstance(self.push_layout, BackupPushLayout)
+        first = members[0].payload
+        assert first is not None
+        values = self.push_layout.hyperparameters_of(first)  # the step's, as its members hold them
         with self.lock:
-            self._apply(members[0].optimizer_index, total)
+            self._apply(members[0].optimizer_index, total, values)
             weights = self.layout.storage.clone()
         del self._decisions[self.version]
         self.version += 1

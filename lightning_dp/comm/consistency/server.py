@@ -143,8 +143,9 @@ class StalenessServer:
             self._gone.add(request.worker)
             self.failure = self.failure or (request.worker, request.reason)
 
-    def _apply(self, optimizer_index: int, payload: Tensor) -> None:
-        """One arriving gradient: one step of its optimizer over this server's share, the learning rate scaled."""
+    def _apply(self, optimizer_index: int, payload: Tensor, values: list[dict] | None = None) -> None:
+        """One arriving gradient: one step of its optimizer over this server's share, the learning rate scaled
+        (``values``: the hyperparameters per group to use instead of this rank's optimizer's)."""
         sharded = self.optimizers[optimizer_index]
         pieces = {id(pc) for pc in sharded.pieces}
         for piece, flag_at in zip(self.layout.pieces, self._flag_at):
@@ -153,7 +154,7 @@ class StalenessServer:
                 n = piece.tensor.numel()
                 grad = payload[piece.storage_start : piece.storage_start + n].view_as(piece.tensor)
                 piece.tensor.grad = grad if used else None
-        sharded.step(scale=self._scales[optimizer_index])
+        sharded.step(scale=self._scales[optimizer_index], values=values)
 
     def _answer(self) -> None:
         """Reply to every request the bound now allows (or every request, with the failure, once the run failed)."""

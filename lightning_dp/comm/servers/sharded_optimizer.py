@@ -327,12 +327,18 @@ class ShardedOptimizer:
         for piece in self.pieces:
             piece.tensor.grad = None
 
-    def step(self, scale: Mapping[str, float] | None = None, **kwargs: Any) -> None:
+    def step(
+        self,
+        scale: Mapping[str, float] | None = None,
+        values: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """One update of this rank's pieces with their gradients (then dropped), under ``optimizer``'s current
-        hyperparameters, those named in ``scale`` multiplied by their factor (e.g. ``{"lr": 0.5}``)."""
+        hyperparameters, or ``values`` per parameter group where given (those of the step's workers), those named in
+        ``scale`` multiplied by their factor (e.g. ``{"lr": 0.5}``)."""
         if not self.serves_anything:
             return
-        self._follow_hyperparameters(scale)
+        self._follow_hyperparameters(scale, values)
         self.shard.step(**kwargs)
         self.clear_gradients()
 
@@ -354,9 +360,13 @@ class ShardedOptimizer:
         for piece in pieces:
             piece.tensor.grad = None
 
-    def _follow_hyperparameters(self, scale: Mapping[str, float] | None) -> None:
-        for front_group, shard_group in zip(self.optimizer.param_groups, self.shard.param_groups):
+    def _follow_hyperparameters(
+        self, scale: Mapping[str, float] | None, values: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
+        for index, (front_group, shard_group) in enumerate(zip(self.optimizer.param_groups, self.shard.param_groups)):
             shard_group.update(hyperparameters(front_group))
+            if values is not None:
+                shard_group.update(values[index])
             for key, factor in (scale or {}).items():
                 if key in shard_group and factor != 1.0:
                     shard_group[key] = shard_group[key] * factor

@@ -11,10 +11,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_dp._lightning_compat import after_closure, skip_closure
+from lightning_dp._lightning_compat import after_closure, skip_closure, unwrap_optimizer
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.consistency import PushLayout, StalenessServer, StopReason
-from lightning_dp.comm.consistency.backup import BackupClient, BackupServer
+from lightning_dp.comm.consistency.backup import BackupClient, BackupPushLayout, BackupServer, Hyperparameters
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.servers.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
@@ -100,6 +100,10 @@ class BackupEngine(StaleEngine):
             )
         super().setup_trainer(trainer)
 
+    def _push_layout(self, buckets: list[GradientBucket], segments: list[list[Segment]]) -> PushLayout:
+        optimizer = unwrap_optimizer(self.strategy.optimizers[0])
+        return BackupPushLayout(buckets, segments, self.strategy.world_size, Hyperparameters(optimizer))
+
     def _new_groups(self) -> tuple[dist.ProcessGroup, ...]:
         groups = tuple(dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT) for _ in range(3))
         return groups  # type: ignore[return-value]
@@ -113,6 +117,7 @@ class BackupEngine(StaleEngine):
     ) -> tuple[StalenessServer | None, BackupClient]:
         strategy = self.strategy
         push_group, reply_group, decide_group = groups
+        assert isinstance(push_layout, BackupPushLayout)
         server = None
         if strategy.global_rank in push_layout.servers:
             server = BackupServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
@@ -136,8 +141,8 @@ class BackupEngine(StaleEngine):
             )
 
     # ------------------------------------------------------------------ the step
-    def on_train_batch_start(self) -> None:
-        self._in_step = True
+    def on_training_step(self) -> None:
+        self._in_step = True  # until the closure ends
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         """One step: skipped if it has closed already, else the closure, the hooks and the push of this rank's
@@ -170,6 +175,8 @@ class BackupEngine(StaleEngine):
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 bucket.fill(i, p.grad)
+        assert isinstance(client.layout, BackupPushLayout)
+        client.layout.set_hyperparameters(optimizer)
         client.push(0)
         strategy.end_step(blocking_seconds=time.perf_counter() - start)
         return result

@@ -103,8 +103,8 @@ class StepEngine:
         return 0
 
     # ------------------------------------------------------------------ Lightning's loop
-    def on_train_batch_start(self) -> None:
-        """A training batch starts on this rank."""
+    def on_training_step(self) -> None:
+        """The module's training step is about to run (inside the optimizer's closure)."""
 
     def on_train_start(self) -> None:
         """Every server takes the weights as they are now (after ``on_fit_start``, a restore)."""

@@ -120,7 +120,7 @@ class StaleEngine(StepEngine):
         optimizers = [
             ShardedOptimizer(unwrap_optimizer(o), layout, strategy.gradient_group, owner) for o in strategy.optimizers
         ]
-        push_layout = PushLayout(buckets, segments, strategy.world_size)
+        push_layout = self._push_layout(buckets, segments)
         server, client = self._serve(layout, optimizers, push_layout, self._groups)
         self.buckets, self.layout, self.optimizers, self.client, self.server = (
             buckets, layout, optimizers, client, server
@@ -129,6 +129,10 @@ class StaleEngine(StepEngine):
         strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in buckets)
         if server is not None:
             server.start()
+
+    def _push_layout(self, buckets: list[GradientBucket], segments: list[list[Segment]]) -> PushLayout:
+        """How a push lays out the buckets for each server."""
+        return PushLayout(buckets, segments, self.strategy.world_size)
 
     def _new_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The protocol's process groups (collective)."""
