@@ -19,15 +19,20 @@ from tests.helpers.replicas import close
 DEVICES, BATCH, SAMPLES = 3, 4, 72  # 6 batches of 4 per rank and epoch, 2 epochs
 
 
-def _replay(ranks: list[dict]) -> list[torch.Tensor]:
+def _replay(ranks: list[dict], checkpoint: dict | None = None) -> list[torch.Tensor]:
     """One process with ``tests/scripts/midepoch.py``'s model, data and optimizer (the learning rate scheduled per
-    step), each step on the batches of the ranks whose gradients the step used; the weights after every step."""
+    step), from ``checkpoint`` if given, each step on the batches of the ranks whose gradients the step used; the
+    weights after every step."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
     g = torch.Generator().manual_seed(7)
     x, y = torch.randn(SAMPLES, 6, generator=g), torch.randn(SAMPLES, 2, generator=g)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    if checkpoint is not None:
+        net.load_state_dict({k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()})
+        optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+        scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
     history = []
     for j in range(len(ranks[0]["history"])):
         used = [rank["trained"][j] for rank in ranks if rank["trained"][j] is not None and not rank["late"][j]]
@@ -68,6 +73,25 @@ def test_a_slow_rank_is_left_out_and_every_step_is_its_members_mean(tmp_path, st
     assert dropped and all(d == [0, 0, late] for d in dropped)  # every server dropped exactly the late gradients
     for j, want in enumerate(_replay(ranks)):
         close(ranks[0]["history"][j][2], want, f"{strategy}: after step {j}")
+
+
+@pytest.mark.multiprocess
+def test_a_mid_epoch_resume_continues_from_the_checkpoint_exactly(tmp_path):
+    """The run resumed from a checkpoint taken mid-epoch trains the epoch's remaining batches, and each of its steps
+    is one process's step from the checkpoint's weights, optimizer and schedule on that step's members' batches."""
+    args = ["--strategy", "sharded_ps", "--devices", str(DEVICES), "--samples", str(SAMPLES), "--backup-workers", "1",
+            "--slow-rank", "2", "--slow-per-sample", "0.05", "--lr-every-step"]  # fmt: skip
+    run_script("midepoch", *args, "--out", str(tmp_path / "full"), timeout=180)
+    checkpoint = tmp_path / "full" / "ckpt" / "step=9.ckpt"  # epoch 1, batch 3 of 6
+    resumed_dir = tmp_path / "resumed"
+    run_script("midepoch", *args, "--resume-from", str(checkpoint), "--out", str(resumed_dir), timeout=180)
+    ranks = [torch.load(resumed_dir / f"rank{r}.pt") for r in range(DEVICES)]
+    assert all(len(r["history"]) == 3 and r["global_step"] == 12 for r in ranks)
+    assert [batch for epoch, batch, _ in ranks[0]["history"]] == [3, 4, 5]
+    reference = _replay(ranks, torch.load(checkpoint, weights_only=False))
+    for j, want in enumerate(reference):
+        assert all(torch.equal(r["history"][j][2], ranks[0]["history"][j][2]) for r in ranks)
+        close(ranks[0]["history"][j][2], want, f"resumed: step {j}")
 
 
 @pytest.mark.unit
