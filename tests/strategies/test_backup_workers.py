@@ -17,6 +17,25 @@ from tests.helpers.launch import run_script
 from tests.helpers.replicas import close
 
 DEVICES, BATCH, SAMPLES = 3, 4, 72  # 6 batches of 4 per rank and epoch, 2 epochs
+#: ``tests/scripts/midepoch.py`` with one backup worker, rank 2 slow, the learning rate scheduled per step
+BACKUP_RUN = ("--devices", str(DEVICES), "--samples", str(SAMPLES), "--backup-workers", "1", "--slow-rank", "2",
+              "--slow-per-sample", "0.05", "--lr-every-step")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    """The run of :data:`BACKUP_RUN` once per strategy in this module (the resume test continues one of them).
+    Returns (folder, each rank's results)."""
+    runs: dict[str, tuple] = {}
+
+    def run(strategy: str):
+        if strategy not in runs:
+            out = tmp_path_factory.mktemp(f"backup-{strategy}")
+            run_script("midepoch", "--strategy", strategy, *BACKUP_RUN, "--out", str(out), timeout=180)
+            runs[strategy] = (out, [torch.load(out / f"rank{r}.pt") for r in range(DEVICES)])
+        return runs[strategy]
+
+    return run
 
 
 def _replay(ranks: list[dict], checkpoint: dict | None = None) -> list[torch.Tensor]:
@@ -48,11 +67,8 @@ def _replay(ranks: list[dict], checkpoint: dict | None = None) -> list[torch.Ten
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["parameter_server", "sharded_ps"])
-def test_a_slow_rank_is_left_out_and_every_step_is_its_members_mean(tmp_path, strategy):
-    run_script("midepoch", "--strategy", strategy, "--devices", str(DEVICES), "--samples", str(SAMPLES),
-               "--backup-workers", "1", "--slow-rank", "2", "--slow-per-sample", "0.05", "--lr-every-step",
-               "--out", str(tmp_path), timeout=180)  # fmt: skip
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DEVICES)]
+def test_a_slow_rank_is_left_out_and_every_step_is_its_members_mean(slow_runs, strategy):
+    _, ranks = slow_runs(strategy)
     steps = 2 * SAMPLES // (DEVICES * BATCH)
     assert all(len(r["history"]) == len(r["trained"]) == len(r["late"]) == steps for r in ranks)
     assert all(r["global_step"] == steps for r in ranks)
@@ -76,15 +92,14 @@ def test_a_slow_rank_is_left_out_and_every_step_is_its_members_mean(tmp_path, st
 
 
 @pytest.mark.multiprocess
-def test_a_mid_epoch_resume_continues_from_the_checkpoint_exactly(tmp_path):
+def test_a_mid_epoch_resume_continues_from_the_checkpoint_exactly(tmp_path, slow_runs):
     """The run resumed from a checkpoint taken mid-epoch trains the epoch's remaining batches, and each of its steps
     is one process's step from the checkpoint's weights, optimizer and schedule on that step's members' batches."""
-    args = ["--strategy", "sharded_ps", "--devices", str(DEVICES), "--samples", str(SAMPLES), "--backup-workers", "1",
-            "--slow-rank", "2", "--slow-per-sample", "0.05", "--lr-every-step"]  # fmt: skip
-    run_script("midepoch", *args, "--out", str(tmp_path / "full"), timeout=180)
-    checkpoint = tmp_path / "full" / "ckpt" / "step=9.ckpt"  # epoch 1, batch 3 of 6
+    full_dir, _ = slow_runs("sharded_ps")
+    checkpoint = full_dir / "ckpt" / "step=9.ckpt"  # epoch 1, batch 3 of 6
     resumed_dir = tmp_path / "resumed"
-    run_script("midepoch", *args, "--resume-from", str(checkpoint), "--out", str(resumed_dir), timeout=180)
+    run_script("midepoch", "--strategy", "sharded_ps", *BACKUP_RUN, "--resume-from", str(checkpoint), "--out",
+               str(resumed_dir), timeout=180)  # fmt: skip
     ranks = [torch.load(resumed_dir / f"rank{r}.pt") for r in range(DEVICES)]
     assert all(len(r["history"]) == 3 and r["global_step"] == 12 for r in ranks)
     assert [batch for epoch, batch, _ in ranks[0]["history"]] == [3, 4, 5]

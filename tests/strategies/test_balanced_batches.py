@@ -21,6 +21,23 @@ def _ranks(folder) -> list[dict]:
     return [torch.load(folder / f"rank{r}.pt") for r in range(DEVICES)]
 
 
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    """``tests/scripts/midepoch.py`` with a slow rank under ``balance="throughput"``, once per (strategy, options) in
+    this module (the resume test continues one of them). Returns (folder, each rank's results)."""
+    runs: dict[tuple, tuple] = {}
+
+    def run(strategy: str, *options: str):
+        key = (strategy, *options)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"balanced-{strategy}")
+            run_script("midepoch", "--strategy", strategy, *options, *SLOW, "--out", str(out), timeout=180)
+            runs[key] = (out, _ranks(out))
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "strategy, options",
     [("ring_allreduce", ()), ("sharded_ps", ("--workers", "2")), ("parameter_server", ("--accumulate", "2"))],
@@ -79,9 +96,8 @@ def _replay(ranks: list[dict], accumulate: int) -> list[torch.Tensor]:
     "strategy, options",
     [("ring_allreduce", ("--accumulate", "2")), ("sharded_ps", ("--workers", "2")), ("parameter_server", ())],
 )
-def test_a_slow_rank_trains_less_and_every_step_is_the_global_batchs(tmp_path, strategy, options):
-    run_script("midepoch", "--strategy", strategy, *options, *SLOW, "--out", str(tmp_path), timeout=180)
-    ranks = _ranks(tmp_path)
+def test_a_slow_rank_trains_less_and_every_step_is_the_global_batchs(slow_runs, strategy, options):
+    _, ranks = slow_runs(strategy, *options)
     accumulate = 2 if "--accumulate" in options else 1
     sizes = [[len(batch) for batch in rank["trained"]] for rank in ranks]
     assert len(sizes[0]) == len(sizes[1]) == 2 * SAMPLES // (BATCH * DEVICES)
@@ -106,14 +122,12 @@ def test_a_slow_rank_trains_less_and_every_step_is_the_global_batchs(tmp_path, s
         close(got, want, f"{strategy}: after batch {j}")
 
 
-def test_a_mid_epoch_resume_continues_with_the_same_shares(tmp_path):
-    full_dir = tmp_path / "full"
-    run_script("midepoch", "--strategy", "sharded_ps", *SLOW, "--out", str(full_dir), timeout=180)
-    full = _ranks(full_dir)
+def test_a_mid_epoch_resume_continues_with_the_same_shares(tmp_path, slow_runs):
+    full_dir, full = slow_runs("sharded_ps", "--workers", "2")
     step = 12  # epoch 1, batch 4 of 8
     resumed_dir = tmp_path / "resumed"
     # no decision after the resume: the batches are those of the schedule the checkpoint holds
-    run = run_script("midepoch", "--strategy", "sharded_ps", *SLOW[:-1], "1000", "--resume-from",
+    run = run_script("midepoch", "--strategy", "sharded_ps", "--workers", "2", *SLOW[:-1], "1000", "--resume-from",
                      str(full_dir / "ckpt" / f"step={step}.ckpt"), "--out", str(resumed_dir), timeout=180)  # fmt: skip
     assert "the balanced sampler skips the 4 batches" in run.stdout, run.stdout[-3000:]
     resumed = _ranks(resumed_dir)
