@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 from lightning_dp._lightning_compat import after_closure, skip_closure, unwrap_optimizer
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.consistency import PushLayout, StalenessServer, StopReason
+from lightning_dp.comm.consistency import PushLayout, StalenessClient, StalenessServer, StopReason
 from lightning_dp.comm.consistency.backup import BackupClient, BackupPushLayout, BackupServer, Hyperparameters
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.servers.sharded_optimizer import Segment, ShardedOptimizer, ShardLayout
 from lightning_dp.strategies.base import DataParallelStrategy
-from lightning_dp.strategies.engines.stale import SERVER_IDLE_TIMEOUT, StaleEngine
+from lightning_dp.strategies.engines.stale import StaleEngine
 
 
 class BackupEngine(StaleEngine):
@@ -32,6 +32,10 @@ class BackupEngine(StaleEngine):
     clipping or hooks that read gradients (only the servers see the step's gradients), more than one optimizer,
     ``SyncBatchNorm``, and collectives inside the training step (``self.log(..., sync_dist=True)``, ``all_gather``).
     """
+
+    #: pushes, replies, and the coordinator's decisions
+    _num_groups: ClassVar[int] = 3
+    _client_type: ClassVar[type[StalenessClient]] = BackupClient
 
     def __init__(
         self,
@@ -104,27 +108,18 @@ class BackupEngine(StaleEngine):
         optimizer = unwrap_optimizer(self.strategy.optimizers[0])
         return BackupPushLayout(buckets, segments, self.strategy.world_size, Hyperparameters(optimizer))
 
-    def _new_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        groups = tuple(dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT) for _ in range(3))
-        return groups  # type: ignore[return-value]
-
-    def _serve(
+    def _new_server(
         self,
         layout: ShardLayout,
         optimizers: list[ShardedOptimizer],
         push_layout: PushLayout,
         groups: tuple[dist.ProcessGroup, ...],
-    ) -> tuple[StalenessServer | None, BackupClient]:
+    ) -> StalenessServer:
         strategy = self.strategy
-        push_group, reply_group, decide_group = groups
         assert isinstance(push_layout, BackupPushLayout)
-        server = None
-        if strategy.global_rank in push_layout.servers:
-            server = BackupServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
-                                  self.backups, push_group, reply_group, decide_group, strategy.sync_stats)  # fmt: skip
-        client = BackupClient(push_layout, strategy.global_rank, push_group, reply_group, server,
-                              strategy.timeout.total_seconds(), strategy.sync_stats)  # fmt: skip
-        return server, client
+        push_group, reply_group, decide_group = groups
+        return BackupServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size, self.backups,
+                            push_group, reply_group, decide_group, strategy.sync_stats)  # fmt: skip
 
     def check_measurable(self) -> None:
         raise RuntimeError(

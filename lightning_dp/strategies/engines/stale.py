@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -50,6 +50,10 @@ class StaleEngine(StepEngine):
     ``staleness``: the bound ``k >= 1``, or ``None`` (asynchronous). ``served_segments(buckets)[b][r]`` is the
     range of bucket ``b``'s gradient region rank ``r`` serves.
     """
+
+    #: the protocol's process groups: pushes and replies
+    _num_groups: ClassVar[int] = 2
+    _client_type: ClassVar[type[StalenessClient]] = StalenessClient
 
     def __init__(
         self,
@@ -136,8 +140,20 @@ class StaleEngine(StepEngine):
 
     def _new_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The protocol's process groups (collective)."""
-        groups = tuple(dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT) for _ in range(2))
+        groups = tuple(dist.new_group(backend="gloo", timeout=SERVER_IDLE_TIMEOUT) for _ in range(self._num_groups))
         return groups  # type: ignore[return-value]
+
+    def _new_server(
+        self,
+        layout: ShardLayout,
+        optimizers: list[ShardedOptimizer],
+        push_layout: PushLayout,
+        groups: tuple[dist.ProcessGroup, ...],
+    ) -> StalenessServer:
+        """The server of this rank's share."""
+        strategy = self.strategy
+        return StalenessServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
+                               self.staleness, groups[0], groups[1], strategy.sync_stats)  # fmt: skip
 
     def _serve(
         self,
@@ -148,13 +164,11 @@ class StaleEngine(StepEngine):
     ) -> tuple[StalenessServer | None, StalenessClient]:
         """This rank's server (where it serves a share) and client."""
         strategy = self.strategy
-        push_group, reply_group = groups
         server = None
         if strategy.global_rank in push_layout.servers:
-            server = StalenessServer(layout, optimizers, push_layout, strategy.global_rank, strategy.world_size,
-                                     self.staleness, push_group, reply_group, strategy.sync_stats)  # fmt: skip
-        client = StalenessClient(push_layout, strategy.global_rank, push_group, reply_group, server,
-                                 strategy.timeout.total_seconds(), strategy.sync_stats)  # fmt: skip
+            server = self._new_server(layout, optimizers, push_layout, groups)
+        client = self._client_type(push_layout, strategy.global_rank, groups[0], groups[1], server,
+                                   strategy.timeout.total_seconds(), strategy.sync_stats)  # fmt: skip
         return server, client
 
     def setup_trainer(self, trainer: pl.Trainer) -> None:
