@@ -16,9 +16,10 @@ reducer learns, on the first synchronized backward (during which no bucket leave
 many accumulations each parameter receives, and afterwards hands a bucket over only once every parameter in it
 has received them all.
 
-On CUDA the gradients are copied into the buckets on the stream that produced them; the communication thread
-waits for an event recorded there, runs on a stream of its own, and the caller's stream waits for the reduced
-buckets before anything reads them (the ordering DDP's reducer uses).
+On CUDA the gradients are copied into the buckets on the stream that produced them; the communication thread runs
+on the rank's device and a stream of its own, behind one event per producing stream, and the caller's stream waits
+for the reduced buckets before anything reads them (the ordering DDP's reducer uses; see
+:mod:`lightning_dp.comm.execution`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_dp.comm.errors import SparseGradientError, UnsupportedChangeError
+from lightning_dp.comm.execution import execution_for
 
 #: the first bucket is small, as in DistributedDataParallel, so communication starts early in backward
 FIRST_BUCKET_CAP_BYTES = 1024 * 1024
@@ -86,7 +88,9 @@ class GradientBucket:
         self.num_ready = 0
         #: handed to the communication thread in this round (its contents may no longer change)
         self.launched = False
-        #: CUDA: recorded on each producing stream after a copy into the bucket; the comm thread waits on them
+        #: CUDA: the streams that copied gradients into the bucket this round (by stream id)
+        self.streams: dict[int, torch.cuda.Stream] = {}
+        #: CUDA: recorded by :meth:`seal` on each of :attr:`streams`; the communication stream waits for them
         self.events: list[torch.cuda.Event] = []
 
     @property
@@ -140,8 +144,15 @@ class GradientBucket:
                 view.copy_(grad)
             self.flags[i] = 1
         if view.is_cuda:
+            stream = torch.cuda.current_stream(view.device)
+            self.streams.setdefault(stream.stream_id, stream)
+
+    def seal(self) -> None:
+        """The bucket is complete: record one event on each stream that wrote into it (after its last copy)."""
+        self.events = []
+        for stream in self.streams.values():
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(view.device))
+            event.record(stream)
             self.events.append(event)
 
     def mark_ready(self, i: int) -> None:
@@ -188,6 +199,7 @@ class GradientBucket:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.launched = False
+        self.streams = {}
         self.events = []
 
 
@@ -217,6 +229,7 @@ class BucketReducer:
         bucket_cap_mb: float = 25.0,
         overlap: bool = True,
         gradient_as_bucket_view: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         unique: dict[int, Parameter] = {}
         for p in params:
@@ -234,9 +247,8 @@ class BucketReducer:
         self._overlap = overlap
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._fresh = False
-        #: seconds the communication thread spent reducing buckets, and seconds :meth:`finish` waited for it;
-        #: their difference is communication hidden behind backward (see :meth:`take_timing`)
-        self.comm_seconds = 0.0
+        #: seconds :meth:`finish` waited for the communication thread (the exchanges' own seconds are timed by
+        #: :attr:`execution`; the difference is communication hidden behind backward, see :meth:`take_timing`)
         self.wait_seconds = 0.0
         #: accumulations of each parameter's gradient in the current backward, and how many a complete backward
         #: brings (learned on the first synchronized backward; ``None`` until then)
@@ -245,10 +257,13 @@ class BucketReducer:
         self._next_launch = 0
         self._futures: list[Future] = []
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-dp-comm")
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self._comm_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._done_events: list[torch.cuda.Event] = []
+        if device is None:
+            device = self.params[0].device if self.params else torch.device("cpu")
+        #: where the exchanges run and how they are timed (the buckets' device; see :mod:`~.execution`)
+        self.execution = execution_for(device)
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lightning-dp-comm", initializer=self.execution.thread_started
+        )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     @property
@@ -313,29 +328,19 @@ class BucketReducer:
             while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
                 bucket = self.buckets[self._next_launch]
                 bucket.launched = True
+                bucket.seal()
                 self._futures.append(self._executor.submit(self._timed_reduce, bucket))
                 self._next_launch += 1
 
     def _timed_reduce(self, bucket: GradientBucket) -> None:
-        start = time.perf_counter()
-        try:
-            if self._comm_stream is None:
-                self.reduce_bucket(bucket)
-            else:
-                with torch.cuda.stream(self._comm_stream):
-                    for event in bucket.events:
-                        self._comm_stream.wait_event(event)
-                    self.reduce_bucket(bucket)
-                    done = torch.cuda.Event()
-                    done.record(self._comm_stream)
-                    self._done_events.append(done)
-        finally:
-            self.comm_seconds += time.perf_counter() - start
+        self.execution.run(self.reduce_bucket, bucket)
 
     def take_timing(self) -> tuple[float, float]:
-        """``(communication seconds, seconds backward's caller waited for it)`` since the last call; resets both."""
-        timing = (self.comm_seconds, self.wait_seconds)
-        self.comm_seconds = self.wait_seconds = 0.0
+        """``(communication seconds, seconds backward's caller waited for it)`` since the last call; resets both. On a
+        CUDA device both are the device's time, as far as its events completed (see :mod:`~.execution`)."""
+        seconds, device_wait = self.execution.take_timing()
+        timing = (seconds, self.wait_seconds + device_wait)
+        self.wait_seconds = 0.0
         return timing
 
     def finish(self, copy_back: bool = True) -> None:
@@ -363,11 +368,7 @@ class BucketReducer:
             for bucket in self.buckets:
                 bucket.reset()
             self._learn_accumulations()
-        if self._comm_stream is not None:
-            current = torch.cuda.current_stream(self._comm_stream.device)
-            for event in self._done_events:
-                current.wait_event(event)
-            self._done_events.clear()
+        self.execution.join()
         self._fresh = True
         if copy_back:
             self.copy_back()

@@ -226,8 +226,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """A reducer over the model's trainable parameters whose full buckets go to :meth:`_reduce_bucket`."""
         assert self.model is not None
         return BucketReducer(
-            self.model.parameters(), self._run_on_device(self._reduce_bucket), self.bucket_cap_mb,
-            overlap=self._may_overlap_backward(), gradient_as_bucket_view=self._gradient_as_bucket_view,
+            self.model.parameters(), self._reduce_bucket, self.bucket_cap_mb, overlap=self._may_overlap_backward(),
+            gradient_as_bucket_view=self._gradient_as_bucket_view, device=self.root_device,
         )  # fmt: skip
 
     def mark_synchronized(self, params: Iterable[Tensor]) -> None:
@@ -247,17 +247,6 @@ class DataParallelStrategy(ProcessGroupStrategy):
         if self._process_group_backend != "nccl":
             return True
         return not any(isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules())
-
-    def _run_on_device(self, fn: Callable[[GradientBucket], None]) -> Callable[[GradientBucket], None]:
-        device = self.root_device
-        if device.type != "cuda":
-            return fn
-
-        def on_device(bucket: GradientBucket) -> None:
-            with torch.cuda.device(device):
-                fn(bucket)
-
-        return on_device
 
     def _reduce_bucket(self, bucket: GradientBucket) -> None:
         """Synchronize one full gradient bucket (runs on the communication thread, in bucket order): averaged on

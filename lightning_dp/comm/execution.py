@@ -1,0 +1,123 @@
+"""Where the communication thread runs a bucket's exchange, and how long it took.
+
+:class:`HostExecution` (CPU buckets): the exchange runs on the thread, and the host clock times it.
+
+:class:`CudaExecution` (buckets on a CUDA device), the ordering DDP's reducer uses:
+
+- the thread makes the rank's device its current one before anything else (:meth:`CudaExecution.thread_started`):
+  a thread starts on device 0, and entering or leaving a stream context on it would create a CUDA context on
+  GPU 0 for every rank of the machine (half a GiB each, and an error where GPUs run in exclusive-process mode);
+- every gradient copied into a bucket is recorded by one event per producing stream
+  (:meth:`~lightning_dp.comm.buckets.GradientBucket.seal`), which the communication stream waits for;
+- the exchange runs on the communication stream; the caller's stream waits for every exchange
+  (:meth:`CudaExecution.join`) before anything reads the buckets, without blocking the host;
+- the time is the device's: CUDA events around each exchange on the communication stream (under NCCL the host
+  only enqueues, so a host clock would measure the launches), and the time the caller's stream waited for the
+  last exchange after backward's own work. Events are read once they completed (:meth:`CudaExecution.take_timing`
+  never blocks); one still running counts at a later call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_dp.comm.buckets import GradientBucket
+
+#: ``(start, end)`` events around a span of device time
+EventPair = tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+class HostExecution:
+    """Exchanges of CPU buckets: run as they come, timed by the host clock."""
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+
+    def thread_started(self) -> None:
+        """Prepare the communication thread (once, before its first exchange)."""
+
+    def run(self, exchange: Callable[[GradientBucket], None], bucket: GradientBucket) -> None:
+        """Run ``exchange(bucket)`` on the communication thread, after the bucket's gradients were written."""
+        start = time.perf_counter()
+        try:
+            exchange(bucket)
+        finally:
+            self._seconds += time.perf_counter() - start
+
+    def join(self) -> None:
+        """After every exchange of a round returned: make what reads the buckets next wait for them."""
+
+    def take_timing(self) -> tuple[float, float]:
+        """``(exchange seconds, seconds of them the caller's device work waited for)`` since the last call, as far as
+        they are known; the host's waits are counted by the caller."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds, 0.0
+
+
+class CudaExecution(HostExecution):
+    """Exchanges of buckets on CUDA ``device``, on a stream of their own (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        #: recorded on the communication stream after each exchange of the current round
+        self._done: list[torch.cuda.Event] = []
+        #: ``(start, end)`` event pairs not yet read: each exchange, and each wait of the caller's stream
+        self._exchanges: list[EventPair] = []
+        self._waits: list[EventPair] = []
+
+    def thread_started(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def run(self, exchange: Callable[[GradientBucket], None], bucket: GradientBucket) -> None:
+        with torch.cuda.stream(self.stream):
+            for event in bucket.events:
+                self.stream.wait_event(event)
+            start = _timing_event(self.stream)
+            exchange(bucket)
+            done = _timing_event(self.stream)
+        self._done.append(done)
+        self._exchanges.append((start, done))
+
+    def join(self) -> None:
+        if not self._done:
+            return
+        caller = torch.cuda.current_stream(self.device)
+        work_done = _timing_event(caller)
+        for event in self._done:
+            caller.wait_event(event)
+        self._waits.append((work_done, self._done[-1]))
+        self._done = []
+
+    def take_timing(self) -> tuple[float, float]:
+        self._exchanges, exchanges = _split_completed(self._exchanges)
+        self._waits, waits = _split_completed(self._waits)
+        seconds = sum(start.elapsed_time(end) for start, end in exchanges) / 1e3
+        waited = sum(max(0.0, start.elapsed_time(end)) for start, end in waits) / 1e3
+        return seconds, waited
+
+
+def execution_for(device: torch.device) -> HostExecution:
+    """:class:`CudaExecution` for a CUDA ``device``, else :class:`HostExecution`."""
+    return CudaExecution(device) if device.type == "cuda" else HostExecution()
+
+
+def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def _split_completed(pairs: list[EventPair]) -> tuple[list[EventPair], list[EventPair]]:
+    """``(pending, completed)``: the pairs with an event not completed yet, and those whose both completed."""
+    pending: list[EventPair] = []
+    completed: list[EventPair] = []
+    for pair in pairs:
+        (completed if pair[0].query() and pair[1].query() else pending).append(pair)
+    return pending, completed
