@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_dp.comm.cluster.peers import PeerDirectory, wait_naming_peer
 from lightning_dp.comm.cluster.rendezvous import JOB_ID_VARIABLE, JobRecord
 from lightning_dp.comm.cluster.sockets import tcp_sockets
+from lightning_dp.comm.host import to_host
 
 
 class Tag(IntEnum):
@@ -165,7 +166,9 @@ class MemberGroup:
         return float(tensor[0]), bool(tensor[1] > 0)
 
     def send_object(self, obj: Any, member: int, timeout: timedelta | None = None, tag: int = Tag.OBJECT) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        """Send ``obj`` pickled, its tensors in host memory (:func:`~lightning_dp.comm.host.to_host`: a server may
+        have no GPU)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(to_host(obj))), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         for tensor in (size, data):
             self.wait(self.isend(tensor, member, tag), member, "send a message to", timeout)

@@ -401,7 +401,8 @@ class ShardedOptimizer:
                 for pc, t in zip(self.pieces, shard_tensors) if t in self.shard.state]  # fmt: skip
 
     def merge_states(self, gathered: Iterable[list[tuple[int, int, int, dict[str, Any]]]]) -> None:
-        """Assemble the full ``state_dict`` (returned by :meth:`state_dict`) from every rank's :meth:`local_state`."""
+        """Assemble the full ``state_dict`` (returned by :meth:`state_dict`) in host memory from every rank's
+        :meth:`local_state` (loading it puts each rank's slices on its parameters' device)."""
         self.follow_param_groups()
         params = self._params()
         state: dict[int, dict[str, Any]] = {}
@@ -415,10 +416,10 @@ class ShardedOptimizer:
                         full[key][start:end] = value
                     else:
                         full.setdefault(key, value)
-        for k, full in state.items():
+        for k, full in state.items():  # in host memory: on a GPU the whole state would defeat the sharding
             for key, value in full.items():
                 if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == params[k].numel():
-                    full[key] = value.view_as(params[k]).to(params[k].device)
+                    full[key] = value.view_as(params[k])
         self._consolidated = {
             "state": dict(sorted(state.items())),
             "param_groups": self.optimizer.state_dict()["param_groups"],

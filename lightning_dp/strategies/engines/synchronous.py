@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
+from lightning_dp.comm.host import to_host
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
 from lightning_dp.comm.transports import ShardedServerTransport, SharedMemoryShardedTransport
@@ -119,7 +120,7 @@ class CentralServerEngine(SynchronousEngine):
         if self.server_rank == 0:
             return state
         gathered: list[dict] | None = [{} for _ in range(strategy.world_size)] if strategy.is_global_zero else None
-        dist.gather_object(state, gathered, dst=0)
+        dist.gather_object(to_host(state), gathered, dst=0)  # rank 0 must not rebuild it on the server's GPU
         return gathered[self.server_rank] if gathered is not None else {}
 
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
