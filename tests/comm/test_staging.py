@@ -224,3 +224,37 @@ def test_a_message_through_host_lands_in_its_tensor_when_waited_for():
     assert torch.equal(target, host)
     sent = _ThroughHost(Done(), host, None)
     assert sent.wait() and torch.equal(host, torch.tensor([1.0, 2.0, 3.0]))
+
+
+@pytest.mark.unit
+def test_a_coalesced_batch_gives_every_operation_its_work(monkeypatch):
+    """NCCL returns one work for a whole batch: every operation gets it, so a caller waiting for any operation
+    (the third receive of a server's fan-in, say) waits for the batch, never for nothing."""
+    from lightning_dp.comm.transports import p2p
+
+    class Work:
+        waited = 0
+
+        def wait(self, timeout=None) -> bool:
+            Work.waited += 1
+            return True
+
+    batch_work = Work()
+    posted = []
+    monkeypatch.setattr(p2p.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(p2p.dist, "P2POp", lambda op, tensor, group=None, tag=0, group_peer=None: (op, group_peer))
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", lambda batch: posted.append(batch) or [batch_work])
+    ops = [("recv", torch.zeros(2), 1, 0), ("send", torch.zeros(0), 2, 0), ("recv", torch.zeros(2), 3, 0)]
+    works = p2p.post(ops, group=None)
+    assert len(posted[0]) == 2  # the empty tensor is skipped
+    assert works == [batch_work, None, batch_work]
+    monkeypatch.setattr(p2p.dist, "get_rank", lambda group=None: 0)
+    wait_for(works[2], None, 3, "receive from")
+    assert Work.waited == 1
+    # gloo's one work per operation is kept as it is; any other count is an error, not a silent miss
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", lambda batch: [Work(), Work()])
+    first, _, last = p2p.post(ops, group=None)
+    assert first is not last
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", lambda batch: [Work(), Work(), Work()])
+    with pytest.raises(RuntimeError, match="a batch of 2 point-to-point operations returned 3 works"):
+        p2p.post(ops, group=None)

@@ -30,7 +30,8 @@ def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup
     return their works in the same order (``None`` for empty tensors, which are skipped on both ends).
 
     One batch lets NCCL run a send and a receive to the same peer together instead of deadlocking on the pair;
-    with gloo it is the same as posting them one by one. Over gloo, which reads host memory only, a tensor on a
+    NCCL then completes the batch as one (every operation's work is the batch's). With gloo it is the same as
+    posting them one by one, each with a work of its own. Over gloo, which reads host memory only, a tensor on a
     device travels through a host copy (its work's ``wait`` copies a received one into place): meant for the few
     small messages outside the buckets (votes, norms, the link probe); buckets are staged by their transport
     (:mod:`lightning_dp.comm.transports.staging`).
@@ -59,9 +60,19 @@ def post(ops: list[tuple[str, torch.Tensor, int, int]], group: dist.ProcessGroup
                             for i in index})  # fmt: skip
             raise lost_peer_error(f"rank {dist.get_rank()}", action, " or ".join(f"rank {p}" for p in peers),
                                   error) from error  # fmt: skip
-        for i, work in zip(index, started):
+        for i, work in zip(index, _per_op(started, len(batch))):
             works[i] = _ThroughHost(work, *staged[i]) if i in staged else work
     return works
+
+
+def _per_op(started: list[Any], num_ops: int) -> list[Any]:
+    """The work of each of a batch's ``num_ops`` operations: gloo returns one per operation; NCCL coalesces the batch
+    into one work, which then stands for every operation (waiting for any of them waits for the whole batch)."""
+    if len(started) == num_ops:
+        return started
+    if len(started) == 1:
+        return started * num_ops
+    raise RuntimeError(f"a batch of {num_ops} point-to-point operations returned {len(started)} works")
 
 
 def wait_for(work: Any, group: dist.ProcessGroup | None, peer: int, action: str) -> None:
