@@ -86,6 +86,9 @@ class GradientBucket:
         self.flags = self.buffer[offset:]
         self.ready = [False] * len(params)
         self.num_ready = 0
+        #: this rank's own use of each parameter, as :meth:`fill` last wrote its flag (a host copy: reading the flags
+        #: back from a device would wait for it)
+        self.used = [False] * len(params)
         #: handed to the communication thread in this round (its contents may no longer change)
         self.launched = False
         #: CUDA: the streams that copied gradients into the bucket this round (by stream id)
@@ -130,6 +133,7 @@ class GradientBucket:
         """Copy parameter ``i``'s gradient in (zeros and a 0 flag when it has none); copying again overwrites.
         A gradient that already lives in the bucket (:meth:`holds`) is not copied."""
         view = self.grad_view(i)
+        self.used[i] = grad is not None
         if grad is None:
             view.zero_()
             self.flags[i] = 0
@@ -201,6 +205,21 @@ class GradientBucket:
         self.launched = False
         self.streams = {}
         self.events = []
+
+
+def read_used(buckets: Sequence[GradientBucket]) -> dict[int, list[bool]]:
+    """Per bucket index, whether each parameter's flag is non-zero (after a reduction: whether any rank used it), read
+    from every bucket at once: on a device, one synchronization for them all."""
+    if not buckets:
+        return {}
+    flags = torch.cat([b.flags for b in buckets]) != 0
+    # sync: whether a parameter gets a gradient at all (param.grad = None) is decided on the host, once per step
+    used = flags.tolist()
+    result, offset = {}, 0
+    for bucket in buckets:
+        result[bucket.index] = used[offset : offset + len(bucket.params)]
+        offset += len(bucket.params)
+    return result
 
 
 class BucketReducer:
@@ -384,8 +403,9 @@ class BucketReducer:
 
     def copy_back(self) -> None:
         """Write each bucket's reduced gradients into ``param.grad``; parameters no rank used keep ``None``."""
+        used_in = read_used(self.buckets)
         for bucket in self.buckets:
-            used = (bucket.flags != 0).tolist()
+            used = used_in[bucket.index]
             for i, p in enumerate(bucket.params):
                 if not used[i]:
                     p.grad = None

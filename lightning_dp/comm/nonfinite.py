@@ -27,6 +27,7 @@ def first_nonfinite(grads: Sequence[tuple[Tensor, Tensor]]) -> Tensor | None:
     if not grads:
         return None
     totals = torch.stack([_total(g).abs().double() for _, g in grads])
+    # sync: whether the step raises (or, with a gradient scaler, is skipped) is decided on the host
     if bool(torch.isfinite(totals).all()):
         return None
     for (p, g), total in zip(grads, totals.tolist()):

@@ -106,10 +106,10 @@ class HalfPrecisionCodec(Codec):
         with a gradient no rank used), and give it back on the next step that uses the parameter. Only what this
         rank's own gradient left is held: the transport's roundings stay in ``residual`` and leave next step."""
         holding = self.holding.setdefault(bucket.index, set())
-        if not holding and bool(bucket.flags.all()):
+        if not holding and all(bucket.used):  # this rank's own flags, as the host wrote them
             return
         held = self.held.setdefault(bucket.index, torch.zeros_like(residual[: bucket.grad_numel]))
-        for i, used in enumerate((bucket.flags != 0).tolist()):
+        for i, used in enumerate(bucket.used):
             lo, hi = bucket.slices[i]
             if not used:
                 held[lo:hi].add_(residual[lo:hi])

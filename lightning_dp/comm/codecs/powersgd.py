@@ -83,6 +83,8 @@ class PowerSGDCodec(Codec):
         self.factors: dict[int, Tensor] = {}
         #: per bucket index: whether its last reduction was compressed (every rank then holds the whole average)
         self._averaged_everywhere: dict[int, bool] = {}
+        #: per bucket index: its initial ``Q`` factors on the bucket's device, for columns of ``Q`` that start over
+        self._fresh: dict[int, Tensor] = {}
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         super().bind(buckets, transport)
@@ -92,11 +94,13 @@ class PowerSGDCodec(Codec):
         self.steps = {b.index: 0 for b in buckets}
         self.residuals = {}
         self.factors = {}
+        self._fresh = {}
         for b in buckets:
             plan = self.plans[b.index]
             if self.error_feedback and plan.matrices:
                 self.residuals[b.index] = torch.zeros_like(b.buffer[: b.grad_numel])
-            self.factors[b.index] = self._initial_factors(b)
+            self._fresh[b.index] = self._initial_factors(b)
+            self.factors[b.index] = self._fresh[b.index].clone()
 
     def _initial_factors(self, bucket: GradientBucket) -> Tensor:
         """Seeded random ``Q`` factors for ``bucket``: the same on every rank."""
@@ -152,21 +156,21 @@ class PowerSGDCodec(Codec):
             out[start:end].copy_(first[offset : offset + end - start])
             offset += end - start
         bucket.flags.copy_(first[offset : plan.plain_numel])
-        used = (bucket.flags != 0).tolist()  # the same on every rank: the flags were averaged
-        fresh: Tensor | None = None
+        used = bucket.flags != 0  # the same on every rank: the flags were averaged
+        fresh = self._fresh[index]
         q_offset = 0
+        # decided on the device, element-wise: no step waits for the device to tell the host what it found
         for (start, rows, cols, r), i, p, q, m in zip(plan.matrices, plan.matrix_params, ps, qs, ms):
             approximation = out[start : start + rows * cols].view(rows, cols)
             torch.matmul(p, q.t(), out=approximation)
             # a gradient no rank used is dropped after this exchange: its residual waits for a step that uses it
-            if residual is not None and used[i]:
-                residual[start : start + rows * cols].view(rows, cols).copy_(m).sub_(approximation)
+            if residual is not None:
+                kept = residual[start : start + rows * cols].view(rows, cols)
+                kept.copy_(torch.where(used[i], m - approximation, kept))
             # a zero column (a gradient of lower rank than r) or a non-finite one (overflow) of Q would stay so as the
             # next warm start: those columns start over
             dead = ~q.any(0) | ~torch.isfinite(q).all(0)
-            if bool(dead.any()):
-                fresh = self._initial_factors(bucket) if fresh is None else fresh
-                q[:, dead] = fresh[q_offset : q_offset + cols * r].view(cols, r)[:, dead]
+            q.copy_(torch.where(dead, fresh[q_offset : q_offset + cols * r].view(cols, r), q))
             q_offset += cols * r
         if residual is not None:
             drop_nonfinite(residual)

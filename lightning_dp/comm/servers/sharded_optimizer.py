@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.buckets import GradientBucket, read_used
 from lightning_dp.comm.errors import ConfigurationError, UnsupportedChangeError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.transports.ring import Ring, ring_allreduce
@@ -85,9 +85,8 @@ class ShardPiece:
         """Whether the piece is the whole parameter."""
         return self.start == 0 and self.end == self.param.numel()
 
-    def take_bucket_gradient(self) -> None:
-        """The averaged gradient from the bucket (``None`` when no rank used the parameter)."""
-        used = bool(self.bucket.flags[self.index_in_bucket] != 0)
+    def take_bucket_gradient(self, used: bool) -> None:
+        """The averaged gradient from the bucket (``None`` when no rank ``used`` the parameter)."""
         end = self.bucket_start + self.end - self.start
         self.tensor.grad = self.bucket.buffer[self.bucket_start : end].clone() if used else None
 
@@ -190,8 +189,10 @@ class ShardLayout:
 
     def take_bucket_gradients(self) -> None:
         """Every piece's averaged gradient from its bucket."""
+        buckets = {id(piece.bucket): piece.bucket for piece in self.pieces}
+        used = read_used(list(buckets.values()))
         for piece in self.pieces:
-            piece.take_bucket_gradient()
+            piece.take_bucket_gradient(used[piece.bucket.index][piece.index_in_bucket])
 
 
 class ShardedOptimizer:
@@ -314,6 +315,7 @@ class ShardedOptimizer:
         """The servers' step: Lightning's clipping request ``clip`` (see :meth:`apply_clip_`) and a NaN/inf verdict
         agreed by every server through ``vote(squares, bad) -> (summed squares, any bad)`` (collective), then the
         update. On a bad verdict the pieces' gradients are dropped and nothing changes. Returns whether it stepped."""
+        # sync: clipping by norm needs the sum of every shard's squares, which the vote adds up on the host
         squares = float(self.squared_norm()) if clip is not None and clip[0] == "norm" else 0.0
         total, bad = vote(squares, self.has_nonfinite_gradient())
         if bad:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports.p2p import post, wait_for
 from lightning_dp.comm.transports.ring import Ring, divides_first
+from lightning_dp.comm.transports.staging import moves_host_memory_only
 
 Segment = tuple[int, int]
 
@@ -305,7 +306,11 @@ def shard_owner(element: int, segments: Sequence[Segment]) -> int:
 
 def any_rank(flag: bool, ring: Ring, device: torch.device | str = "cpu") -> bool:
     """Whether ``flag`` is true on any rank of the ring's group (collective: every rank calls it). One message
-    round: the votes go straight to every peer, not around the ring (``2 (N - 1)`` rounds of latency)."""
+    round: the votes go straight to every peer, not around the ring (``2 (N - 1)`` rounds of latency). The votes
+    travel in host memory over gloo, on ``device`` otherwise (NCCL)."""
+    if moves_host_memory_only(dist.get_backend(ring.group)):
+        device = "cpu"  # the vote is the host's: a device tensor would only travel through a host copy
+    # sync: under NCCL the vote travels in device memory, and its verdict is the host's (raise, or start afresh)
     vote = torch.tensor([1.0 if flag else 0.0], device=device)
     sum_everywhere(vote, ring.group)
-    return bool(vote.item() > 0)
+    return bool(vote.item() > 0)  # sync: (the vote's verdict)

@@ -1,0 +1,94 @@
+"""Where the exchange path makes the host wait for the device, checked against the places that say why.
+
+A line of ``lightning_dp`` that may synchronize with a CUDA device on purpose says so in a comment starting with
+``# sync:``, on the line itself or on the comment lines right above it (``docs/gpus.md`` lists them). Two recorders
+attribute what they see to the innermost ``lightning_dp`` line of the stack:
+
+- :class:`HostReads` (CPUs): every read of a tensor's values by the host (``tolist``, ``item``, ``bool``, ``float``,
+  ``int``), which on a GPU waits for the device;
+- :func:`cuda_syncs` (GPUs): every synchronizing call ``torch.cuda.set_sync_debug_mode("warn")`` reports.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import lightning_dp
+
+PACKAGE = Path(lightning_dp.__file__).resolve().parent
+#: tensor methods that hand the host a tensor's values
+READS = {"tolist", "item", "__bool__", "__float__", "__int__", "__index__", "numpy"}
+MARKER = "# sync:"
+
+Site = tuple[str, int]  # (file, line)
+
+
+def in_package(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(PACKAGE)
+
+
+def marked(site: Site) -> bool:
+    """Whether the line at ``site`` says why it synchronizes (see the module docstring)."""
+    filename, lineno = site
+    if MARKER in linecache.getline(filename, lineno):
+        return True
+    above = lineno - 1
+    while above > 0 and linecache.getline(filename, above).strip().startswith("#"):
+        if MARKER in linecache.getline(filename, above):
+            return True
+        above -= 1
+    return False
+
+
+def describe(site: Site) -> str:
+    filename, lineno = site
+    return f"{Path(filename).resolve().relative_to(PACKAGE.parent)}:{lineno}: {linecache.getline(*site).strip()}"
+
+
+class HostReads(TorchFunctionMode):
+    """Records the package line of every host read of a tensor's values made inside it (modes are per thread: enter
+    it on every thread that runs the exchanges)."""
+
+    def __init__(self, sites: list[Site]) -> None:
+        super().__init__()
+        self.sites = sites
+        self._lock = threading.Lock()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            frame = sys._getframe(1)
+            while frame is not None and not in_package(frame.f_code.co_filename):
+                frame = frame.f_back
+            if frame is not None:
+                with self._lock:
+                    self.sites.append((frame.f_code.co_filename, frame.f_lineno))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def cuda_syncs(sites: list[Site], others: list[str]) -> Iterator[None]:
+    """Inside: every synchronizing CUDA call, as the package line it came from (``sites``) or, from anywhere else, as
+    ``file:line`` (``others``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for warning in caught:
+        if "synchroniz" not in str(warning.message):
+            continue
+        if in_package(warning.filename):
+            sites.append((warning.filename, warning.lineno))
+        else:
+            others.append(f"{warning.filename}:{warning.lineno}")
