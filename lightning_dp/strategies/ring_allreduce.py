@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dp.comm.transports import RingTransport, SharedMemoryTransport, Transport
@@ -27,6 +28,11 @@ class RingAllReduceStrategy(DataParallelStrategy):
     def _make_transport(self, shared_memory: bool) -> Transport:
         if shared_memory:
             return SharedMemoryTransport(self.gradient_group, self.sync_stats, **self._shared_memory_kwargs())
+        if self.intra_node == "shm" and self.root_device.type != "cpu" and not self.single_node:
+            rank_zero_info(
+                f"{self.strategy_name}: intra_node='shm' applies to CPU tensors only; on these GPUs the ring is one "
+                f"flat ring over all {self.world_size} ranks, not a ring per machine joined across machines"
+            )
         return RingTransport(self.gradient_group, self.sync_stats)
 
     @classmethod

@@ -154,3 +154,31 @@ def test_balance_refuses_a_loader_it_cannot_resize():
         strategy.batches.training_loader(trainer, own_sampler)
     validation = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.VALIDATING))
     assert strategy.batches.training_loader(validation, own_sampler) is None  # only training batches are balanced
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "device, intra_node, nodes, notice",
+    [("cuda", "shm", 2, True), ("cuda", "ring", 2, False), ("cuda", "shm", 1, False), ("cpu", "shm", 2, False)],
+)
+def test_the_ring_on_gpus_across_machines_says_it_is_one_flat_ring(monkeypatch, device, intra_node, nodes, notice):
+    """``intra_node="shm"`` applies to CPU tensors: on GPUs of several machines the strategy says, once at set-up,
+    that its ring is flat."""
+    from lightning_dp.strategies import ring_allreduce
+
+    said = []
+    monkeypatch.setattr(ring_allreduce, "rank_zero_info", said.append)
+    monkeypatch.setattr(ring_allreduce, "RingTransport", lambda group, stats: "ring")
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy = RingAllReduceStrategy(intra_node=intra_node, parallel_devices=[torch.device(device, 0)])
+    strategy.num_nodes = nodes
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.cluster_environment.set_world_size(nodes)
+    assert strategy._make_transport(shared_memory=False) == "ring"
+    assert len(said) == int(notice)
+    if notice:
+        assert said[0] == (
+            "ring_allreduce: intra_node='shm' applies to CPU tensors only; on these GPUs the ring is one flat ring "
+            "over all 2 ranks, not a ring per machine joined across machines"
+        )
