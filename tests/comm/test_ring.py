@@ -1,5 +1,7 @@
 """Ring all-reduce against gloo's ``dist.all_reduce`` on 2, 3 and 4 processes."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,12 +93,55 @@ def _shapes_and_groups(rank, world_size):
         ring_allreduce(ints, op="avg")
     with pytest.raises(ValueError, match="choose one of"):
         ring_allreduce(x, op="max")
+    _whole_chunks_match_pieces(rank, world_size)
     evens = dist.new_group([r for r in range(world_size) if r % 2 == 0])
     if rank % 2 == 0:
         y = torch.full((10,), float(rank))
         ring_allreduce(y, group=evens)
         assert y.tolist() == [float(sum(r for r in range(world_size) if r % 2 == 0))] * 10
     return True
+
+
+def _whole_chunks_match_pieces(rank, world_size):
+    """The schedule a device group (NCCL) gets, one message each way per ring step, run over gloo: the same bits as
+    the pipelined pieces, residuals of a 16-bit wire included, in 2 (N - 1) batches instead of 2 (N - 1) per piece."""
+    from lightning_dp.comm.transports import ring as ring_module
+
+    posted = []
+    original = ring_module.post
+    ring_module.post = lambda ops, group: posted.append(len(ops)) or original(ops, group)
+    try:
+        results = {}
+        for name, segment in (("pieces", None), ("whole", ring_module.WHOLE_CHUNKS)):
+            posted.clear()
+            x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(rank))
+            residual = torch.zeros_like(x)
+            stats = CommStats()
+            ring = ring_module.Ring(segment_bytes=segment)
+            ring_allreduce(x, op="sum", stats=stats, ring=ring, wire_dtype=torch.bfloat16, residual=residual)
+            results[name] = (x, residual, (stats.bytes_sent, stats.bytes_received), list(posted))
+    finally:
+        ring_module.post = original
+    (x, residual, moved, posts), (whole_x, whole_residual, whole_moved, whole_posts) = results.values()
+    assert torch.equal(whole_x, x) and torch.equal(whole_residual, residual) and residual.abs().sum() > 0
+    assert whole_moved == moved
+    largest_chunk_bytes = math.ceil(1_000_003 / world_size) * 4
+    pieces = math.ceil(largest_chunk_bytes / ring_module.HOST_SEGMENT_BYTES)
+    assert pieces == 2 and posts == [2] * 2 * (world_size - 1) * pieces
+    assert whole_posts == [2] * 2 * (world_size - 1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend, segment", [("gloo", 1 << 20), ("nccl", 1 << 62)])
+def test_a_ring_over_device_memory_sends_one_message_per_step(monkeypatch, backend, segment):
+    from lightning_dp.comm.transports import ring as ring_module
+
+    monkeypatch.setattr(ring_module.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(ring_module.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(ring_module.dist, "get_world_size", lambda group=None: 4)
+    ring = ring_module.Ring(group=object())
+    assert ring.segment_bytes == segment and (ring.left, ring.right) == (0, 2)
+    assert ring_module.Ring(group=object(), segment_bytes=4096).segment_bytes == 4096
 
 
 @pytest.mark.multiprocess

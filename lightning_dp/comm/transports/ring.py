@@ -20,9 +20,14 @@ import torch.distributed as dist
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports.p2p import post, wait_for
+from lightning_dp.comm.transports.staging import moves_host_memory_only
 
 ReduceOpName = Literal["sum", "avg"]
 REDUCE_OPS = ("sum", "avg")
+#: the pieces a chunk travels in over a group that moves host memory (see :class:`Ring`)
+HOST_SEGMENT_BYTES = 1 << 20
+#: ``segment_bytes`` for one piece per chunk: each ring step is one message each way
+WHOLE_CHUNKS = 1 << 62
 
 
 def chunk_bounds(numel: int, num_chunks: int) -> list[tuple[int, int]]:
@@ -46,15 +51,19 @@ class Ring:
     Ranks are *group* ranks, so a ring can run on any sub-group. ``segment_bytes`` sets the pipelining: each
     chunk travels as pieces of about that size, and a piece moves on to the next step as soon as it has arrived
     (and, in the reduce-scatter, been added), so the link stays busy while the previous pieces are still in
-    flight.
+    flight. By default (``None``) pieces of 1 MiB over a group whose messages move host memory (gloo), and over
+    one that moves device memory (NCCL) one message each way per ring step: NCCL pipelines a message itself, while
+    a batch per piece would queue launch after launch on its one stream.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int = 1 << 20) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, segment_bytes: int | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
+        if segment_bytes is None:
+            segment_bytes = HOST_SEGMENT_BYTES if moves_host_memory_only(dist.get_backend(self.group)) else WHOLE_CHUNKS
         if segment_bytes < 1:
             raise ConfigurationError(f"segment_bytes must be positive, got {segment_bytes}")
         self.segment_bytes = segment_bytes
