@@ -13,14 +13,16 @@
   (:meth:`CudaExecution.join`) before anything reads the buckets, without blocking the host;
 - the time is the device's: CUDA events around each exchange on the communication stream (under NCCL the host
   only enqueues, so a host clock would measure the launches), and the time the caller's stream waited for the
-  last exchange after backward's own work. Events are read once they completed (:meth:`CudaExecution.take_timing`
-  never blocks); one still running counts at a later call.
+  last exchange after backward's own work; communication the caller runs itself (:meth:`HostExecution.blocking`,
+  the servers' weight pull) between events on the caller's stream. Events are read once they completed
+  (:meth:`CudaExecution.take_timing` never blocks); one still running counts at a later call.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,7 @@ class HostExecution:
 
     def __init__(self) -> None:
         self._seconds = 0.0
+        self._blocking = 0.0
 
     def thread_started(self) -> None:
         """Prepare the communication thread (once, before its first exchange)."""
@@ -52,11 +55,22 @@ class HostExecution:
     def join(self) -> None:
         """After every exchange of a round returned: make what reads the buckets next wait for them."""
 
+    @contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Time communication the caller runs itself (a weight pull after the step): all of it is exposed."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._blocking += time.perf_counter() - start
+
     def take_timing(self) -> tuple[float, float]:
-        """``(exchange seconds, seconds of them the caller's device work waited for)`` since the last call, as far as
-        they are known; the host's waits are counted by the caller."""
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds, 0.0
+        """``(communication seconds, seconds of them the caller waited for)`` since the last call, as far as they are
+        known: the exchanges on the communication thread, and :meth:`blocking` communication (counted in both). The
+        host's waits for the thread are counted by the caller."""
+        seconds, blocking = self._seconds, self._blocking
+        self._seconds = self._blocking = 0.0
+        return seconds + blocking, blocking
 
 
 class CudaExecution(HostExecution):
@@ -68,9 +82,11 @@ class CudaExecution(HostExecution):
         self.stream = torch.cuda.Stream(device)
         #: recorded on the communication stream after each exchange of the current round
         self._done: list[torch.cuda.Event] = []
-        #: ``(start, end)`` event pairs not yet read: each exchange, and each wait of the caller's stream
+        #: ``(start, end)`` event pairs not yet read: each exchange, each wait of the caller's stream, and each
+        #: communication the caller ran itself
         self._exchanges: list[EventPair] = []
         self._waits: list[EventPair] = []
+        self._caller_spans: list[EventPair] = []
 
     def thread_started(self) -> None:
         torch.cuda.set_device(self.device)
@@ -95,12 +111,23 @@ class CudaExecution(HostExecution):
         self._waits.append((work_done, self._done[-1]))
         self._done = []
 
+    @contextmanager
+    def blocking(self) -> Iterator[None]:
+        caller = torch.cuda.current_stream(self.device)
+        start = _timing_event(caller)
+        try:
+            yield
+        finally:
+            self._caller_spans.append((start, _timing_event(caller)))
+
     def take_timing(self) -> tuple[float, float]:
         self._exchanges, exchanges = _split_completed(self._exchanges)
         self._waits, waits = _split_completed(self._waits)
+        self._caller_spans, spans = _split_completed(self._caller_spans)
         seconds = sum(start.elapsed_time(end) for start, end in exchanges) / 1e3
         waited = sum(max(0.0, start.elapsed_time(end)) for start, end in waits) / 1e3
-        return seconds, waited
+        blocking = sum(start.elapsed_time(end) for start, end in spans) / 1e3
+        return seconds + blocking, waited + blocking
 
 
 def execution_for(device: torch.device) -> HostExecution:

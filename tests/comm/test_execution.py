@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dp.comm import execution as execution_module
 from lightning_dp.comm.buckets import BucketReducer
-from lightning_dp.comm.execution import CudaExecution
+from lightning_dp.comm.execution import CudaExecution, HostExecution
 
 pytestmark = pytest.mark.unit
 
@@ -162,3 +163,23 @@ def test_device_time_counts_each_exchange_and_the_callers_wait_once_completed(fa
     execution.run(exchange, Bucket())
     execution.join()
     assert execution.take_timing() == (pytest.approx(6.0), 0.0)
+
+
+def test_communication_the_caller_runs_counts_as_exposed(fake_cuda, monkeypatch):
+    """The servers' weight pull runs on the caller's stream: all of it is communication, all of it exposed; on a CUDA
+    device its events are read once they completed."""
+    execution = CudaExecution(torch.device("cuda", 0))
+    with execution.blocking():
+        fake_cuda.clock += 3.0
+    [(_, end)] = execution._caller_spans
+    end.completed = False
+    assert execution.take_timing() == (0.0, 0.0)
+    end.completed = True
+    assert execution.take_timing() == (pytest.approx(4.0), pytest.approx(4.0))
+    host = HostExecution()
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(execution_module.time, "perf_counter", lambda: next(clock))
+    with host.blocking():
+        pass
+    assert host.take_timing() == (2.5, 2.5)
+    assert host.take_timing() == (0.0, 0.0)

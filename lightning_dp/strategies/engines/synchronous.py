@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,9 +43,10 @@ class SynchronousEngine(StepEngine):
         for bucket in strategy.buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
             strategy.codec.before_update(bucket, strategy.transport)
         self.server_update(optimizer, **kwargs)
-        start = time.perf_counter()
-        self.pull(optimizer)
-        strategy.end_step(blocking_seconds=time.perf_counter() - start)
+        assert strategy.reducer is not None
+        with strategy.reducer.execution.blocking():  # on a GPU, the device's time: NCCL returns before it is done
+            self.pull(optimizer)
+        strategy.end_step()
         self.staleness_seen.add(0)
         return result
 
