@@ -31,12 +31,13 @@ CODECS = ("none", "bf16", "powersgd")
 WARMUP, STEPS = 2, 3
 
 
-def exchange_path_sites(device: torch.device, recorder) -> dict[str, list]:
+def exchange_path_sites(device: torch.device, recorder, exchange_recorder=None) -> dict[str, list]:
     """For every transport kind and codec: a few steps of the exchange path on ``device`` (backward with a parameter
     no rank uses, the buckets reduced on the communication thread, ``param.grad`` written back, the sharded servers'
-    gradients, the NaN/inf check and the servers' vote); ``recorder(sites)`` is entered around each step after the
-    warm-up, on the main thread and around each exchange on the communication thread. Returns the recorded sites
-    per ``"kind/codec"``."""
+    gradients, the NaN/inf check and the servers' vote); after the warm-up ``recorder(sites)`` is entered around each
+    step on the main thread and ``exchange_recorder(sites)`` (default: ``recorder``) around each exchange on the
+    communication thread. Returns the recorded sites per ``"kind/codec"``."""
+    exchange_recorder = exchange_recorder or recorder
     found = {}
     for kind_name, kind in KINDS.items():
         for codec_name in CODECS:
@@ -52,7 +53,7 @@ def exchange_path_sites(device: torch.device, recorder) -> dict[str, list]:
             )
 
             def exchange(bucket, transport=transport, codec=codec, sites=sites, recording=recording):
-                with recorder(sites) if recording[0] else nullcontext():
+                with exchange_recorder(sites) if recording[0] else nullcontext():
                     codec.reduce(bucket, transport)
                     codec.share(bucket, transport)
 

@@ -1,7 +1,7 @@
 """One launch per strategy of a script that exercises many cases, started on first use and shared by a module's
 tests: ``tests.scripts.features`` (:class:`FeatureRuns`) and ``tests.scripts.dropin`` (:class:`DropInRuns`), on CPUs
-and, with ``env``, on GPUs. ``start`` launches several at once in the background, for a machine with cores to spare
-(the GPU tiers); a test asking for a run waits for it and sees its failure."""
+and, with ``env``, on GPUs. ``start`` launches them in the background, at most ``slots`` at a time, for a machine with
+cores to spare (the GPU tiers); a test asking for a run waits for it and sees its failure."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ class FeatureRuns:
         self.results: dict[tuple[str, str], object] = {}
         self._started: dict[str, Future] = {}
 
-    def start(self, strategies: list[str]) -> None:
-        """Launch the main phase of every one of ``strategies`` now, all at once."""
-        pool = ThreadPoolExecutor(max_workers=len(strategies))
+    def start(self, strategies: list[str], slots: int | None = None) -> None:
+        """Launch the main phase of every one of ``strategies`` now, at most ``slots`` at a time (default: all)."""
+        pool = ThreadPoolExecutor(max_workers=min(len(strategies), slots or len(strategies)))
         self._started.update({s: pool.submit(self._run_main, s) for s in strategies})
         pool.shutdown(wait=False)
 
@@ -80,10 +80,10 @@ class DropInRuns:
     def checkpoint(self) -> Path:
         return self.root / "ddp-step3.ckpt"
 
-    def start(self, strategies: list[str]) -> None:
-        """Launch ``ddp`` now, then, once it wrote the checkpoint they resume from, every one of ``strategies`` at
-        once."""
-        pool = ThreadPoolExecutor(max_workers=len(strategies) + 1)
+    def start(self, strategies: list[str], slots: int | None = None) -> None:
+        """Launch ``ddp`` now, then, once it wrote the checkpoint they resume from, every one of ``strategies``, at
+        most ``slots`` launches at a time (default: all)."""
+        pool = ThreadPoolExecutor(max_workers=min(len(strategies) + 1, slots or len(strategies) + 1))
         ddp = pool.submit(self._run, "ddp")
         self._started["ddp"] = ddp
         self._started.update({s: pool.submit(self._run_after, ddp, s) for s in strategies})
@@ -98,9 +98,11 @@ class DropInRuns:
             run_script("dropin", "--strategy", "ddp", "--save-checkpoint", str(self.checkpoint),
                        "--out", str(self.root / "ddp"), timeout=400, env=self.env)  # fmt: skip
             return
-        args = ["--strategy", strategy, "--out", str(self.root / strategy)]
+        args = [*strategy_args(strategy), "--out", str(self.root / strategy)]
         if strategy.endswith("_spawn"):
             args += ["--cases", "hooks"]
+        if strategy == WITH_SERVERS:  # the servers' own cases are the feature matrix's: here, resuming from ddp's
+            args += ["--cases", "resume"]
         run_script("dropin", *args, "--resume-from", str(self.checkpoint), timeout=400, env=self.env)
 
     def _ensure(self, strategy: str) -> None:

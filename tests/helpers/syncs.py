@@ -37,8 +37,10 @@ def in_package(filename: str) -> bool:
 
 
 def marked(site: Site) -> bool:
-    """Whether the line at ``site`` says why it synchronizes (see the module docstring)."""
+    """Whether the package line at ``site`` says why it synchronizes (see the module docstring)."""
     filename, lineno = site
+    if not in_package(filename):
+        return False
     if MARKER in linecache.getline(filename, lineno):
         return True
     above = lineno - 1
@@ -51,7 +53,8 @@ def marked(site: Site) -> bool:
 
 def describe(site: Site) -> str:
     filename, lineno = site
-    return f"{Path(filename).resolve().relative_to(PACKAGE.parent)}:{lineno}: {linecache.getline(*site).strip()}"
+    where = Path(filename).resolve().relative_to(PACKAGE.parent) if in_package(filename) else filename
+    return f"{where}:{lineno}: {linecache.getline(*site).strip()}"
 
 
 class HostReads(TorchFunctionMode):
@@ -75,9 +78,9 @@ class HostReads(TorchFunctionMode):
 
 
 @contextmanager
-def cuda_syncs(sites: list[Site], others: list[str]) -> Iterator[None]:
-    """Inside: every synchronizing CUDA call, as the package line it came from (``sites``) or, from anywhere else, as
-    ``file:line`` (``others``)."""
+def cuda_syncs(sites: list[Site]) -> Iterator[None]:
+    """Inside: every synchronizing CUDA call of any thread, as the line it came from (a package line, or any other
+    for a call from elsewhere, which is never :func:`marked`)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -85,10 +88,4 @@ def cuda_syncs(sites: list[Site], others: list[str]) -> Iterator[None]:
             yield
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    for warning in caught:
-        if "synchroniz" not in str(warning.message):
-            continue
-        if in_package(warning.filename):
-            sites.append((warning.filename, warning.lineno))
-        else:
-            others.append(f"{warning.filename}:{warning.lineno}")
+    sites.extend((w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message))

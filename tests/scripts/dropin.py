@@ -40,6 +40,7 @@ parser.add_argument("--strategy", required=True)
 parser.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
 parser.add_argument("--save-checkpoint", default=None, help="ddp: where the resume case saves its step-3 checkpoint")
 parser.add_argument("--resume-from", default=None, help="the checkpoint the resume case starts from")
+parser.add_argument("--num-servers", type=int, default=None, help="strategy option: dedicated server processes")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -164,7 +165,9 @@ def strategy(name: str, reentrant: bool = False):
     from lightning.pytorch.strategies import StrategyRegistry
 
     entry = StrategyRegistry[name]
-    return entry["strategy"](**entry["init_params"], timeout=60, **placement.backend_options())
+    options = {"num_servers": args.num_servers} if args.num_servers is not None else {}
+    return entry["strategy"](**entry["init_params"], **options, timeout=placement.timeout(60),
+                             **placement.backend_options())  # fmt: skip
 
 
 class Record(L.Callback):
@@ -272,8 +275,9 @@ def main() -> None:
         if args.save_checkpoint:  # ddp: six steps, the checkpoint everyone resumes from after the third
             model = AdamW()
             fit("resume", model, callbacks=[SaveAfterStep(3, args.save_checkpoint)], max_steps=6)
-        else:
-            fit("resume", AdamW(), max_steps=6, ckpt_path=args.resume_from)
+        else:  # and the state it ends with, as a checkpoint holds it (the optimizer's state where it was gathered)
+            trainer = fit("resume", AdamW(), max_steps=6, ckpt_path=args.resume_from)
+            trainer.save_checkpoint(os.path.join(args.out, "resume", "final.ckpt"))
 
 
 if __name__ == "__main__":

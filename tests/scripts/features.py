@@ -138,7 +138,7 @@ def strategy(unused_parameters: bool = True):
         options["staleness"] = None if args.staleness == "none" else int(args.staleness)
     if args.num_servers is not None:
         options["num_servers"] = args.num_servers
-    return entry["strategy"](**entry["init_params"], timeout=args.timeout, **options)
+    return entry["strategy"](**entry["init_params"], timeout=placement.timeout(args.timeout), **options)
 
 
 def trainer(callbacks, **kwargs) -> L.Trainer:

@@ -5,6 +5,8 @@
   strategy's own, NCCL on GPUs, gloo on CPUs).
 - ``LIGHTNING_DP_TEST_NODES``: the ranks are that many single-device nodes, each process started by the test with
   ``NODE_RANK`` (two ranks sharing one GPU), instead of one node whose ranks Lightning's launcher starts.
+- ``LIGHTNING_DP_TEST_TIMEOUT``: the strategies' ``timeout`` in seconds, where a script sets one (a GPU's first
+  ``torch.compile`` of a backward can keep one rank away from the others for longer than a CPU test allows).
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from typing import Any
 ACCELERATOR = os.environ.get("LIGHTNING_DP_TEST_ACCELERATOR", "cpu")
 BACKEND = os.environ.get("LIGHTNING_DP_TEST_BACKEND") or None
 NODES = int(os.environ.get("LIGHTNING_DP_TEST_NODES") or 0)
+TIMEOUT = float(os.environ["LIGHTNING_DP_TEST_TIMEOUT"]) if os.environ.get("LIGHTNING_DP_TEST_TIMEOUT") else None
+
+
+def timeout(default: float) -> float:
+    """The strategies' ``timeout``: ``LIGHTNING_DP_TEST_TIMEOUT`` if set, else the script's ``default``."""
+    return TIMEOUT if TIMEOUT is not None else default
 
 
 def trainer_placement(devices: int, num_nodes: int = 1) -> dict[str, Any]:
