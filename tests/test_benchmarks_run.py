@@ -193,21 +193,41 @@ def test_advisor_validation_runs_on_delayed_links_and_cleans_up(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_gpu_check_launches_run_on_cpus_and_it_refuses_without_cuda(tmp_path):
+def test_gpu_check_runs_in_stages_keeps_what_a_cut_off_run_found_and_refuses_without_cuda(tmp_path):
+    """The CPU stand-in of the GPU check: a stage past its time limit is stopped and stored as such, ``--resume``
+    runs it again and keeps what finished, and each stage's result is written when it ends."""
     import torch
 
+    check = ["-m", "benchmarks.gpu_check", "--accelerator", "cpu", "--out", str(tmp_path)]
+    stored = tmp_path / "gpu_check_on_cpu.json"
+
+    def stages():
+        return result_rows(stored)[0]["stages"]
+
+    cut = run([*check, "--quick", "--slack", "0.1"])  # the smoke stage gets 6 s: its launches are stopped
+    assert cut.returncode == 1 and list(stages()) == ["smoke"], cut.stdout[-3000:] + cut.stderr[-3000:]
+    assert stages()["smoke"]["status"] == "stopped" and stages()["smoke"]["limit_s"] == 6
+    assert {run["outcome"] for run in stages()["smoke"]["runs"].values()} == {"STOPPED"}
+    smoke = run([*check, "--quick", "--resume"])
+    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    runs = stages()["smoke"]["runs"]
+    assert sorted(runs) == ["parameter_server", "ring_allreduce", "sharded_ps", "sharded_ps+servers"]
+    assert all(r["outcome"] == "PASSED" for r in runs.values()), runs
     strategies = ["--strategies", "ddp", "ring_allreduce", "--steps", "2", "--warmup", "2"]
-    out = run(["-m", "benchmarks.gpu_check", "--accelerator", "cpu", "--skip-tests", "--model", "reference_cnn",
-               *strategies, "--out", str(tmp_path)])  # fmt: skip
+    out = run([*check, "--resume", "--stages", "smoke", "end_to_end", *strategies])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    record = result_rows(tmp_path / "gpu_check_on_cpu.json")[0]
-    rows = record["end_to_end"]
+    assert "gpu_check: smoke kept from the stored results (passed)" in out.stdout
+    assert list(stages()) == ["smoke", "end_to_end"] and stages()["smoke"]["runs"] == runs
+    rows = stages()["end_to_end"]["rows"]
     assert [(r["world_size"], r["strategy"]) for r in rows] == [
         (n, s) for n in (1, 2) for s in ("ddp", "ring_allreduce")
     ]
-    assert all(r["steps_per_s"] > 0 and r["vs_ddp"] == r["steps_per_s"] / rows[2 * (r["world_size"] - 1)]["steps_per_s"]
-               for r in rows)  # fmt: skip
-    assert out.stdout.strip().splitlines()[-1].startswith("gpu_check: two ranks sharing the device, steps/s vs ddp:")
+    assert [r["vs_ddp"] for r in rows if r["strategy"] == "ddp"] == [1.0, 1.0]
+    assert all(r["steps_per_s"] > 0 and r["vs_ddp"] > 0 for r in rows)
+    summary = out.stdout.strip().splitlines()[-1]
+    assert summary.startswith("gpu_check: smoke passed; end_to_end passed; two ranks sharing the device, steps/s")
+    report = (tmp_path / "gpu_check_on_cpu.md").read_text()
+    assert "| smoke | passed |" in report and "| collectives | not run |" in report
     if not torch.cuda.is_available():
         refused = run(["-m", "benchmarks.gpu_check", "--out", str(tmp_path)], timeout=60)
         assert refused.returncode == 2 and "no CUDA device here" in refused.stdout
