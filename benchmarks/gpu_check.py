@@ -232,17 +232,9 @@ def report_lines(records: list[dict]) -> list[str]:
     lines = [
         f"Machine: {info['cpus']} CPUs, GPUs: {gpus}; torch {info['torch']} (CUDA {info['cuda']}); {info['date']}",
         "",
-        "| stage | status | seconds | limit (s) | what it found |",
-        "|---|---|---|---|---|",
+        *stage_lines(records),
     ]
     stages = record["stages"]
-    for name in STAGES:
-        stage = stages.get(name)
-        if stage is None:
-            lines.append(f"| {name} | not run | | | |")
-        else:
-            lines.append(f"| {name} | {stage['status']} | {stage['seconds']:.0f} | {stage['limit_s']:.0f} | "
-                         f"{_found(name, stage)} |")  # fmt: skip
     smoke = stages.get("smoke", {}).get("runs", {})
     if smoke:
         what = "Smoke: one step, two ranks sharing the device over gloo, against one process on the global batch."
@@ -269,6 +261,22 @@ def report_lines(records: list[dict]) -> list[str]:
             else:
                 ratio = f"{r['vs_ddp']:.2f}" if "vs_ddp" in r else ""
                 lines.append(f"| {r['placement']} | {r['strategy']} | {r['steps_per_s']:.2f} | {ratio} |")
+    return lines
+
+
+def stage_lines(records: list[dict]) -> list[str]:
+    """The table of a run's stages: status, seconds against the limit, what each found."""
+    stages = records[0]["stages"]
+    lines = ["| stage | status | seconds | limit (s) | what it found |", "|---|---|---|---|---|"]
+    for name in STAGES:
+        stage = stages.get(name)
+        if stage is None:
+            lines.append(f"| {name} | not run | | | |")
+        else:
+            lines.append(f"| {name} | {stage['status']} | {stage['seconds']:.0f} | {stage['limit_s']:.0f} | "
+                         f"{_found(name, stage)} |")  # fmt: skip
+    total = sum(stage["seconds"] for stage in stages.values())
+    lines.append(f"| all | | {total:.0f} | {records[0].get('budget_s', BUDGET_S):.0f} | |")
     return lines
 
 
@@ -336,7 +344,8 @@ def main() -> None:
         stages = {s: stage for s, stage in previous.items() if stage["status"] in FINISHED}
     budget = args.budget if args.budget is not None else BUDGET_S * args.slack
     start = time.monotonic()
-    record = {"machine": machine(args.accelerator), "stages": stages, "steps": args.steps, "warmup": args.warmup}
+    record = {"machine": machine(args.accelerator), "stages": stages, "steps": args.steps, "warmup": args.warmup,
+              "budget_s": budget}  # fmt: skip
     runners: dict[str, Callable[[float], dict]] = {
         "smoke": lambda limit: run_smoke(args.accelerator, limit),
         "end_to_end": lambda limit: run_end_to_end(

@@ -104,6 +104,13 @@ def straggler_persistent(rows: list[dict]) -> list[str]:
     return throughput_report([r for r in rows if r["pattern"] == "persistent"])[2:]  # the machine line is the block's
 
 
+def gpu_check_stages(rows: list[dict]) -> list[str]:
+    """``gpu_check``'s table of stages."""
+    from benchmarks.gpu_check import stage_lines
+
+    return stage_lines(rows)
+
+
 #: ``(name, view)`` -> a function of the rows giving the block's body in place of the full report
 VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("end_to_end", "speedups"): speedups,
@@ -113,6 +120,7 @@ VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("scale_model", "best"): scale_best,
     ("scale_model", "anchor"): scale_anchor,
     ("straggler", "persistent"): straggler_persistent,
+    ("gpu_check_on_cpu", "stages"): gpu_check_stages,
 }
 
 
