@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -134,9 +133,10 @@ class GradientBucket:
         A gradient that already lives in the bucket (:meth:`holds`) is not copied."""
         view = self.grad_view(i)
         self.used[i] = grad is not None
+        flag = self.flags[i : i + 1]  # filled in place: `flags[i] = 1` would copy a host number to the device and wait
         if grad is None:
             view.zero_()
-            self.flags[i] = 0
+            flag.zero_()
         else:
             if grad.is_sparse:
                 raise SparseGradientError(
@@ -146,7 +146,7 @@ class GradientBucket:
                 )
             if not self.holds(i, grad):
                 view.copy_(grad)
-            self.flags[i] = 1
+            flag.fill_(1)
         if view.is_cuda:
             stream = torch.cuda.current_stream(view.device)
             self.streams.setdefault(stream.stream_id, stream)
@@ -266,9 +266,6 @@ class BucketReducer:
         self._overlap = overlap
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._fresh = False
-        #: seconds :meth:`finish` waited for the communication thread (the exchanges' own seconds are timed by
-        #: :attr:`execution`; the difference is communication hidden behind backward, see :meth:`take_timing`)
-        self.wait_seconds = 0.0
         #: accumulations of each parameter's gradient in the current backward, and how many a complete backward
         #: brings (learned on the first synchronized backward; ``None`` until then)
         self._accumulations = {id(p): 0 for p in self.params}
@@ -357,10 +354,7 @@ class BucketReducer:
     def take_timing(self) -> tuple[float, float]:
         """``(communication seconds, seconds backward's caller waited for it)`` since the last call; resets both. On a
         CUDA device both are the device's time, as far as its events completed (see :mod:`~.execution`)."""
-        seconds, device_wait = self.execution.take_timing()
-        timing = (seconds, self.wait_seconds + device_wait)
-        self.wait_seconds = 0.0
-        return timing
+        return self.execution.take_timing()
 
     def finish(self, copy_back: bool = True) -> None:
         """Complete this round of synchronization (see class docstring). Re-raises any communication error."""
@@ -371,7 +365,7 @@ class BucketReducer:
                     bucket.fill(i, p.grad)
                     bucket.mark_ready(i)
         self._launch_ready_buckets()
-        start = time.perf_counter()
+        self.execution.begin_wait()
         self._fresh = False
         try:
             for future in self._futures:
@@ -381,7 +375,7 @@ class BucketReducer:
                 future.cancel()
             raise
         finally:
-            self.wait_seconds += time.perf_counter() - start
+            self.execution.end_wait()
             self._futures.clear()
             self._next_launch = 0
             for bucket in self.buckets:

@@ -12,9 +12,10 @@
 - the exchange runs on the communication stream; the caller's stream waits for every exchange
   (:meth:`CudaExecution.join`) before anything reads the buckets, without blocking the host;
 - the time is the device's: CUDA events around each exchange on the communication stream (under NCCL the host
-  only enqueues, so a host clock would measure the launches), and the time the caller's stream waited for the
-  last exchange after backward's own work; communication the caller runs itself (:meth:`HostExecution.blocking`,
-  the servers' weight pull) between events on the caller's stream. Events are read once they completed
+  only enqueues, so a host clock would measure the launches), and the time from backward's own work done on the
+  caller's stream to the last exchange done (the host's wait would also count backward's kernels still running);
+  communication the caller runs itself (:meth:`HostExecution.blocking`, the servers' weight pull) between events on
+  the caller's stream. Events are read once they completed
   (:meth:`CudaExecution.take_timing` never blocks); one still running counts at a later call.
 """
 
@@ -40,6 +41,8 @@ class HostExecution:
     def __init__(self) -> None:
         self._seconds = 0.0
         self._blocking = 0.0
+        self._waited = 0.0
+        self._wait_started = 0.0
 
     def thread_started(self) -> None:
         """Prepare the communication thread (once, before its first exchange)."""
@@ -51,6 +54,14 @@ class HostExecution:
             exchange(bucket)
         finally:
             self._seconds += time.perf_counter() - start
+
+    def begin_wait(self) -> None:
+        """The caller starts waiting for the round's exchanges: backward's own work is queued."""
+        self._wait_started = time.perf_counter()
+
+    def end_wait(self) -> None:
+        """The caller's wait for the exchanges returned (or failed)."""
+        self._waited += time.perf_counter() - self._wait_started
 
     def join(self) -> None:
         """After every exchange of a round returned: make what reads the buckets next wait for them."""
@@ -66,11 +77,11 @@ class HostExecution:
 
     def take_timing(self) -> tuple[float, float]:
         """``(communication seconds, seconds of them the caller waited for)`` since the last call, as far as they are
-        known: the exchanges on the communication thread, and :meth:`blocking` communication (counted in both). The
-        host's waits for the thread are counted by the caller."""
-        seconds, blocking = self._seconds, self._blocking
-        self._seconds = self._blocking = 0.0
-        return seconds + blocking, blocking
+        known: the exchanges on the communication thread and the caller's waits for them, and :meth:`blocking`
+        communication (counted in both)."""
+        seconds, blocking, waited = self._seconds, self._blocking, self._waited
+        self._seconds = self._blocking = self._waited = 0.0
+        return seconds + blocking, waited + blocking
 
 
 class CudaExecution(HostExecution):
@@ -87,6 +98,8 @@ class CudaExecution(HostExecution):
         self._exchanges: list[EventPair] = []
         self._waits: list[EventPair] = []
         self._caller_spans: list[EventPair] = []
+        #: recorded on the caller's stream by :meth:`begin_wait`
+        self._work_done: torch.cuda.Event | None = None
 
     def thread_started(self) -> None:
         torch.cuda.set_device(self.device)
@@ -101,15 +114,22 @@ class CudaExecution(HostExecution):
         self._done.append(done)
         self._exchanges.append((start, done))
 
+    def begin_wait(self) -> None:
+        # where the caller's stream stands once backward's kernels are queued: what it then waits for is exposed
+        self._work_done = _timing_event(torch.cuda.current_stream(self.device))
+
+    def end_wait(self) -> None:
+        pass  # the host's wait is not the device's: over gloo it also waits for backward's kernels to finish
+
     def join(self) -> None:
         if not self._done:
             return
         caller = torch.cuda.current_stream(self.device)
-        work_done = _timing_event(caller)
         for event in self._done:
             caller.wait_event(event)
+        work_done = self._work_done if self._work_done is not None else _timing_event(caller)
         self._waits.append((work_done, self._done[-1]))
-        self._done = []
+        self._done, self._work_done = [], None
 
     @contextmanager
     def blocking(self) -> Iterator[None]:

@@ -138,8 +138,12 @@ def test_the_exchange_thread_names_only_the_ranks_device(fake_cuda):
     assert {device for _, _, device in fake_cuda.calls} == {1}, [c for c in fake_cuda.calls if c[2] != 1]
 
 
-def test_device_time_counts_each_exchange_and_the_callers_wait_once_completed(fake_cuda):
+def test_device_time_counts_each_exchange_and_the_callers_wait_once_completed(fake_cuda, monkeypatch):
+    """The caller's wait is the device's, from backward's own work done to the last exchange done: not the host's,
+    which over gloo also waits for backward's kernels to finish (here 100 s of host clock count for nothing)."""
     execution = CudaExecution(torch.device("cuda", 0))
+    clock = iter([0.0, 100.0, 200.0, 300.0])
+    monkeypatch.setattr(execution_module.time, "perf_counter", lambda: next(clock))
 
     class Bucket:
         events: list = []
@@ -150,6 +154,8 @@ def test_device_time_counts_each_exchange_and_the_callers_wait_once_completed(fa
     execution.run(exchange, Bucket())
     execution.run(exchange, Bucket())
     _, last_done = execution._exchanges[-1]
+    execution.begin_wait()  # backward's kernels are queued: the caller's stream waits from here
+    execution.end_wait()
     execution.join()
     [(work_done, waited_for)] = execution._waits
     assert waited_for is last_done
@@ -161,6 +167,7 @@ def test_device_time_counts_each_exchange_and_the_callers_wait_once_completed(fa
     assert execution.take_timing() == (0.0, 0.0)
     # a caller whose own work ends after the exchanges waited for nothing (not a negative time)
     execution.run(exchange, Bucket())
+    execution.begin_wait()
     execution.join()
     assert execution.take_timing() == (pytest.approx(6.0), 0.0)
 
@@ -177,9 +184,11 @@ def test_communication_the_caller_runs_counts_as_exposed(fake_cuda, monkeypatch)
     end.completed = True
     assert execution.take_timing() == (pytest.approx(4.0), pytest.approx(4.0))
     host = HostExecution()
-    clock = iter([10.0, 12.5])
+    clock = iter([10.0, 12.5, 20.0, 21.0])
     monkeypatch.setattr(execution_module.time, "perf_counter", lambda: next(clock))
     with host.blocking():
         pass
-    assert host.take_timing() == (2.5, 2.5)
+    host.begin_wait()  # on CPUs the host's wait for the exchanges is the exposed time
+    host.end_wait()
+    assert host.take_timing() == (2.5, 3.5)
     assert host.take_timing() == (0.0, 0.0)

@@ -5,7 +5,8 @@ A line of ``lightning_dp`` that may synchronize with a CUDA device on purpose sa
 attribute what they see to the innermost ``lightning_dp`` line of the stack:
 
 - :class:`HostReads` (CPUs): every read of a tensor's values by the host (``tolist``, ``item``, ``bool``, ``float``,
-  ``int``), which on a GPU waits for the device;
+  ``int``) and every write of a Python number into an element (``t[i] = 1``, a host copy into the device), each of
+  which on a GPU waits for the device;
 - :func:`cuda_syncs` (GPUs): every synchronizing call ``torch.cuda.set_sync_debug_mode("warn")`` reports.
 """
 
@@ -58,8 +59,8 @@ def describe(site: Site) -> str:
 
 
 class HostReads(TorchFunctionMode):
-    """Records the package line of every host read of a tensor's values made inside it (modes are per thread: enter
-    it on every thread that runs the exchanges)."""
+    """Records the package line of every host read of a tensor's values, and of every Python number written into a
+    tensor, made inside it (modes are per thread: enter it on every thread that runs the exchanges)."""
 
     def __init__(self, sites: list[Site]) -> None:
         super().__init__()
@@ -67,7 +68,8 @@ class HostReads(TorchFunctionMode):
         self._lock = threading.Lock()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in READS:
+        name = getattr(func, "__name__", "")
+        if name in READS or (name == "__setitem__" and isinstance(args[2], (int, float, bool))):
             frame = sys._getframe(1)
             while frame is not None and not in_package(frame.f_code.co_filename):
                 frame = frame.f_back
