@@ -205,7 +205,7 @@ def test_gpu_check_runs_in_stages_keeps_what_a_cut_off_run_found_and_refuses_wit
         return result_rows(stored)[0]["stages"]
 
     # the smoke stage gets 1.2 s, less than a rank takes to import torch: its launches are stopped
-    cut = run([*check, "--quick", "--slack", "0.02"])
+    cut = run([*check, "--quick", "--slack", "0.02", "--budget", "60"])
     assert cut.returncode == 1 and list(stages()) == ["smoke"], cut.stdout[-3000:] + cut.stderr[-3000:]
     assert stages()["smoke"]["status"] == "stopped" and stages()["smoke"]["limit_s"] == pytest.approx(1.2)
     assert {run["outcome"] for run in stages()["smoke"]["runs"].values()} == {"STOPPED"}
