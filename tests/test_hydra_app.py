@@ -188,7 +188,6 @@ def test_train_py_end_to_end(tmp_path, strategy):
     summary = check_run_dir(tmp_path / "run")
     assert summary["world_size"] == (1 if strategy == "single_device" else 2)
     assert summary["global_step"] == 3
-    assert 0.0 <= summary["metrics"]["test_acc"] <= 1.0
 
 
 @pytest.mark.multiprocess

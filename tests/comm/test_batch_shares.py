@@ -37,7 +37,7 @@ def test_apportion_is_proportional_within_one():
     weights = [0.3, 1.7, 2.2, 5.0, 0.01]
     shares = apportion(1000, weights)
     spare = 1000 - len(weights)
-    for share, w in zip(shares, weights):
+    for share, w in zip(shares, weights, strict=True):
         assert abs(share - 1 - spare * w / sum(weights)) < 1
 
 
@@ -119,16 +119,16 @@ def test_a_slow_rank_gets_less_gradually_towards_its_speed():
     speeds = [1.0, 2.0, 2.0, 2.0]
     for step in range(12):
         shares = balancer.shares
-        balancer.decide([(n / v, float(n)) for n, v in zip(shares, speeds)], (0, 10 * step))
+        balancer.decide([(n / v, float(n)) for n, v in zip(shares, speeds, strict=True)], (0, 10 * step))
     target = [128 * v / sum(speeds) for v in speeds]
     first = balancer.decisions[1]
     assert first.start == (0, 3) and first.shares == tuple(apportion(128, [32 + 0.5 * (t - 32) for t in target]))
-    step = max(n / v for n, v in zip(balancer.shares, speeds))
+    step = max(n / v for n, v in zip(balancer.shares, speeds, strict=True))
     assert step <= 1.1 * 128 / sum(speeds)  # settled within the tolerance of the balanced step
     assert balancer.shares[0] < 128 * 1.1 / sum(speeds) < 32
     before = len(balancer.decisions)
     shares = balancer.shares
-    assert balancer.decide([(n / v, float(n)) for n, v in zip(shares, speeds)], (5, 0)) is None  # settled
+    assert balancer.decide([(n / v, float(n)) for n, v in zip(shares, speeds, strict=True)], (5, 0)) is None  # settled
     assert len(balancer.decisions) == before
 
 

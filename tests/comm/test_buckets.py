@@ -161,7 +161,7 @@ def test_reentrant_checkpointing_reduces_the_complete_gradient_every_step():
         model(x).backward()
         full = [p.grad.clone() for p in model.parameters()]
         reducer.finish()
-        for p, want in zip(model.parameters(), full):
+        for p, want in zip(model.parameters(), full, strict=True):
             assert torch.equal(p.grad, want), f"step {step}: a partial gradient was reduced"
         assert sum(t.numel() for t in seen) == sum(b.buffer.numel() for b in reducer.buckets)
     assert reducer._expected[id(model.shared.weight)] == 2
@@ -247,7 +247,7 @@ def test_gradients_as_bucket_views_accumulate_in_the_bucket_and_equal_copies(set
         for bucket in reducer.buckets:
             for i, p in enumerate(bucket.params):
                 assert p.grad is None or bucket.holds(i, p.grad)
-        for p, q in zip(model.parameters(), reference.parameters()):
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None)
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad * 0.5)
@@ -255,7 +255,7 @@ def test_gradients_as_bucket_views_accumulate_in_the_bucket_and_equal_copies(set
     reducer.close()
     grads = [p.grad for b in reducer.buckets for p in b.params if p.grad is not None]
     assert not any(b.holds(i, p.grad) for b in reducer.buckets for i, p in enumerate(b.params) if p.grad is not None)
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad * 0.5)  # kept, as tensors of their own
     assert grads

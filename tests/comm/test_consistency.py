@@ -87,7 +87,7 @@ def _bounded_run(rank, size, staleness, sharded, steps, slow_rank, delay):
     client.close()
     # every update applied once at lr / size: w = w0 - lr / size * steps * sum(rank + 1)
     total = steps * sum(r + 1 for r in range(size)) * 0.1 / size
-    return seen, [(p.detach() - (s - total)).abs().max().item() for p, s in zip(params, start)]
+    return seen, [(p.detach() - (s - total)).abs().max().item() for p, s in zip(params, start, strict=True)]
 
 
 def _decoded_run(rank, size, staleness, slow_rank, delay, steps=8):
@@ -119,7 +119,7 @@ def _synchronous_sgd(rank, size, sharded):
         seen.append(client.push())
         mean = sum((r + 1) * (step + 1) for r in range(size)) / size
         expected = [e - 0.1 * mean for e in expected]
-        errors += [(p.detach() - e).abs().max().item() for p, e in zip(params, expected)]
+        errors += [(p.detach() - e).abs().max().item() for p, e in zip(params, expected, strict=True)]
     client.close()
     return seen, max(errors)
 

@@ -29,7 +29,6 @@ def incast(machines):
 
 
 def test_the_link_prices_rounds_as_two_trips_and_incast_from_the_all_to_all_measurement():
-    assert (LINK.latencies_per_round, LINK.incast) == (RHO, BETA)
     plain = Link(ALPHA, B, latencies_per_round=1, incast=0.0)
     ring = Scheme("ring_allreduce", "ring")
     assert step_cost(ring, hosts(4), plain, Wire((S,))).seconds == pytest.approx(6 * ALPHA + 1.5 * S / B)
@@ -126,15 +125,22 @@ def test_compression_and_low_rank_factors():
 
 def test_dedicated_servers_use_the_split_formula():
     n, k = 4, 2
+    # trainers serve 1/10 of the bytes each, the two servers 3/10 each: a trainer sends 9/10 S of pushes and 3 x 1/10
+    # S of its share's weights, a server receives and sends 4 x 3/10 S, so every machine moves 1.2 S each way
+    trainer, server = 0.1, 0.3
+    assert trainer_share(n, k) == pytest.approx(trainer) and n * trainer + k * server == pytest.approx(1.0)
+    moved = (1 - trainer) + (n - 1) * trainer
+    assert moved == pytest.approx(n * server) == pytest.approx(1.2)
     cost = step_cost(Scheme("sharded_ps", "ring", num_servers=k), hosts(n), Link(0.0, B, incast=0.0), Wire((S,)))
-    assert cost.seconds == pytest.approx(dedicated_exchange_seconds(n, k, S, B))
+    assert cost.seconds == pytest.approx(moved * S / B)
     # a server receives from the n trainers at once, a trainer (keeping a share) from k servers and n - 1 trainers
     crowded = step_cost(Scheme("sharded_ps", "ring", num_servers=k), hosts(n), Link(0.0, B), Wire((S,)))
-    half = dedicated_exchange_seconds(n, k, S, B) / 2
+    half = moved * S / B / 2
     assert crowded.seconds == pytest.approx(half * incast(n) + half * incast(k + n - 1))
     assert dedicated_exchange_seconds(n, 0, S, B) == pytest.approx(2 * (n - 1) / n * S / B)
     assert dedicated_exchange_seconds(n, n, S, B) == pytest.approx(S / B)
     assert trainer_share(n, 0) == pytest.approx(1 / n)
+    assert dedicated_exchange_seconds(n, k, S, B) == pytest.approx(moved * S / B)
 
 
 def test_exposed_time_hides_all_but_the_last_buckets_share_behind_backward():

@@ -33,7 +33,7 @@ def _device_state() -> dict:
 def _assert_host_only(obj, like) -> None:
     tensors, expected = tensors_in(obj), tensors_in(like)
     assert len(tensors) == len(expected) == 2
-    for tensor, want in zip(tensors, expected):
+    for tensor, want in zip(tensors, expected, strict=True):
         assert type(tensor) is torch.Tensor and tensor.device.type == "cpu"
         assert torch.equal(tensor, want.to("cpu"))
 

@@ -1,5 +1,7 @@
 """Parameter-server exchanges on plain torch.distributed: push/pull (central and sharded), shard layout."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -22,11 +24,11 @@ def test_shard_segments_balance_bytes_at_element_granularity():
     per_shard = [sum(seg[i][1] - seg[i][0] for seg in segments) for i in range(4)]
     assert sum(per_shard) == 1010 and max(per_shard) - min(per_shard) <= 1
     for seg in segments:  # contiguous cover of each buffer
-        assert seg[0][0] == 0 and all(a[1] == b[0] for a, b in zip(seg, seg[1:]))
+        assert seg[0][0] == 0 and all(a[1] == b[0] for a, b in pairwise(seg))
     assert segments[0][0] == (0, 253) and shard_owner(252, segments[0]) == 0 and shard_owner(253, segments[0]) == 1
     # mixed element sizes are balanced by bytes
     segments = shard_segments([100, 100], [8, 2], 2)
-    bytes_per_shard = [(s0[1] - s0[0]) * 8 + (s1[1] - s1[0]) * 2 for s0, s1 in zip(*segments)]
+    bytes_per_shard = [(s0[1] - s0[0]) * 8 + (s1[1] - s1[0]) * 2 for s0, s1 in zip(*segments, strict=True)]
     assert abs(bytes_per_shard[0] - bytes_per_shard[1]) <= 8
     # fewer elements than shards: some shards are empty, nothing is lost
     segments = shard_segments([3], [4], 4)

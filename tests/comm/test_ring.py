@@ -1,6 +1,7 @@
 """Ring all-reduce against gloo's ``dist.all_reduce`` on 2, 3 and 4 processes."""
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_chunk_bounds_cover_range_evenly():
             bounds = chunk_bounds(numel, n)
             assert len(bounds) == n
             assert bounds[0][0] == 0 and bounds[-1][1] == numel
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert all(a[1] == b[0] for a, b in pairwise(bounds))
             sizes = [e - s for s, e in bounds]
             assert max(sizes) - min(sizes) <= 1
 

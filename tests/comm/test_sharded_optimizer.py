@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from torch import nn
@@ -61,11 +63,11 @@ def test_shards_stepping_their_pieces_equal_one_optimizer(num_shards):
         reference_opt.step()
         reference_scheduler.step()
         _backward(model, reducer, step)
-        for layout, shard in zip(layouts, shards):
+        for layout, shard in zip(layouts, shards, strict=True):
             layout.take_bucket_gradients()
             shard.step()
         scheduler.step()  # acts on the front optimizer; the shards follow at their next step
-        for p, q in zip(reference.parameters(), model.parameters()):
+        for p, q in zip(reference.parameters(), model.parameters(), strict=True):
             torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=f"step {step}")
 
     # per-element state (exp_avg, exp_avg_sq) is split without overlap: together the shards hold what one optimizer does
@@ -89,7 +91,7 @@ def test_unused_parameters_get_no_gradient_and_no_update():
     model.zero_grad(set_to_none=True)
     model[0](torch.randn(4, 7)).sum().backward()  # the last layers are not used
     reducer.finish(copy_back=False)
-    for layout, shard in zip(layouts, shards):
+    for layout, shard in zip(layouts, shards, strict=True):
         layout.take_bucket_gradients()
         assert all(pc.tensor.grad is None for pc in layout.pieces if pc.param is head)
         shard.step()
@@ -176,7 +178,7 @@ def _consolidate_and_reload(rank: int, world_size: int) -> dict:
     resumed.load_state_dict(full)
     for seed in range(3, 5):
         step(seed, resumed)
-    for p, q in zip(reference.parameters(), model.parameters()):
+    for p, q in zip(reference.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
     reducer.close()
     return True
@@ -202,8 +204,8 @@ def test_pieces_split_at_partitions_cover_the_range_and_step_like_whole_ones(eve
     split = ShardLayout([bucket], segments, 1, own_storage=True, split_every=every)
     covered = [(pc.bucket_start, pc.bucket_start + pc.end - pc.start) for pc in split.pieces]
     assert covered[0][0] == start and covered[-1][1] == end
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # contiguous, nothing twice
-    for pc, (a, b) in zip(split.pieces, covered):
+    assert all(a[1] == b[0] for a, b in pairwise(covered))  # contiguous, nothing twice
+    for pc, (a, b) in zip(split.pieces, covered, strict=True):
         assert (a - start) // every == (b - 1 - start) // every == split.partition_of(pc, start)
         assert pc.tensor.data_ptr() == split.storage[pc.storage_start :].data_ptr()
     boundaries = {a for a, _ in covered} | {end}

@@ -130,7 +130,7 @@ def _run(rank: int, kind: str, codec_name: str, staging: Staging | None) -> dict
                 codec.share(bucket, transport)
             grads = [b.buffer.clone() for b in reducer.buckets]
             if servers:  # the owners move their weights against the averaged gradients, then everyone pulls them
-                for bucket, grad in zip(reducer.buckets, grads):
+                for bucket, grad in zip(reducer.buckets, grads, strict=True):
                     codec.before_update(bucket, transport)
                     start, end = transport.owned(bucket)
                     values = bucket.read_params(start, end, torch.empty(end - start))
@@ -178,10 +178,10 @@ def test_staged_exchanges_give_the_same_bits_through_other_memory(kind):
             assert not staged["touches_buckets"], what
             for key in ("grads", "weights", "state"):
                 assert len(direct[key]) == len(staged[key]) > 0 or key == "state" and codec == "none", (what, key)
-                for a, b in zip(direct[key], staged[key]):
+                for a, b in zip(direct[key], staged[key], strict=True):
                     assert np.array_equal(a, b), f"{what}: {key} differ staged"
             if kind == "ring" or codec in WEIGHT_CODECS:  # every rank holds the same weights
-                for a, b in zip(staged["weights"], ranks[0][(codec, "staged")]["weights"]):
+                for a, b in zip(staged["weights"], ranks[0][(codec, "staged")]["weights"], strict=True):
                     assert np.array_equal(a, b), f"{what}: weights differ from rank 0's"
 
 

@@ -96,7 +96,7 @@ def test_reduce_averages_on_owners_and_share_gives_everyone_the_same_bits(kind):
         # every bucket cut into equal shards (one element apart at most)
         assert sum(owned) == total and max(owned) - min(owned) <= len(_buckets_of_model())
     for r in ranks[1:]:
-        for mine, theirs in zip(r[3], ranks[0][3]):
+        for mine, theirs in zip(r[3], ranks[0][3], strict=True):
             assert mine == theirs  # identical buckets everywhere after reduce + share
     nbytes = sum(b.nbytes for b in _buckets_of_model())
     if kind.endswith("ring"):

@@ -186,7 +186,7 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
                 found += differences(a[key], b[key], sub)
         return found
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for x, y in zip(a, b) for d in differences(x, y, path)]
+        return [d for x, y in zip(a, b, strict=True) for d in differences(x, y, path)]
     both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
     return [] if a == b or both_nan else [path]
 

@@ -1,6 +1,8 @@
 """Compression under Lightning: every strategy follows one process within the codec's tolerance, replicas stay
 bit-identical, the bytes shrink as the codec says, and a resumed run equals one that never stopped."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_16_bit_follows_one_process_with_half_the_bytes(tmp_path, strategy, comp
     assert len(stepped) == STEPS
     # a few 16-bit roundings of each gradient, through SGD with momentum: a tenth of what one step moves the weights,
     # so weights a step behind (or that did not move) fail, and so does a rank that trained on its own batch
-    tolerance = min((b - a).abs().max().item() for a, b in zip(reference, reference[1:])) / 10
+    tolerance = min((b - a).abs().max().item() for a, b in pairwise(reference)) / 10
     assert (stepped[-1] - reference[-2]).abs().max() > tolerance  # the check can fail
     for step, (got, want) in enumerate(zip(stepped, reference, strict=True)):
         torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=f"step {step + 1}")

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from itertools import pairwise
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_central_servers_share_whole_parameters_balanced_by_bytes():
     for bucket in buckets:  # every bucket cut by the shares on its own: each push reaches every member
         ranges = sharded[bucket.index]
         assert ranges[0][0] == 0 and ranges[-1][1] == bucket.grad_numel
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in pairwise(ranges))
         counts = [hi - lo for lo, hi in ranges]
         assert counts == pytest.approx([bucket.grad_numel * s for s in shares], abs=1) and min(counts) > 0
 
@@ -181,7 +182,7 @@ def test_equals_one_process_on_the_global_batch(tmp_path, strategy, n, k, optimi
     assert_identical_replicas(ranks)
     reference = reference_training(BATCH * n, STEPS, optimizer, clip=clip)
     assert len(ranks[0]["weights"]) == len(reference)
-    for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference)):
+    for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference, strict=True)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step + 1} differs from one process")
     assert all(r["world_size"] == n for r in ranks)  # the servers are not Lightning ranks
     pids = _server_pids(run.stdout)

@@ -48,7 +48,7 @@ def test_parameter_servers_send_averaged_gradients_back_only_when_something_read
     else:
         gradients = sync - 4 * 6  # six parameters, one float32 flag each, stay out of the shards
         for rank in range(2):
-            extra = [h - p for h, p in zip(hooks[rank]["bytes"], plain[rank]["bytes"])]
+            extra = [h - p for h, p in zip(hooks[rank]["bytes"], plain[rank]["bytes"], strict=True)]
             assert abs(extra[0] - gradients / 2) <= 4 and abs(extra[1] - gradients / 2) <= 4, extra
 
 

@@ -9,7 +9,7 @@ import torch
 from lightning_dp.comm.transports.shm import SPIN_SECONDS
 from tests.helpers.distributed import free_port
 from tests.helpers.launch import BATCH, REPO, STEPS, load_ranks, run_script, subprocess_env
-from tests.helpers.replicas import assert_identical_replicas
+from tests.helpers.replicas import assert_identical_replicas, assert_replicas_follow
 from tests.scripts.models import reference_training
 
 pytestmark = pytest.mark.multiprocess
@@ -34,7 +34,7 @@ def test_equals_single_process_on_global_batch(tmp_path, devices, optimizer, acc
     reference = reference_training(BATCH * devices, STEPS, optimizer, accumulate)
     # Lightning records weights after every micro-batch; the optimizer steps on each accumulate-th one
     stepped = ranks[0]["weights"][accumulate - 1 :: accumulate]
-    for step, (got, want) in enumerate(zip(stepped, reference)):
+    for step, (got, want) in enumerate(zip(stepped, reference, strict=True)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"step {step + 1} differs from one process")
     assert not torch.equal(stepped[0], stepped[-1]), "training did not move the weights"
 
@@ -49,7 +49,7 @@ def test_batchnorm_buffers_follow_rank_zero(tmp_path, broadcast_buffers):
     buffers = [r["buffers"] for r in ranks]
     assert len(buffers[0]) == 3
     assert torch.equal(buffers[0][0], buffers[1][0])  # set-up broadcast
-    later_equal = [torch.equal(a, b) for a, b in zip(buffers[0][1:], buffers[1][1:])]
+    later_equal = [torch.equal(a, b) for a, b in zip(buffers[0][1:], buffers[1][1:], strict=True)]
     assert all(later_equal) if broadcast_buffers else not any(later_equal)
 
 
@@ -92,10 +92,9 @@ def test_two_nodes_through_cluster_environment_variables(tmp_path):
             if node.poll() is None:
                 os.killpg(node.pid, 9)
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    ranks = load_ranks(tmp_path, 2)
-    assert_identical_replicas(ranks)
-    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_replicas_follow(
+        load_ranks(tmp_path, 2), "weights", reference_training(BATCH * 2, 4, "sgd"), "vs one process"
+    )
 
 
 def test_torchrun_environment(tmp_path):
@@ -123,6 +122,4 @@ def test_without_shared_memory_every_rank_falls_back_to_sockets_with_a_warning(t
     assert "cannot share memory" in out.stdout and "could not create" in out.stdout, out.stdout[-3000:]
     ranks = load_ranks(tmp_path, 2)
     assert {r["transport"] for r in ranks} == {"RingTransport"}
-    assert_identical_replicas(ranks)
-    for got, want in zip(ranks[0]["weights"], reference_training(BATCH * 2, 3, "sgd")):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_replicas_follow(ranks, "weights", reference_training(BATCH * 2, 4, "sgd"), "vs one process")
