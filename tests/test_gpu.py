@@ -207,7 +207,7 @@ def _device_time(rank, world_size):
         reducer.finish()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds, exposed = reducer.take_timing()
+    seconds, exposed, _ = reducer.take_timing()
     reducer.close()
     assert 0.0 < seconds < 60.0 and 0.0 <= exposed, (seconds, exposed)
     return True
@@ -377,6 +377,6 @@ def test_compression_sharing_one_gpu_follows_one_process(codec_runs, strategy, c
         # a twentieth of what the last steps moved the weights, which a rank training on its own batch, or a step
         # lost, exceeds
         moved = (reference[-1] - reference[0]).abs().max().item()
-        for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference)):
+        for step, (got, want) in enumerate(zip(ranks[0]["weights"], reference, strict=True)):
             torch.testing.assert_close(got, want, rtol=0, atol=moved / 20, msg=f"step {step + 1}")
     assert not torch.equal(ranks[0]["weights"][0], ranks[0]["weights"][-1])

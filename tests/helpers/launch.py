@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 from tests.helpers.distributed import free_port
+from tests.helpers.launch_report import COUNTER
+from tests.helpers.warm import WarmProcess, WarmStarter
 
 REPO = Path(__file__).resolve().parents[2]
 #: set by cluster schedulers; a test run must not pick them up from the machine's environment
@@ -46,6 +49,16 @@ def subprocess_env(extra: dict | None = None) -> dict:
             **(extra or {})}  # fmt: skip
 
 
+def launch_env() -> dict:
+    """:func:`subprocess_env` without the cluster schedulers' variables: a single-node run on loopback."""
+    return {k: v for k, v in subprocess_env().items() if k not in CLUSTER_VARIABLES}
+
+
+#: forks the first process of each launch from an interpreter that has imported torch, Lightning and lightning_dp
+WARM = WarmStarter(launch_env(), REPO)
+atexit.register(WARM.close)
+
+
 def run_script(
     script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
@@ -54,9 +67,7 @@ def run_script(
 
     With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way.
     """
-    full_env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}  # a single-node run on loopback
-    full_env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": PYTHONWARNINGS})
-    full_env.update(env or {})
+    full_env = {**launch_env(), **(env or {})}
     command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
     nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
     if nodes:  # Lightning's general-purpose cluster recipe: one single-device node per process, on loopback
@@ -80,17 +91,16 @@ def run_script(
 FAILURE_GRACE_SECONDS = 10.0
 
 
-def run_processes(command: list[str], envs: list[dict], timeout: float) -> tuple[list[int], list[str], bool]:
+def run_processes(
+    command: list[str], envs: list[dict], timeout: float, cwd: Path = REPO
+) -> tuple[list[int], list[str], bool]:
     """Run ``command`` once per environment in ``envs`` (each in a session of its own, output to a file, not a
-    pipe that could fill) and wait for all: ``(exit codes, outputs, timed out)``. Once one exits non-zero the others
-    get :data:`FAILURE_GRACE_SECONDS`; at ``timeout`` all are killed, and nothing is left running either way."""
+    pipe that could fill; started by :data:`WARM`) and wait for all: ``(exit codes, outputs, timed out)``. Once one
+    exits non-zero the others get :data:`FAILURE_GRACE_SECONDS`; at ``timeout`` all are killed, and nothing is left
+    running either way."""
     logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]
-    procs = [
-        subprocess.Popen(
-            command, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )  # fmt: skip
-        for e, log in zip(envs, logs)
-    ]
+    with COUNTER.one_launch():
+        procs = [WARM.start(command, e, cwd, log) for e, log in zip(envs, logs, strict=True)]
     deadline = time.monotonic() + timeout
     timed_out = False
     try:
@@ -113,7 +123,7 @@ def run_processes(command: list[str], envs: list[dict], timeout: float) -> tuple
     return [p.returncode for p in procs], outputs, timed_out
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen | WarmProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -147,23 +157,13 @@ def run_app(args, cwd, timeout=300, check=True):
 
     With ``check`` a non-zero exit fails the test. Returns (exit code, output).
     """
-    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "train.py"), *args], cwd=cwd,
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-        raise AssertionError(f"train.py {args} timed out:\n{out[-4000:]}") from None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    command = [sys.executable, str(REPO / "examples" / "train.py"), *args]
+    codes, outputs, timed_out = run_processes(command, [subprocess_env()], timeout, cwd=Path(cwd))
+    if timed_out:
+        raise AssertionError(f"train.py {args} timed out:\n{outputs[0][-4000:]}")
     if check:
-        assert proc.returncode == 0, out[-6000:]
-    return proc.returncode, out
+        assert codes[0] == 0, outputs[0][-6000:]
+    return codes[0], outputs[0]
 
 
 def kill_process_tree(root: int) -> None:
