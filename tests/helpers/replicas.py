@@ -13,11 +13,14 @@ def prefixed(prefix: str):
     return lambda message: f"{prefix}: {message}"
 
 
-def assert_identical_replicas(ranks: list[dict]) -> None:
-    """``ranks[r]["weights"]`` (weights after every step) is bit-identical on every rank."""
-    for step, weights in enumerate(ranks[0]["weights"]):
-        for r, other in enumerate(ranks[1:], start=1):
-            assert torch.equal(weights, other["weights"][step]), f"rank {r} differs from rank 0 after step {step + 1}"
+def assert_identical_replicas(ranks: list[dict], key: str = "weights") -> None:
+    """``ranks[r][key]`` (weights after every step) holds as many steps on every rank, at least one, each
+    bit-identical to rank 0's."""
+    counts = [len(rank[key]) for rank in ranks]
+    assert len(ranks) >= 2 and counts[0] > 0 and len(set(counts)) == 1, f"{key}: steps recorded per rank: {counts}"
+    for r, other in enumerate(ranks[1:], start=1):
+        for step, (weights, theirs) in enumerate(zip(ranks[0][key], other[key], strict=True)):
+            assert torch.equal(weights, theirs), f"{key}: rank {r} differs from rank 0 after step {step + 1}"
 
 
 def close(got, want, what: str) -> None:
@@ -25,9 +28,19 @@ def close(got, want, what: str) -> None:
 
 
 def assert_replicas_follow(ranks: list[dict], key: str, reference: list, what: str) -> None:
-    """``ranks[r][key]`` (weights after every step) is identical on both ranks and close to ``reference``."""
-    assert len(ranks[0][key]) == len(reference), what
-    for step, want in enumerate(reference):
-        got = ranks[0][key][step]
-        assert torch.equal(got, ranks[1][key][step]), f"{what}: ranks differ after step {step + 1}"
+    """``ranks[r][key]`` (weights after every step) is identical on every rank (:func:`assert_identical_replicas`),
+    as many steps as ``reference`` holds, each close to ``reference``'s."""
+    assert_identical_replicas(ranks, key)
+    assert len(ranks[0][key]) == len(reference), f"{what}: {len(ranks[0][key])} steps against {len(reference)}"
+    for step, (got, want) in enumerate(zip(ranks[0][key], reference, strict=True)):
         close(got, want, f"{what}: step {step + 1}")
+
+
+def assert_continues(full: list[dict], resumed: list[dict]) -> None:
+    """The resumed run ends with the uninterrupted run's weights, bit for bit, having trained exactly the batches
+    the uninterrupted run trained after the checkpoint."""
+    for rank, (a, b) in enumerate(zip(full, resumed, strict=True)):
+        assert b["resumed_from"] is not None, rank
+        assert torch.equal(a["weights"], b["weights"]), (rank, (a["weights"] - b["weights"]).abs().max())
+        assert a["trained"][len(a["trained"]) - len(b["trained"]) :] == b["trained"], rank
+        assert 0 < len(b["trained"]) < len(a["trained"]), rank

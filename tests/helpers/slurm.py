@@ -1,9 +1,9 @@
 """A real single-host SLURM cluster for the tests: Debian's ``slurm-wlm`` and ``munge``, on loopback.
 
 :func:`slurm_cluster` starts ``munged`` (unless one runs), ``slurmctld`` and ``slurmd`` with a configuration of
-its own (one node, ``localhost``, as many CPUs as the machine has, ports picked free) and stops them afterwards;
-clients find it through ``SLURM_CONF`` in the environment it yields. :func:`unavailable` says why it cannot run
-here (not root, packages missing), for a skip.
+its own (one node, ``localhost``, as many CPUs as the machine has, ports picked free, 10 s between a stopped job's
+SIGTERM and SIGKILL) and stops them afterwards; clients find it through ``SLURM_CONF`` in the environment it yields.
+:func:`unavailable` says why it cannot run here (not root, packages missing), for a skip.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+KillWait=10
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

@@ -103,14 +103,21 @@ class FeatureModel(RegressionModel):
 
 
 class Record(L.Callback):
-    """Per step: the ``sync_dist`` logged loss; at set-up: this rank's TCP sockets."""
+    """Per step: the ``sync_dist`` logged loss and the averaged gradients before clipping (the fit clips by norm, so
+    reading them changes no strategy's path); at set-up: this rank's TCP sockets."""
 
     def __init__(self) -> None:
         self.logged: list[float] = []
+        self.grads: list[torch.Tensor] = []
         self.sockets: list[dict] = []
 
     def on_train_start(self, trainer, pl_module):
         self.sockets = tcp_sockets()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        trainable = [p for p in pl_module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
+        self.grads.append(torch.cat([g.detach().float().flatten().cpu() for g in grads]))
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.logged.append(float(trainer.callback_metrics["train_loss_step"]))
@@ -193,6 +200,7 @@ def main():
         t, model, record = fit_features(os.path.join(args.out, "checkpoints"))
         out.update(
             weights=model.history, final=flat_weights(model), seen=model.seen, lrs=model.lrs, logged=record.logged,
+            grads=record.grads,
             sockets=record.sockets, epochs=t.current_epoch, stopped=t.should_stop, global_step=t.global_step,
             val_loss=float(t.callback_metrics["val_loss"]),
         )  # fmt: skip

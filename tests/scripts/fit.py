@@ -12,7 +12,7 @@ import torch
 import lightning_dp  # noqa: F401 - registers the strategies
 from lightning_dp.comm.cluster.sockets import tcp_sockets
 from tests.scripts import placement
-from tests.scripts.models import RegressionModel, flat_weights
+from tests.scripts.models import MODELS, flat_weights
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
@@ -43,6 +43,7 @@ parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKI
 parser.add_argument("--kill-step", type=int, default=0)
 parser.add_argument("--kill-server-step", type=int, default=None, help="rank 0 SIGKILLs server 0 before this step")
 parser.add_argument("--sigterm-rank", type=int, default=None, help="this rank gets SIGTERM before step --kill-step")
+parser.add_argument("--model", choices=sorted(MODELS), default="regression")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 if args.staleness is not None:
@@ -72,6 +73,17 @@ if options:
 class Record(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.sockets = tcp_sockets()
+        #: per backward: how many buckets had been sent when the gradient backward produces last (the first
+        #: layer's weight) was computed, while backward still ran
+        self.sent_during_backward: list[int] = []
+        reducer = getattr(trainer.strategy, "reducer", None)
+        if reducer is not None:
+            first = next(p for p in pl_module.parameters() if p.requires_grad)
+
+            def record_sent(grad):
+                self.sent_during_backward.append(sum(bucket.launched for bucket in reducer.buckets))
+
+            first.register_hook(record_sent)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == args.slow_rank:
@@ -90,6 +102,10 @@ class Record(L.Callback):
             "last_step_bytes": stats.last_step_bytes if stats is not None else None,
             "sync_bytes": stats.bucket_bytes if stats is not None else None,
             "buckets": len(s.reducer.buckets) if getattr(s, "reducer", None) is not None else None,
+            "bucket_bytes": [[p.numel() * p.element_size() for p in b.params] for b in s.reducer.buckets]
+            if getattr(s, "reducer", None) is not None
+            else None,
+            "sent_during_backward": self.sent_during_backward,
             "flag_bytes": sum(b.flags.numel() * b.flags.element_size() for b in s.reducer.buckets)
             if getattr(s, "reducer", None) is not None
             else None,
@@ -108,7 +124,7 @@ class Record(L.Callback):
 
 record = Record()
 
-model = RegressionModel(args.batch_size, args.optimizer, batchnorm=args.batchnorm)
+model = MODELS[args.model](args.batch_size, args.optimizer, **({"batchnorm": True} if args.batchnorm else {}))
 trainer = L.Trainer(
     strategy=strategy,
     **placement.trainer_placement(args.devices, args.num_nodes),

@@ -37,6 +37,8 @@ parser.add_argument("--checkpoint-every", type=int, default=3, help="ModelCheckp
 parser.add_argument("--resume-from", default=None, help="a checkpoint, or 'newest' (the newest in <out>/ckpt)")
 parser.add_argument("--kill-rank", type=int, default=1)
 parser.add_argument("--kill-at-step", type=int, default=None, help="attempt 0: SIGKILL --kill-rank after this step")
+parser.add_argument("--pause-at-step", type=int, default=None,
+                    help="attempt 0: each rank writes <out>/paused-rank<r> after this step, then waits")  # fmt: skip
 parser.add_argument("--variables-environment", action="store_true",
                     help="ranks started by the test itself, told their place by RANK, WORLD_SIZE, LOCAL_RANK, "
                          "NODE_RANK (a cluster that starts the processes, as Ray Train and SLURM do)")  # fmt: skip
@@ -46,6 +48,8 @@ parser.add_argument("--lr-every-step", action="store_true", help="the scheduler 
 parser.add_argument("--backup-workers", type=int, default=None, help="strategy option backup_workers")
 parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-per-sample x its batch size")
 parser.add_argument("--slow-per-sample", type=float, default=0.0)
+parser.add_argument("--stall-at-step", type=int, default=None, help="--slow-rank sleeps --stall-seconds once, here")
+parser.add_argument("--stall-seconds", type=float, default=0.0)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -81,6 +85,8 @@ class Model(L.LightningModule):
         index, x, y = batch
         if self.global_rank == args.slow_rank:
             time.sleep(args.slow_per_sample * len(index))
+            if self.global_step == args.stall_at_step:
+                time.sleep(args.stall_seconds)
         self.current = index.tolist()
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -92,9 +98,12 @@ class Model(L.LightningModule):
         late = getattr(self.trainer.strategy, "late_gradients", 0)
         self.late.append(late > self.late_so_far)
         self.late_so_far = late
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if args.kill_at_step == self.global_step and restart == 0 and self.global_rank == args.kill_rank:
+        if attempt() == 0 and args.kill_at_step == self.global_step and self.global_rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if attempt() == 0 and args.pause_at_step == self.global_step:
+            (out / f"paused-rank{self.global_rank}").touch()
+            while True:  # until the cluster stops the job (a requeue)
+                time.sleep(1)
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -107,6 +116,11 @@ class Model(L.LightningModule):
         # shuffle=True: Lightning replaces the sampler with its DistributedSampler(shuffle=True)
         return DataLoader(IndexedData(args.samples), batch_size=args.batch_size, shuffle=True,
                           num_workers=args.workers)  # fmt: skip
+
+
+def attempt() -> int:
+    """Which start of the job this is: 0 the first, then torchrun's restarts or SLURM's requeues."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 class VariablesEnvironment(ClusterEnvironment):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from lightning import LightningModule
@@ -82,15 +84,47 @@ class RegressionModel(LightningModule):
         return make_optimizer(self.optimizer_name, self.parameters())
 
 
+class LayeredModel(RegressionModel):
+    """Six linear layers (widths :data:`LAYERED_WIDTHS`), every parameter used on every step: no frozen layer, no
+    branch. With a bucket cap of :data:`LAYERED_BUCKET_CAP_MB` the reducer cuts its gradients into five buckets of
+    two or three parameters each and a partial last one of the first layer's weight, and every bucket but the last
+    is complete while backward still runs."""
+
+    def __init__(self, batch_size: int = 8, optimizer: str = "sgd", explicit_sampler: bool = False) -> None:
+        super().__init__(batch_size, optimizer, explicit_sampler=explicit_sampler)
+        torch.manual_seed(0)
+        del self.frozen, self.branch
+        layers: list[nn.Module] = []
+        for width_in, width_out in itertools.pairwise(LAYERED_WIDTHS):
+            layers += [nn.Linear(width_in, width_out), nn.Tanh()]
+        self.body = nn.Sequential(*layers[:-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+LAYERED_WIDTHS = (IN_FEATURES, 10, 10, 10, 10, 10, 4)
+#: 480 bytes: in backward's order, 16 + 160 + 40 | 400 + 40 | 400 + 40 | 400 + 40 | 400 + 40 | 320 bytes
+LAYERED_BUCKET_CAP_MB = 480 / 2**20
+MODELS = {"regression": RegressionModel, "layered": LayeredModel}
+
+
 def flat_weights(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().cpu().clone() for p in module.parameters()])
 
 
 def reference_training(
-    global_batch: int, steps: int, optimizer: str, accumulate: int = 1, clip: str | None = None, clip_val: float = 0.05
+    global_batch: int,
+    steps: int,
+    optimizer: str,
+    accumulate: int = 1,
+    clip: str | None = None,
+    clip_val: float = 0.05,
+    model_name: str = "regression",
 ) -> list[torch.Tensor]:
-    """Single-process training on the global batch: the weights after every optimizer step."""
-    model = RegressionModel(global_batch, optimizer)
+    """Single-process training of ``MODELS[model_name]`` on the global batch: the weights after every optimizer
+    step."""
+    model = MODELS[model_name](global_batch, optimizer)
     opt = model.configure_optimizers()
     # Lightning gives each rank a DistributedSampler (shuffled, seed 0); its permutation for one replica is the
     # global order, and the ranks' step-k batches together are exactly the k-th global batch of that order.

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_dp import ParameterServerStrategy, ShardedParameterServerStrategy
+from lightning_dp.comm.consistency.backup import HISTORY
 from lightning_dp.strategies.engines import BackupEngine, CentralServerEngine, ShardedServerEngine
 from tests.helpers.launch import run_script
 from tests.helpers.replicas import close
@@ -107,6 +108,27 @@ def test_a_mid_epoch_resume_continues_from_the_checkpoint_exactly(tmp_path, slow
     for j, want in enumerate(reference):
         assert all(torch.equal(r["history"][j][2], ranks[0]["history"][j][2]) for r in ranks)
         close(ranks[0]["history"][j][2], want, f"resumed: step {j}")
+
+
+@pytest.mark.multiprocess
+def test_a_rank_more_than_history_steps_behind_jumps_to_the_newest_weights(tmp_path):
+    """Rank 2 stalls 5 s in its second step while the other two close every remaining step of the epoch (one
+    backup worker; no checkpoint, a collective, in between). Its late push then asks for the weights after step 2,
+    which the servers no longer keep (they keep the last ``HISTORY`` versions): it gets the newest weights, more
+    than ``HISTORY`` steps later, and then follows rank 0 again, ending with the same weights."""
+    samples = 2 * SAMPLES  # one epoch of 12 steps
+    run_script("midepoch", "--strategy", "sharded_ps", "--devices", str(DEVICES), "--samples", str(samples),
+               "--max-epochs", "1", "--checkpoint-every", "1000", "--backup-workers", "1", "--slow-rank", "2",
+               "--stall-at-step", "1", "--stall-seconds", "5", "--out", str(tmp_path), timeout=180)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DEVICES)]
+    steps = samples // (DEVICES * BATCH)
+    fast, slow = ([weights for _, _, weights in r["history"]] for r in (ranks[0], ranks[2]))
+    assert len(fast) == len(slow) == steps
+    assert ranks[2]["late"][1], "the stalled step's gradient was not late"
+    newest = [k + 1 for k in range(steps) if torch.equal(slow[1], fast[k])]  # the version it received
+    assert newest and newest[-1] - 1 > HISTORY, f"rank 2 resumed from version {newest}, not a jump"
+    assert not torch.equal(slow[1], fast[1]), "rank 2 got the weights after its own step, which had been dropped"
+    assert torch.equal(slow[-1], fast[-1]) and torch.equal(ranks[1]["history"][-1][2], fast[-1])
 
 
 @pytest.mark.unit

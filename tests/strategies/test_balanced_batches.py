@@ -48,10 +48,10 @@ def test_equal_speeds_train_todays_batches_bit_for_bit(tmp_path, uninterrupted, 
                timeout=180)  # fmt: skip
     balanced = _ranks(tmp_path)
     assert balanced[0]["decisions"] == [[[0, 0], [BATCH] * DEVICES]], "equal speeds changed the shares"
-    for rank, (a, b) in enumerate(zip(today, balanced)):
+    for rank, (a, b) in enumerate(zip(today, balanced, strict=True)):
         assert a["trained"] == b["trained"], rank
         assert len(a["history"]) == len(b["history"]) == 2 * SAMPLES // (BATCH * DEVICES), rank
-        for (epoch, batch, want), (_, _, got) in zip(a["history"], b["history"]):
+        for (epoch, batch, want), (_, _, got) in zip(a["history"], b["history"], strict=True):
             assert torch.equal(got, want), (rank, epoch, batch)
 
 
@@ -101,7 +101,7 @@ def test_a_slow_rank_trains_less_and_every_step_is_the_global_batchs(slow_runs, 
     accumulate = 2 if "--accumulate" in options else 1
     sizes = [[len(batch) for batch in rank["trained"]] for rank in ranks]
     assert len(sizes[0]) == len(sizes[1]) == 2 * SAMPLES // (BATCH * DEVICES)
-    assert all(a + b == BATCH * DEVICES for a, b in zip(*sizes)), sizes  # the global batch stays whole
+    assert all(a + b == BATCH * DEVICES for a, b in zip(*sizes, strict=True)), sizes  # the global batch stays whole
     assert sizes[1][0] == BATCH and min(sizes[1]) < BATCH, sizes  # equal at first, then the slow rank trains less
     decisions = ranks[0]["decisions"]
     assert len(decisions) >= 2 and decisions == ranks[1]["decisions"]

@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers.distributed import free_port
 from tests.helpers.launch import CLUSTER_VARIABLES, REPO, kill_process_tree, run_script, subprocess_env
+from tests.helpers.replicas import assert_continues
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,16 +25,6 @@ STRATEGIES = ["ring_allreduce", "parameter_server", "sharded_ps"]
 
 def _ranks(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
-
-
-def _assert_continues(full: list[dict], resumed: list[dict]) -> None:
-    """The resumed run ends with the uninterrupted run's weights, bit for bit, having trained exactly the batches
-    the uninterrupted run trained after the checkpoint."""
-    for rank, (a, b) in enumerate(zip(full, resumed)):
-        assert b["resumed_from"] is not None, rank
-        assert torch.equal(a["weights"], b["weights"]), (rank, (a["weights"] - b["weights"]).abs().max())
-        assert a["trained"][len(a["trained"]) - len(b["trained"]) :] == b["trained"], rank
-        assert 0 < len(b["trained"]) < len(a["trained"]), rank
 
 
 # ---------------------------------------------------------------------------------------------------- resume
@@ -52,7 +43,7 @@ def test_fit_from_a_mid_epoch_checkpoint_continues_exactly(tmp_path, uninterrupt
     run = run_script("midepoch", "--strategy", strategy, *options, "--resume-from", str(ckpt), "--out",
                      str(tmp_path), timeout=180, env={"PYTHONWARNINGS": "default"})  # fmt: skip
     assert "the sampler skips" in run.stdout and "not resumable" not in run.stdout, run.stdout[-3000:]
-    _assert_continues(full, _ranks(tmp_path))
+    assert_continues(full, _ranks(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------------- torchrun
@@ -78,7 +69,7 @@ def test_torchrun_restart_after_a_killed_rank_ends_with_the_uninterrupted_weight
     assert run.returncode == 0, run.stdout[-6000:]
     resumed = _ranks(tmp_path)
     assert all(r["resumed_from"].endswith("step=9.ckpt") for r in resumed)
-    _assert_continues(full, resumed)
+    assert_continues(full, resumed)
 
 
 def test_ranks_started_by_the_cluster_take_their_world_size_from_it(tmp_path, uninterrupted):
@@ -103,7 +94,7 @@ def test_ranks_started_by_the_cluster_take_their_world_size_from_it(tmp_path, un
         for proc in procs:
             proc.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
-    for a, b in zip(full, _ranks(tmp_path)):
+    for a, b in zip(full, _ranks(tmp_path), strict=True):
         assert torch.equal(a["weights"], b["weights"]) and a["trained"] == b["trained"]
 
 
@@ -217,7 +208,7 @@ def test_stray_ranks_dialing_the_port_leave_the_job_unaffected(tmp_path, uninter
         for proc in (ours, theirs):
             _kill_session(proc.pid)
     assert ours.returncode == 3 and "stray rank of an earlier launch" in refused, refused[-3000:]
-    for a, b in zip(full, _ranks(tmp_path)):
+    for a, b in zip(full, _ranks(tmp_path), strict=True):
         assert torch.equal(a["weights"], b["weights"])
     assert "Trainer.fit` stopped" in run.stdout
 

@@ -32,11 +32,15 @@ def runs(tmp_path_factory) -> FeatureRuns:
 @pytest.mark.parametrize("strategy", MATRIX)
 def test_fit_equals_ddp_after_every_step_with_identical_replicas(runs, strategy):
     """Uneven last batch, accumulate_grad_batches=2, clipping by norm, AdamW + StepLR, a frozen layer and a
-    branch only some samples use: the weights after every batch match ``ddp``'s, identical on both ranks."""
+    branch only some samples use: the weights after every batch match ``ddp``'s, identical on both ranks. AdamW and
+    the clipped norm hide a gradient's scale from the weights, so the averaged gradients before clipping are
+    compared too: a wrong divisor or a rank counted twice shows there."""
     ranks, ddp = runs.main(strategy), runs.main("ddp")
     history = ranks[0]["weights"]
     assert len(history) == 3 * 7  # 3 epochs of 7 batches, the last of 2 samples
     assert_replicas_follow(ranks, "weights", ddp[0]["weights"], "weights vs ddp")
+    assert len(ddp[0]["grads"]) == 12  # optimizer steps: 4 per epoch of 7 batches accumulated by 2
+    assert_replicas_follow(ranks, "grads", ddp[0]["grads"], "averaged gradients vs ddp")
     assert torch.equal(history[-1][:FROZEN], history[0][:FROZEN]), "the frozen layer moved"
     assert not torch.equal(history[-1][FROZEN:], history[0][FROZEN:]), "training did not move the weights"
 
@@ -52,7 +56,7 @@ def test_sync_dist_logging_and_validate_test_predict_match_ddp(runs, strategy):
             assert got == pytest.approx(want, rel=1e-5) and got == ranks[0][stage][0][key], (stage, rank)
         predictions, reference = ranks[rank]["predict"], ddp[rank]["predict"]
         assert len(predictions) == len(reference) == 2
-        for (index, out), (ref_index, ref_out) in zip(predictions, reference):
+        for (index, out), (ref_index, ref_out) in zip(predictions, reference, strict=True):
             assert torch.equal(index, ref_index)
             close(out, ref_out, f"rank {rank} predictions")
 
@@ -94,7 +98,8 @@ def test_batchnorm_buffers_follow_rank_zero_as_under_ddp(runs, strategy):
     assert len(ranks[0]["bn_weights"]) == 3
     assert_replicas_follow(ranks, "bn_weights", ddp[0]["bn_weights"], "BatchNorm model weights vs ddp")
     for rank in range(2):
-        for step, (got, want) in enumerate(zip(ranks[rank]["bn_buffers"], ddp[rank]["bn_buffers"])):
+        assert len(ranks[rank]["bn_buffers"]) == 3, f"rank {rank} recorded {len(ranks[rank]['bn_buffers'])} steps"
+        for step, (got, want) in enumerate(zip(ranks[rank]["bn_buffers"], ddp[rank]["bn_buffers"], strict=True)):
             assert torch.equal(got, ranks[0]["bn_buffers"][step]), f"rank {rank} buffers differ from rank 0's"
             close(got, want, f"rank {rank} BatchNorm buffers at step {step + 1}")
 

@@ -1,6 +1,7 @@
 """Ray Train as Ray documents it: ``TorchTrainer`` with 2 CPU workers, ``RayLightningEnvironment`` and
 ``devices="auto"``, every strategy by name and every class of :mod:`lightning_dp.ray` through ``prepare_trainer``,
-against ``RayDDPStrategy`` after every step."""
+against ``RayDDPStrategy`` after every step; Ray Train's restart after a killed worker (``FailureConfig``), resumed
+from the reported checkpoint, against the uninterrupted run. One launch of ``tests/scripts/ray_train.py`` for all."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ pytest.importorskip("ray.train.lightning", reason='Ray Train is not installed (p
 
 pytestmark = pytest.mark.multiprocess
 
+#: the strategies the script restarts (its RESTARTED)
+RESTARTED = ["ring_allreduce", "parameter_server", "sharded_ps"]
 VARIANTS = ["ring_allreduce", "parameter_server", "sharded_ps", "RayRingAllReduceStrategy",
             "RayParameterServerStrategy", "RayShardedParameterServerStrategy"]  # fmt: skip
 
@@ -47,3 +50,20 @@ def test_an_option_ray_overrides_is_named_once(ray_run):
     # the driver's log and Lightning's logger: count distinct worker pids)
     workers = {line.split("pid=", 1)[1].split(")", 1)[0] for line in said if "pid=" in line}
     assert len(workers) <= 2 and len({line.split(")", 1)[-1] for line in said}) <= 2
+
+
+@pytest.mark.parametrize("strategy", RESTARTED)
+def test_a_restart_after_a_killed_worker_ends_with_the_uninterrupted_weights(ray_run, strategy):
+    """Worker 1 SIGKILLed after step 6 of 8 (epoch 1 of 2); Ray Train starts both workers again, they resume from the
+    checkpoint reported at epoch 0's end (step 4) and finish with the uninterrupted run's weights, bit for bit, having
+    retrained exactly its steps 5 to 8."""
+    out, log = ray_run
+    assert (out / "restarted" / f"killed-{strategy}").exists(), log[-3000:]
+    full = [torch.load(out / "uninterrupted" / strategy / f"rank{r}.pt") for r in range(2)]
+    restarted = [torch.load(out / "restarted" / strategy / f"rank{r}.pt") for r in range(2)]
+    for rank, (a, b) in enumerate(zip(full, restarted, strict=True)):
+        assert a["resumed_step"] is None and b["resumed_step"] == 4, (rank, b["resumed_step"])
+        assert len(a["history"]) == 8 and len(b["history"]) == 4, rank
+        for step, (got, want) in enumerate(zip(b["history"], a["history"][4:], strict=True), start=5):
+            assert torch.equal(got, want), f"rank {rank}, step {step}"
+        assert torch.equal(a["weights"], b["weights"]), rank

@@ -1,14 +1,16 @@
 """A real single-host SLURM cluster (Debian's ``slurm-wlm`` and ``munge``, on loopback, started here and stopped
 after): every strategy as one ``srun`` job under Lightning's ``SLURMEnvironment``, the same weights as Lightning's
-own launch; the example app as one ``sbatch`` job (``examples/slurm/train.sbatch``, docs/clusters.md's script) with one
-run folder."""
+own launch; a job requeued mid-epoch by ``examples/slurm/train.sbatch``'s trap, ending with the uninterrupted
+weights; the example app as one ``sbatch`` job (docs/clusters.md's script) with one run folder."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 
 from tests.helpers import slurm
 from tests.helpers.launch import CLUSTER_VARIABLES, QUICK, REPO, subprocess_env
+from tests.helpers.replicas import assert_continues
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,8 +52,68 @@ def test_every_strategy_runs_as_one_slurm_job(cluster, tmp_path, uninterrupted, 
                           "-m", "tests.scripts.midepoch", "--strategy", strategy, "--out", str(job)],
                          cwd=REPO, env=_env(cluster), capture_output=True, text=True, timeout=240)  # fmt: skip
     assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
-    for a, b in zip(lightning, _ranks(job)):
+    for a, b in zip(lightning, _ranks(job), strict=True):
         assert torch.equal(a["weights"], b["weights"]) and a["trained"] == b["trained"]
+
+
+#: a job of two tasks that SLURM may requeue, with the example script's trap: USR1 (sent before a time limit)
+#: requeues it; the ranks resume from the newest checkpoint in their folder
+REQUEUED_JOB = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={out}/slurm-%j.out
+{trap}
+srun {python} -m tests.scripts.midepoch --strategy {strategy} --resume-from newest --pause-at-step 10 --out {out} &
+wait
+"""
+
+
+def _job_state(job_id: str, env: dict) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", shown))
+
+
+def test_a_job_requeued_mid_epoch_ends_with_the_uninterrupted_weights(cluster, tmp_path, uninterrupted):
+    """The path of a job at its time limit: SLURM signals the batch script (USR1), whose trap (the one of
+    ``examples/slurm/train.sbatch``) requeues the job; SLURM stops its tasks, paused after step 10, and starts the job
+    again (``SLURM_RESTART_COUNT=1``), which resumes from the step-9 checkpoint and finishes bit for bit where the
+    uninterrupted run did. One strategy: the requeue is SLURM's and the resume the one every strategy's torchrun
+    restart checks (tests/strategies/test_clusters.py)."""
+    strategy = "sharded_ps"
+    _, full = uninterrupted(strategy)
+    (trap,) = [line for line in (REPO / "examples" / "slurm" / "train.sbatch").read_text().splitlines()
+               if line.startswith("trap ")]  # fmt: skip
+    script = tmp_path / "requeued.sbatch"
+    script.write_text(REQUEUED_JOB.format(out=tmp_path, trap=trap, python=sys.executable, strategy=strategy))
+    env = _env(cluster)
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        _wait_for(lambda: all((tmp_path / f"paused-rank{r}").exists() for r in range(2)), 180, job_id, env, tmp_path)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30)
+        _wait_for(lambda: _job_state(job_id, env).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 240,
+                  job_id, env, tmp_path)  # fmt: skip
+    finally:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True, timeout=30)
+    state = _job_state(job_id, env)
+    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", (state, log[-5000:])
+    resumed = _ranks(tmp_path)
+    assert all(r["resumed_from"].endswith("step=9.ckpt") for r in resumed), log[-5000:]
+    assert_continues(full, resumed)
+
+
+def _wait_for(condition, seconds: float, job_id: str, env: dict, folder: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            log = "".join(p.read_text() for p in folder.glob("slurm-*.out"))
+            raise AssertionError(f"job {job_id} after {seconds} s: {_job_state(job_id, env)}\n{log[-5000:]}")
+        time.sleep(0.5)
 
 
 def test_the_example_app_as_one_sbatch_job_writes_one_run_folder(cluster, tmp_path):
