@@ -19,7 +19,7 @@ from lightning_dp.comm.stats import SyncStats
 from lightning_dp.strategies.base import DataParallelStrategy
 
 #: the metrics logged per optimizer step, under the monitor's prefix
-METRICS = ("bytes_sent", "bytes_received", "seconds", "exposed_seconds", "bandwidth_MBps")
+METRICS = ("bytes_sent", "bytes_received", "seconds", "exposed_seconds", "peer_wait_seconds", "bandwidth_MBps")
 
 
 @dataclass
@@ -66,8 +66,11 @@ class CommMonitor(Callback):
 
     Per step, through the Trainer's loggers (every ``log_every_n_steps``, as ``self.log`` does): ``comm/bytes_sent``
     and ``comm/bytes_received`` (gradient and weight traffic of this rank: the strategy's own counters), and for
-    this project's strategies ``comm/seconds`` (communication time, hidden or not), ``comm/exposed_seconds`` (the
-    part the step waited for) and ``comm/bandwidth_MBps`` (bytes sent per second of communication). Under
+    this project's strategies ``comm/seconds`` (communication time, hidden or not, each exchange from when its peers
+    were there: what the cost model predicts), ``comm/exposed_seconds`` (the part of it the step waited for, never
+    more), ``comm/peer_wait_seconds`` (exchanges waiting for slower peers before that: a slower rank's backward, not
+    the network; told apart where the transport marks its peers' arrival, the ring and shared memory) and
+    ``comm/bandwidth_MBps`` (bytes sent per second of communication). Under
     Lightning's ``ddp`` the bytes come from the model's size (the ring all-reduce's ``2 (N - 1) / N`` of the
     gradients); its communication runs inside ``DistributedDataParallel`` and is not timed.
 
@@ -93,7 +96,7 @@ class CommMonitor(Callback):
         self._steps = 0
         self._last_global_step = 0
         self._totals: dict[str, float] = {}
-        self._baseline: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)
+        self._baseline: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self._backward_start = 0.0
 
     # ------------------------------------------------------------------ set-up
@@ -165,7 +168,8 @@ class CommMonitor(Callback):
 
     @staticmethod
     def _totals_of(stats: SyncStats) -> tuple[float, ...]:
-        return (*stats.steps_bytes, stats.comm_seconds, stats.exposed_comm_seconds, stats.backward_seconds)
+        return (*stats.steps_bytes, stats.comm_seconds, stats.exposed_comm_seconds, stats.peer_wait_seconds,
+                stats.backward_seconds)  # fmt: skip
 
     def _step_metrics(self, trainer: pl.Trainer) -> dict[str, float] | None:
         """The mean per optimizer step of the steps this batch closed (several with several optimizers; none while
@@ -178,13 +182,14 @@ class CommMonitor(Callback):
                 return None
             self._steps_seen = stats.steps
             now = self._totals_of(stats)
-            sent, received, seconds, exposed, backward = (b - a for a, b in zip(self._baseline, now))
+            sent, received, seconds, exposed, peer_wait, backward = (b - a for a, b in zip(self._baseline, now))
             self._baseline = now
             metrics = {
                 "bytes_sent": sent / steps,
                 "bytes_received": received / steps,
                 "seconds": seconds / steps,
                 "exposed_seconds": exposed / steps,
+                "peer_wait_seconds": peer_wait / steps,
                 "bandwidth_MBps": sent / seconds / 1e6 if seconds > 0 else 0.0,
                 "backward": backward / steps,
             }
@@ -218,6 +223,7 @@ class CommMonitor(Callback):
             "bytes_received": predicted_bytes[1],
             "seconds": cost.seconds,
             "exposed_seconds": cost.exposed_seconds(backward),
+            "peer_wait_seconds": None,  # the model has no slow ranks
             "bandwidth_MBps": predicted_bytes[0] / cost.seconds / 1e6
             if predicted_bytes[0] is not None and cost.seconds > 0
             else None,

@@ -44,10 +44,11 @@ def test_monitor_logs_the_strategys_counters_and_the_prediction(tmp_path, strate
     # the averaged gradients back)
     assert logged == [tuple(map(float, c)) for c in result["counters"]]
     assert result["full_gradients"] is False or strategy == "ring_allreduce"
-    # the time a step waited for communication lies inside that step's batch
+    # the time a step waited for communication lies inside that step's batch, and inside the exchange it waited for
     for r, batch_seconds in zip(rows, result["batch_seconds"], strict=True):
-        assert 0 <= float(r["comm/exposed_seconds"]) <= batch_seconds, (r, batch_seconds)
-        assert float(r["comm/seconds"]) > 0
+        seconds, exposed = float(r["comm/seconds"]), float(r["comm/exposed_seconds"])
+        assert 0 <= exposed <= batch_seconds and exposed <= seconds, (r, batch_seconds)
+        assert seconds > 0 and float(r["comm/peer_wait_seconds"]) >= 0
     predicted = summary["predicted"]
     measured = summary["measured"]
     assert predicted["seconds"] > 0 and summary["link"]["bandwidth"] > 0

@@ -351,9 +351,10 @@ class BucketReducer:
     def _timed_reduce(self, bucket: GradientBucket) -> None:
         self.execution.run(self.reduce_bucket, bucket)
 
-    def take_timing(self) -> tuple[float, float]:
-        """``(communication seconds, seconds backward's caller waited for it)`` since the last call; resets both. On a
-        CUDA device both are the device's time, as far as its events completed (see :mod:`~.execution`)."""
+    def take_timing(self) -> tuple[float, float, float]:
+        """``(communication seconds, seconds of them backward's caller waited for, seconds the exchanges waited for
+        slower peers)`` since the last call; resets them. On a CUDA device the first two are the device's time, as
+        far as its events completed, and the peers' wait is inside the exchanges (see :mod:`~.execution`)."""
         return self.execution.take_timing()
 
     def finish(self, copy_back: bool = True) -> None:

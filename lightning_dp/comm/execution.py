@@ -1,6 +1,10 @@
 """Where the communication thread runs a bucket's exchange, and how long it took.
 
-:class:`HostExecution` (CPU buckets): the exchange runs on the thread, and the host clock times it.
+:class:`HostExecution` (CPU buckets): the exchange runs on the thread, and the host clock times it. A transport
+marks when an exchange first heard from its peers (:func:`peers_arrived`: its first receive done, its first barrier
+passed); the time before is this rank waiting for slower peers (their backward still running), counted apart from
+the exchange, which runs from then to its end. The caller's wait counts as exposed only while an exchange runs, so
+the exposed seconds never exceed the exchange's.
 
 :class:`CudaExecution` (buckets on a CUDA device), the ordering DDP's reducer uses:
 
@@ -21,6 +25,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,15 +39,30 @@ if TYPE_CHECKING:
 #: ``(start, end)`` events around a span of device time
 EventPair = tuple[torch.cuda.Event, torch.cuda.Event]
 
+#: per thread: ``arrived`` is ``None`` while an exchange runs whose peers have not been heard from yet, then the time
+#: they were; absent (or a number) outside an exchange
+_exchange = threading.local()
+
+
+def peers_arrived() -> None:
+    """Mark that the exchange running on this thread has heard from its peers (its first receive returned, its first
+    barrier passed). Only the first call of an exchange counts; outside one (a caller's own communication, a
+    benchmark) it does nothing."""
+    if getattr(_exchange, "arrived", 0.0) is None:
+        _exchange.arrived = time.perf_counter()
+
 
 class HostExecution:
-    """Exchanges of CPU buckets: run as they come, timed by the host clock."""
+    """Exchanges of CPU buckets: run as they come, timed by the host clock (see the module docstring)."""
 
     def __init__(self) -> None:
         self._seconds = 0.0
+        self._peer_wait = 0.0
         self._blocking = 0.0
         self._waited = 0.0
         self._wait_started = 0.0
+        #: the round's exchanges, each from its peers' arrival to its end (appended by the communication thread)
+        self._spans: list[tuple[float, float]] = []
 
     def thread_started(self) -> None:
         """Prepare the communication thread (once, before its first exchange)."""
@@ -50,18 +70,26 @@ class HostExecution:
     def run(self, exchange: Callable[[GradientBucket], None], bucket: GradientBucket) -> None:
         """Run ``exchange(bucket)`` on the communication thread, after the bucket's gradients were written."""
         start = time.perf_counter()
+        _exchange.arrived = None
         try:
             exchange(bucket)
         finally:
-            self._seconds += time.perf_counter() - start
+            end, arrived = time.perf_counter(), _exchange.arrived
+            _exchange.arrived = 0.0
+            arrived = start if arrived is None else arrived  # a transport that never marked: no wait told apart
+            self._peer_wait += arrived - start
+            self._seconds += end - arrived
+            self._spans.append((arrived, end))
 
     def begin_wait(self) -> None:
         """The caller starts waiting for the round's exchanges: backward's own work is queued."""
         self._wait_started = time.perf_counter()
 
     def end_wait(self) -> None:
-        """The caller's wait for the exchanges returned (or failed)."""
-        self._waited += time.perf_counter() - self._wait_started
+        """The caller's wait for the exchanges returned (or failed): the part of it an exchange ran is exposed."""
+        start, end, spans = self._wait_started, time.perf_counter(), self._spans
+        self._spans = []
+        self._waited += sum(max(0.0, min(end, done) - max(start, arrived)) for arrived, done in spans)
 
     def join(self) -> None:
         """After every exchange of a round returned: make what reads the buckets next wait for them."""
@@ -75,13 +103,14 @@ class HostExecution:
         finally:
             self._blocking += time.perf_counter() - start
 
-    def take_timing(self) -> tuple[float, float]:
-        """``(communication seconds, seconds of them the caller waited for)`` since the last call, as far as they are
-        known: the exchanges on the communication thread and the caller's waits for them, and :meth:`blocking`
-        communication (counted in both)."""
-        seconds, blocking, waited = self._seconds, self._blocking, self._waited
-        self._seconds = self._blocking = self._waited = 0.0
-        return seconds + blocking, waited + blocking
+    def take_timing(self) -> tuple[float, float, float]:
+        """``(communication seconds, seconds of them the caller waited for, seconds exchanges waited for slower
+        peers)`` since the last call, as far as they are known: the exchanges on the communication thread (from
+        their peers' arrival) and the caller's waits while they ran, and :meth:`blocking` communication (counted in
+        the first two)."""
+        seconds, blocking, waited, peer_wait = self._seconds, self._blocking, self._waited, self._peer_wait
+        self._seconds = self._blocking = self._waited = self._peer_wait = 0.0
+        return seconds + blocking, waited + blocking, peer_wait
 
 
 class CudaExecution(HostExecution):
@@ -140,14 +169,15 @@ class CudaExecution(HostExecution):
         finally:
             self._caller_spans.append((start, _timing_event(caller)))
 
-    def take_timing(self) -> tuple[float, float]:
+    def take_timing(self) -> tuple[float, float, float]:
+        # the device's clock cannot see when peers arrived: their wait stays inside the exchanges
         self._exchanges, exchanges = _split_completed(self._exchanges)
         self._waits, waits = _split_completed(self._waits)
         self._caller_spans, spans = _split_completed(self._caller_spans)
         seconds = sum(start.elapsed_time(end) for start, end in exchanges) / 1e3
         waited = sum(max(0.0, start.elapsed_time(end)) for start, end in waits) / 1e3
         blocking = sum(start.elapsed_time(end) for start, end in spans) / 1e3
-        return seconds + blocking, waited + blocking
+        return seconds + blocking, waited + blocking, 0.0
 
 
 def execution_for(device: torch.device) -> HostExecution:

@@ -52,17 +52,20 @@ class SyncStats(CommStats):
     #: ``(sent, received)`` bytes of every closed step so far
     steps_bytes: tuple[int, int] = (0, 0)
     #: seconds of gradient / weight communication so far, and the part of it the training loop waited for (the
-    #: rest ran hidden behind backward)
+    #: rest ran hidden behind backward); an exchange counts from when its peers were there
     comm_seconds: float = 0.0
     exposed_comm_seconds: float = 0.0
+    #: seconds exchanges spent waiting for slower peers before that (where the transport tells: the ring, shared
+    #: memory; see :func:`lightning_dp.comm.execution.peers_arrived`)
+    peer_wait_seconds: float = 0.0
     #: seconds of backward computation so far (without the wait for the gradient exchange at its end)
     backward_seconds: float = 0.0
     #: optimizer steps closed so far
     steps: int = 0
 
-    def end_step(self, comm_seconds: float = 0.0, waited_seconds: float = 0.0) -> None:
+    def end_step(self, comm_seconds: float = 0.0, waited_seconds: float = 0.0, peer_wait_seconds: float = 0.0) -> None:
         """Close a step: its bytes become :attr:`last_step_bytes`; ``comm_seconds`` of communication ran, of which
-        the training loop waited ``waited_seconds``."""
+        the training loop waited ``waited_seconds``, after ``peer_wait_seconds`` waiting for slower peers."""
         self.last_step_bytes = self.reset()
         self.steps_bytes = (
             self.steps_bytes[0] + self.last_step_bytes[0],
@@ -70,6 +73,7 @@ class SyncStats(CommStats):
         )
         self.comm_seconds += comm_seconds
         self.exposed_comm_seconds += waited_seconds
+        self.peer_wait_seconds += peer_wait_seconds
         self.steps += 1
 
 

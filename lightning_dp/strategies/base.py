@@ -368,8 +368,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     def end_step(self, blocking_seconds: float = 0.0) -> None:
         """Book-keeping after an optimizer step; ``blocking_seconds`` of communication ran on the main thread."""
-        comm, waited = self.reducer.take_timing() if self.reducer is not None else (0.0, 0.0)
-        self.sync_stats.end_step(comm + blocking_seconds, waited + blocking_seconds)
+        comm, waited, peer_wait = self.reducer.take_timing() if self.reducer is not None else (0.0, 0.0, 0.0)
+        self.sync_stats.end_step(comm + blocking_seconds, waited + blocking_seconds, peer_wait)
 
     # ------------------------------------------------------------------ the cost model's view of this run
     def cost_scheme(self) -> Scheme:

@@ -161,15 +161,15 @@ def test_device_time_counts_each_exchange_and_the_callers_wait_once_completed(fa
     assert waited_for is last_done
     work_done.time = last_done.time - 4.0  # backward's own work ended 4 s before the last exchange did
     last_done.completed = False  # which is still running
-    assert execution.take_timing() == (pytest.approx(6.0), 0.0)  # the first exchange only; the wait is not known yet
+    assert execution.take_timing() == (pytest.approx(6.0), 0.0, 0.0)  # the first exchange only; the wait unknown yet
     last_done.completed = True
-    assert execution.take_timing() == (pytest.approx(6.0), pytest.approx(4.0))
-    assert execution.take_timing() == (0.0, 0.0)
+    assert execution.take_timing() == (pytest.approx(6.0), pytest.approx(4.0), 0.0)
+    assert execution.take_timing() == (0.0, 0.0, 0.0)
     # a caller whose own work ends after the exchanges waited for nothing (not a negative time)
     execution.run(exchange, Bucket())
     execution.begin_wait()
     execution.join()
-    assert execution.take_timing() == (pytest.approx(6.0), 0.0)
+    assert execution.take_timing() == (pytest.approx(6.0), 0.0, 0.0)
 
 
 def test_communication_the_caller_runs_counts_as_exposed(fake_cuda, monkeypatch):
@@ -180,15 +180,50 @@ def test_communication_the_caller_runs_counts_as_exposed(fake_cuda, monkeypatch)
         fake_cuda.clock += 3.0
     [(_, end)] = execution._caller_spans
     end.completed = False
-    assert execution.take_timing() == (0.0, 0.0)
+    assert execution.take_timing() == (0.0, 0.0, 0.0)
     end.completed = True
-    assert execution.take_timing() == (pytest.approx(4.0), pytest.approx(4.0))
+    assert execution.take_timing() == (pytest.approx(4.0), pytest.approx(4.0), 0.0)
     host = HostExecution()
     clock = iter([10.0, 12.5, 20.0, 21.0])
     monkeypatch.setattr(execution_module.time, "perf_counter", lambda: next(clock))
     with host.blocking():
         pass
-    host.begin_wait()  # on CPUs the host's wait for the exchanges is the exposed time
+    host.begin_wait()  # a wait while no exchange runs is not communication
     host.end_wait()
-    assert host.take_timing() == (2.5, 3.5)
-    assert host.take_timing() == (0.0, 0.0)
+    assert host.take_timing() == (2.5, 2.5, 0.0)
+    assert host.take_timing() == (0.0, 0.0, 0.0)
+
+
+def test_on_the_host_the_wait_for_peers_is_apart_and_exposed_is_only_while_an_exchange_runs(monkeypatch):
+    """Two exchanges on the host: the first hears from its peers 3 s after it starts (a slower rank's backward),
+    the second at once (no mark); the caller waits from 14 to 30, of which the exchanges ran 14 to 18 and 25 to 27."""
+    now = [0.0]
+    monkeypatch.setattr(execution_module.time, "perf_counter", lambda: now[0])
+    host = HostExecution()
+
+    def exchange_after_peers(at: float, end: float):
+        def exchange(bucket):
+            now[0] = at
+            execution_module.peers_arrived()
+            execution_module.peers_arrived()  # only the first mark of an exchange counts
+            now[0] = end
+
+        return exchange
+
+    now[0] = 10.0
+    host.run(exchange_after_peers(13.0, 18.0), bucket=None)  # peers at 13: 3 s waiting for them, 5 s exchanging
+    now[0] = 14.0
+    host.begin_wait()
+
+    def unmarked(bucket):
+        now[0] = 27.0
+
+    now[0] = 25.0
+    host.run(unmarked, bucket=None)  # no mark: all of it is the exchange
+    now[0] = 30.0
+    host.end_wait()
+    seconds, exposed, peer_wait = host.take_timing()
+    assert (seconds, exposed, peer_wait) == (pytest.approx(7.0), pytest.approx(6.0), pytest.approx(3.0))
+    assert exposed <= seconds
+    execution_module.peers_arrived()  # outside an exchange: nothing
+    assert host.take_timing() == (0.0, 0.0, 0.0)

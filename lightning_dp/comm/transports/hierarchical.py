@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.comm.execution import peers_arrived
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports.ring import (
     REDUCE_OPS,
@@ -159,6 +160,7 @@ class HierarchicalAllReduce:
         if self.memory.input(slot, numel, dtype).data_ptr() != region.data_ptr():
             raise ValueError(f"reduce_in_place takes slot {slot}'s input region (buffer()), not another tensor")
         self.memory.barrier()
+        peers_arrived()
         lo, hi = self.slice(numel)
         if hi > lo:
             parts = [whole[lo:hi] for whole in self._input_regions(slot, numel, dtype)]
@@ -196,6 +198,7 @@ class HierarchicalAllReduce:
             mine.copy_(flat)
         result = self.memory.result(slot, self._parity[slot], numel, dtype)
         self.memory.barrier()
+        peers_arrived()
         lo, hi = self.slice(numel)
         if hi > lo:
             parts = [whole[lo:hi] for whole in self._input_regions(slot, numel, dtype)]
