@@ -69,7 +69,7 @@ class CommMonitor(Callback):
     this project's strategies ``comm/seconds`` (communication time, hidden or not, each exchange from when its peers
     were there: what the cost model predicts), ``comm/exposed_seconds`` (the part of it the step waited for, never
     more), ``comm/peer_wait_seconds`` (exchanges waiting for slower peers before that: a slower rank's backward, not
-    the network; told apart where the transport marks its peers' arrival, the ring and shared memory) and
+    the network; told apart where the transport can mark its peers' arrival: shared memory) and
     ``comm/bandwidth_MBps`` (bytes sent per second of communication). Under
     Lightning's ``ddp`` the bytes come from the model's size (the ring all-reduce's ``2 (N - 1) / N`` of the
     gradients); its communication runs inside ``DistributedDataParallel`` and is not timed.

@@ -1,5 +1,4 @@
-"""Test tiers: every test is ``unit`` or ``multiprocess``, optionally also ``netns``, ``slow``, ``gpu`` or
-``exclusive``.
+"""Test tiers: every test is ``unit`` or ``multiprocess``, optionally also ``netns``, ``slow`` or ``gpu``.
 
 python -m pytest -m unit                  # in-process tests only, well under a minute
 python -m pytest -m "not slow"            # everything but the longest launches
@@ -8,17 +7,11 @@ python -m pytest                          # everything (netns, SLURM, Ray and gp
 With ``LIGHTNING_DP_REQUIRE_TIERS=1`` (set by ``.ci/run``) a test that skips fails instead, naming its reason, unless
 it is a ``gpu`` test: CI runs every tier but the GPU ones, and a tier that cannot run there is an error, not a pass.
 
-The tests run in pytest-xdist workers (``-n auto``: 2 on 2 to 11 CPUs, up to 4 on more; ``-n 0`` runs them in this
-process). A test file is one unit of work: its module-scoped launches stay shared. Files that share more (the
-session's uninterrupted runs, the emulated hosts) run on one worker together (:data:`FILE_GROUPS`). An ``exclusive``
-test runs while no other test does.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
 
 import pytest
 
@@ -31,16 +24,6 @@ MARKERS = {
     "netns": "builds emulated hosts in network namespaces (needs root, iproute2 and tc; skipped otherwise)",
     "slow": "a single test that takes over ~30 s on 2 CPU cores",
     "gpu": "needs CUDA (skipped without it)",
-    "exclusive": "runs while no other test runs: what it asserts depends on having the CPUs to itself",
-}
-#: test files run by one worker, one after the other: those that use the session's ``uninterrupted`` runs
-#: (tests/strategies/conftest.py), and those that build emulated hosts (one set of namespaces at a time)
-FILE_GROUPS = {
-    "tests/strategies/test_balanced_batches.py": "uninterrupted",
-    "tests/strategies/test_clusters.py": "uninterrupted",
-    "tests/strategies/test_slurm.py": "uninterrupted",
-    "tests/strategies/test_multi_node.py": "netns",
-    "tests/test_benchmarks_run.py": "netns",
 }
 
 
@@ -74,43 +57,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "@pytest.mark.multiprocess (starts processes), per test or as the module's pytestmark; "
             "see tests/conftest.py:\n" + "\n".join(wrong)
         )
-    for item in items:  # the unit pytest-xdist's --dist loadgroup hands a worker: a file, or a group of files
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(name=FILE_GROUPS.get(path, path)))
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: two workers up to 11 CPUs (a launch of 2 to 4 ranks leaves half of 2 cores idle while its ranks
-    import, rendezvous and wait), one more per 4 CPUs above, at most 4."""
-    return max(2, min(4, (os.cpu_count() or 1) // 4))
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Under pytest-xdist every test holds a shared lock of the run while it runs, an ``exclusive`` one the lock
-    alone."""
-    lock = _run_lock(item.config)
-    if lock is None:
-        return (yield)
-    fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH)
-    try:
-        return (yield)
-    finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _run_lock(config: pytest.Config) -> int | None:
-    """This worker's descriptor of the run's lock file (``None`` outside pytest-xdist's workers)."""
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None:
-        return None
-    if _RUN_LOCK not in config.stash:
-        path = os.path.join(tempfile.gettempdir(), f"lightning-dp-tests-{workerinput['testrunuid']}.lock")
-        config.stash[_RUN_LOCK] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    return config.stash[_RUN_LOCK]
-
-
-_RUN_LOCK = pytest.StashKey[int]()
 
 
 #: set by CI: every tier but the GPU tests must run (see the module docstring)
@@ -120,7 +66,7 @@ REQUIRE_TIERS = os.environ.get("LIGHTNING_DP_REQUIRE_TIERS") == "1"
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
-    if REQUIRE_TIERS and report.skipped and item.get_closest_marker("gpu") is None:
+    if REQUIRE_TIERS and report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu") is None:
         _fail_skip(report, item.nodeid)
     return report
 
@@ -152,10 +98,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The shared-memory transports leave nothing in /dev/shm, also after the tests that kill ranks (checked once
-    every test has run: by the controller under pytest-xdist, whose workers run side by side)."""
-    if hasattr(session.config, "workerinput"):
-        return
+    """The shared-memory transports leave nothing in /dev/shm, also after the tests that kill ranks."""
     left = _shared_memory_segments() - session.config.stash.get(_SEGMENTS_BEFORE, set())
     if left:
         print(f"\nshared-memory segments left behind by the test run: {sorted(left)}")

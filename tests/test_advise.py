@@ -87,7 +87,6 @@ def _shape(value):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.exclusive  # the time bound is the command's on an idle machine
 def test_the_command_runs_offline_in_well_under_a_minute_with_stable_json():
     measured, seconds = _advise("model=reference_cnn", "trainer.devices=4", "trainer.num_nodes=2")
     assert seconds < 50

@@ -1,10 +1,12 @@
 """Where the communication thread runs a bucket's exchange, and how long it took.
 
 :class:`HostExecution` (CPU buckets): the exchange runs on the thread, and the host clock times it. A transport
-marks when an exchange first heard from its peers (:func:`peers_arrived`: its first receive done, its first barrier
-passed); the time before is this rank waiting for slower peers (their backward still running), counted apart from
-the exchange, which runs from then to its end. The caller's wait counts as exposed only while an exchange runs, so
-the exposed seconds never exceed the exchange's.
+that can tell marks when an exchange's peers were all there (:func:`peers_arrived`; shared memory: its first
+barrier passed, one barrier's latency after the last peer arrived); the time before is this rank waiting for slower
+peers (their backward still running), counted apart from the exchange, which runs from then to its end. Over
+sockets no receive tells when every peer started (the first one to arrive carries a transfer, and in a ring only
+the left neighbour's lateness), so there the wait stays inside the exchange. The caller's wait counts as exposed
+only while an exchange runs, so the exposed seconds never exceed the exchange's.
 
 :class:`CudaExecution` (buckets on a CUDA device), the ordering DDP's reducer uses:
 
@@ -45,9 +47,9 @@ _exchange = threading.local()
 
 
 def peers_arrived() -> None:
-    """Mark that the exchange running on this thread has heard from its peers (its first receive returned, its first
-    barrier passed). Only the first call of an exchange counts; outside one (a caller's own communication, a
-    benchmark) it does nothing."""
+    """Mark that every peer of the exchange running on this thread has arrived (shared memory: its first barrier
+    passed). Only the first call of an exchange counts; outside one (a caller's own communication, a benchmark) it
+    does nothing."""
     if getattr(_exchange, "arrived", 0.0) is None:
         _exchange.arrived = time.perf_counter()
 

@@ -55,8 +55,8 @@ class SyncStats(CommStats):
     #: rest ran hidden behind backward); an exchange counts from when its peers were there
     comm_seconds: float = 0.0
     exposed_comm_seconds: float = 0.0
-    #: seconds exchanges spent waiting for slower peers before that (where the transport tells: the ring, shared
-    #: memory; see :func:`lightning_dp.comm.execution.peers_arrived`)
+    #: seconds exchanges spent waiting for slower peers before that (where the transport tells: shared memory; see
+    #: :func:`lightning_dp.comm.execution.peers_arrived`)
     peer_wait_seconds: float = 0.0
     #: seconds of backward computation so far (without the wait for the gradient exchange at its end)
     backward_seconds: float = 0.0

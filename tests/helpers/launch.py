@@ -99,11 +99,13 @@ def run_processes(
     exits non-zero the others get :data:`FAILURE_GRACE_SECONDS`; at ``timeout`` all are killed, and nothing is left
     running either way."""
     logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]
-    with COUNTER.one_launch():
-        procs = [WARM.start(command, e, cwd, log) for e, log in zip(envs, logs, strict=True)]
+    procs: list[subprocess.Popen | WarmProcess] = []
     deadline = time.monotonic() + timeout
     timed_out = False
     try:
+        with COUNTER.one_launch():
+            for env, log in zip(envs, logs, strict=True):
+                procs.append(WARM.start(command, env, cwd, log))
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 timed_out = True

@@ -1,18 +1,17 @@
 """Per test file: tests run, launches, seconds — printed at the end of every run, so that CI's log shows where its
-time goes and a budget per file can be held. Under pytest-xdist each worker counts its own and the controller adds
-them up; the seconds of a file are its tests' own, side by side with other files' in another worker.
+time goes and a budget per file can be held.
 
 A launch is one job started from the test process: one call of :func:`tests.helpers.launch.run_processes` or of
 :func:`tests.helpers.distributed.run_distributed` (however many processes it starts), or one Python, ``torchrun``,
 ``srun`` or ``sbatch`` command started directly (also inside an emulated host, by ``ip netns exec``). The processes
-a launched job starts itself (Lightning's ranks, servers) are part of its launch.
+a launched job starts itself (Lightning's ranks, servers) are part of its launch; a DataLoader's workers are none.
 """
 
 from __future__ import annotations
 
-import multiprocessing.process
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,22 +35,28 @@ class LaunchCounter:
 
     def __init__(self) -> None:
         self.total = 0
-        self._depth = 0
+        self._lock = threading.Lock()
+        self._inside = threading.local()  # launches may start from several threads of a test at once
 
     @contextmanager
     def one_launch(self) -> Iterator[None]:
-        """Everything started inside is one launch."""
-        if self._depth == 0:
-            self.total += 1
-        self._depth += 1
+        """Everything this thread starts inside is one launch."""
+        depth = getattr(self._inside, "depth", 0)
+        if depth == 0:
+            self._count()
+        self._inside.depth = depth + 1
         try:
             yield
         finally:
-            self._depth -= 1
+            self._inside.depth = depth
 
     def started(self, command: object) -> None:
         """A process was started directly: a launch if it runs one of :data:`LAUNCH_COMMANDS`."""
-        if self._depth == 0 and _is_launch(command):
+        if getattr(self._inside, "depth", 0) == 0 and _is_launch(command):
+            self._count()
+
+    def _count(self) -> None:
+        with self._lock:
             self.total += 1
 
 
@@ -78,25 +83,18 @@ class LaunchReport:
         self.files: dict[str, FileCount] = {}
         self._started = time.monotonic()
         self._popen_init = subprocess.Popen.__init__
-        self._process_start = multiprocessing.process.BaseProcess.start
 
     def install(self) -> None:
-        popen_init, process_start = self._popen_init, self._process_start
+        popen_init = self._popen_init
 
         def counted_popen_init(popen, args, *rest, **kwargs):
             COUNTER.started(args)
             popen_init(popen, args, *rest, **kwargs)
 
-        def counted_process_start(process):
-            COUNTER.started(["python"])
-            process_start(process)
-
         subprocess.Popen.__init__ = counted_popen_init  # type: ignore[method-assign]
-        multiprocessing.process.BaseProcess.start = counted_process_start  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
         subprocess.Popen.__init__ = self._popen_init  # type: ignore[method-assign]
-        multiprocessing.process.BaseProcess.start = self._process_start  # type: ignore[method-assign]
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
@@ -112,21 +110,6 @@ class LaunchReport:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self._started = time.monotonic()
 
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """A pytest-xdist worker hands its counts to the controller."""
-        workeroutput = getattr(session.config, "workeroutput", None)
-        if workeroutput is not None:
-            workeroutput["launch_report"] = {name: vars(count) for name, count in self.files.items()}
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_testnodedown(self, node, error) -> None:
-        """The controller adds up a worker's counts."""
-        for name, got in getattr(node, "workeroutput", {}).get("launch_report", {}).items():
-            count = self.files.setdefault(name, FileCount())
-            count.tests += got["tests"]
-            count.launches += got["launches"]
-            count.seconds += got["seconds"]
-
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.files:
             return
@@ -139,8 +122,4 @@ class LaunchReport:
         total = FileCount(sum(c.tests for c in self.files.values()), sum(c.launches for c in self.files.values()),
                           sum(c.seconds for c in self.files.values()))  # fmt: skip
         terminalreporter.write_line(f"{'all':<{width}}  {total.tests:>5}  {total.launches:>8}  {total.seconds:>8.1f}")
-        workers = getattr(terminalreporter.config.option, "numprocesses", None) or 0
-        terminalreporter.write_line(
-            f"wall clock {time.monotonic() - self._started:.1f} s, "
-            + (f"tests in {workers} pytest-xdist workers" if workers else "tests in this process")
-        )
+        terminalreporter.write_line(f"wall clock {time.monotonic() - self._started:.1f} s")

@@ -10,8 +10,9 @@ launcher starts are fresh interpreters, as in a user's run.
 
 A launch starts cold (a plain ``subprocess.Popen``) when its command is not ``python -m ...`` or ``python <file>``,
 when its environment differs from the warm process's in a variable that may be read at import time (anything but
-:data:`RUN_TIME_VARIABLES`), and always with ``LIGHTNING_DP_TEST_WARM=0``. The warm process forks only while it is
-single-threaded (checked when it starts) and exits when the test process does.
+:data:`RUN_TIME_VARIABLES` and :data:`SET_BY_IMPORTS`), when the warm process cannot start or has died (said once
+on stderr), and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm process forks only
+while it is single-threaded (checked when it starts) and exits when the test process does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -32,10 +34,14 @@ from pathlib import Path
 #: what the warm process imports once
 PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_dp", "lightning_dp.strategies", "hydra",
            "omegaconf", "torchvision", "tests.scripts.models")  # fmt: skip
-#: variables a launch may set differently from the warm process: read when the code runs, never at import
+#: variables a launch may set differently from the warm process: what the preloaded modules read of them at
+#: import (Lightning's rank for its rank-zero helpers) the launched code sets again before it matters
 RUN_TIME_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
                       "LIGHTNING_DP_TEST_", "LIGHTNING_DP_PARTITION_BYTES", "LIGHTNING_DP_JOB_SECRET",
                       "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST")  # fmt: skip
+#: variables the preloaded imports set in their own process (torch's compile cache, Lightning's NVML check): a fresh
+#: interpreter sets them the same way, whether the launch's environment has them or not
+SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 _STATUS = struct.Struct("!q")
 
 
@@ -83,26 +89,43 @@ class WarmStarter:
         self._cwd = cwd
         self._process: subprocess.Popen | None = None
         self._address = ""
+        self._folder = ""
         self._lock = threading.Lock()  # launches may start from several threads at once
         self.enabled = os.environ.get("LIGHTNING_DP_TEST_WARM", "1") != "0"
 
     def start(self, command: list[str], env: dict[str, str], cwd: Path, output) -> subprocess.Popen | WarmProcess:
-        """Start ``command`` with ``env`` in ``cwd``, stdout and stderr to the file ``output``."""
+        """Start ``command`` with ``env`` in ``cwd``, stdout and stderr to the file ``output``. The process is in a
+        session of its own when this returns."""
         request = self._request(command, env, cwd)
-        if request is None or not self._ensure_running():
-            return subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)  # fmt: skip
+        if request is not None and self._ensure_running():
+            try:
+                return self._fork(request, output)
+            except (OSError, struct.error) as error:  # the warm process is gone: this launch and the next cold
+                self._give_up(f"the warm interpreter stopped answering ({error!r})")
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
+
+    def _fork(self, request: _Request, output) -> WarmProcess:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        connection.connect(self._address)
-        socket.send_fds(connection, [pickle.dumps(request)], [output.fileno()])
-        pid = _STATUS.unpack(connection.recv(_STATUS.size))[0]
+        try:
+            connection.connect(self._address)
+            socket.send_fds(connection, [pickle.dumps(request)], [output.fileno()])
+            pid = _STATUS.unpack(connection.recv(_STATUS.size))[0]  # sent once the child has its own session
+        except BaseException:
+            connection.close()
+            raise
         return WarmProcess(pid, connection)
+
+    def _give_up(self, why: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"tests: {why}; launches start cold from now on\n")
+        self.enabled = False
 
     def _request(self, command: list[str], env: dict[str, str], cwd: Path) -> _Request | None:
         if not self.enabled or not command or command[0] != sys.executable or len(command) < 2:
             return None
         differing = {k for k in env.keys() | self._base_env.keys() if env.get(k) != self._base_env.get(k)}
-        if any(not k.startswith(RUN_TIME_VARIABLES) for k in differing):
+        if any(not k.startswith(RUN_TIME_VARIABLES) and k not in SET_BY_IMPORTS for k in differing):
             return None
         if command[1] == "-m" and len(command) > 2:
             return _Request(command[2:], True, dict(env), str(cwd))
@@ -115,19 +138,23 @@ class WarmStarter:
             return self._start_once()
 
     def _start_once(self) -> bool:
+        if not self.enabled:
+            return False
         if self._process is not None and self._process.poll() is None:
             return True
-        if self._process is not None:  # it died: launches start cold from now on
+        if self._process is not None:
+            self._give_up(f"the warm interpreter exited ({self._process.returncode})")
             return False
-        self._address = os.path.join(tempfile.mkdtemp(prefix="lddp-warm-"), "socket")
+        self._folder = tempfile.mkdtemp(prefix="lddp-warm-")
+        self._address = os.path.join(self._folder, "socket")
         code = f"from tests.helpers.warm import serve; serve({self._address!r})"
         self._process = subprocess.Popen([sys.executable, "-c", code], cwd=self._cwd, env=self._base_env,
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # fmt: skip
         deadline = time.monotonic() + 120
         while not os.path.exists(self._address):
             if self._process.poll() is not None or time.monotonic() > deadline:
-                code = self._process.poll()
-                raise RuntimeError(f"the warm interpreter for test launches did not start (exit {code})")
+                self._give_up(f"the warm interpreter did not start (exit {self._process.poll()})")
+                return False
             time.sleep(0.05)
         return True
 
@@ -135,6 +162,8 @@ class WarmStarter:
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def serve(address: str) -> None:
@@ -167,14 +196,21 @@ def _serve_until_forked(address: str) -> tuple[_Request, int]:
             request = pickle.loads(message)
             sys.stdout.flush()
             sys.stderr.flush()
+            in_session, session_made = os.pipe()
             pid = os.fork()
             if pid == 0:
+                os.setsid()  # before the test learns the pid: it may kill the whole session at once
+                os.close(in_session)
+                os.close(session_made)
                 listener.close()
                 connection.close()
                 for other in children.values():
                     other.close()
                 return request, fds[0]
             os.close(fds[0])
+            os.close(session_made)
+            os.read(in_session, 1)  # returns at the child's close of its end, after setsid
+            os.close(in_session)
             connection.send(_STATUS.pack(pid))
             children[pid] = connection
         while children:
@@ -190,11 +226,11 @@ def _serve_until_forked(address: str) -> tuple[_Request, int]:
 
 
 def _become(request: _Request, output: int) -> None:
-    """Turn this forked child into ``python [-m] argv``: session, files, environment, seeds, then run it."""
+    """Turn this forked child (already in a session of its own) into ``python [-m] argv``: files, environment,
+    seeds, then run it."""
     import random
     import runpy
 
-    os.setsid()
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.close(output)

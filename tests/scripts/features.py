@@ -103,24 +103,31 @@ class FeatureModel(RegressionModel):
 
 
 class Record(L.Callback):
-    """Per step: the ``sync_dist`` logged loss and the averaged gradients before clipping (the fit clips by norm, so
-    reading them changes no strategy's path); at set-up: this rank's TCP sockets."""
+    """Per step: the ``sync_dist`` logged loss; at set-up: this rank's TCP sockets."""
 
     def __init__(self) -> None:
         self.logged: list[float] = []
-        self.grads: list[torch.Tensor] = []
         self.sockets: list[dict] = []
 
     def on_train_start(self, trainer, pl_module):
         self.sockets = tcp_sockets()
 
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.logged.append(float(trainer.callback_metrics["train_loss_step"]))
+
+
+class RecordGradients(L.Callback):
+    """Per optimizer step, the averaged gradients before clipping. Only where every rank holds them anyway (``ddp``,
+    ``ring_allreduce``): a callback reading gradients makes the parameter servers send them back, another path than
+    the one the feature matrix checks."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         trainable = [p for p in pl_module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainable]
         self.grads.append(torch.cat([g.detach().float().flatten().cpu() for g in grads]))
-
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        self.logged.append(float(trainer.callback_metrics["train_loss_step"]))
 
 
 class KillRank(L.Callback):
@@ -169,6 +176,10 @@ class EditOnFitStart(L.Callback):
         self.seen = pl_module.branch.bias.detach().clone()
 
 
+#: the strategies whose ranks hold the averaged gradients whatever the callbacks (see :class:`RecordGradients`)
+GRADIENTS_HELD = ("ddp", "ring_allreduce")
+
+
 def fit_features(checkpoint_dir: str, extra_callbacks=(), ckpt_path=None):
     model, record = FeatureModel(), Record()
     early_stopping = EarlyStopping(monitor="rank_metric", mode="min", patience=0)
@@ -197,10 +208,12 @@ def main():
         t, model, record = fit_features(os.path.join(args.out, "checkpoints"), ckpt_path="last")
         out.update(weights=model.history, final=flat_weights(model), epochs=t.current_epoch, lrs=model.lrs)
     else:
-        t, model, record = fit_features(os.path.join(args.out, "checkpoints"))
+        gradients = RecordGradients()
+        held = args.strategy in GRADIENTS_HELD and args.staleness is None
+        t, model, record = fit_features(os.path.join(args.out, "checkpoints"), [gradients] if held else [])
         out.update(
             weights=model.history, final=flat_weights(model), seen=model.seen, lrs=model.lrs, logged=record.logged,
-            grads=record.grads,
+            grads=gradients.grads if held else None,
             sockets=record.sockets, epochs=t.current_epoch, stopped=t.should_stop, global_step=t.global_step,
             val_loss=float(t.callback_metrics["val_loss"]),
         )  # fmt: skip

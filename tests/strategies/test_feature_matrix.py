@@ -33,14 +33,18 @@ def runs(tmp_path_factory) -> FeatureRuns:
 def test_fit_equals_ddp_after_every_step_with_identical_replicas(runs, strategy):
     """Uneven last batch, accumulate_grad_batches=2, clipping by norm, AdamW + StepLR, a frozen layer and a
     branch only some samples use: the weights after every batch match ``ddp``'s, identical on both ranks. AdamW and
-    the clipped norm hide a gradient's scale from the weights, so the averaged gradients before clipping are
-    compared too: a wrong divisor or a rank counted twice shows there."""
+    the clipped norm hide a gradient's scale from the weights, so under the ring the averaged gradients before
+    clipping are compared too (a callback reading them would move the servers to another path: their scale is
+    tests/strategies/test_scale_and_buckets.py's)."""
     ranks, ddp = runs.main(strategy), runs.main("ddp")
     history = ranks[0]["weights"]
     assert len(history) == 3 * 7  # 3 epochs of 7 batches, the last of 2 samples
     assert_replicas_follow(ranks, "weights", ddp[0]["weights"], "weights vs ddp")
-    assert len(ddp[0]["grads"]) == 12  # optimizer steps: 4 per epoch of 7 batches accumulated by 2
-    assert_replicas_follow(ranks, "grads", ddp[0]["grads"], "averaged gradients vs ddp")
+    if strategy == "ring_allreduce":
+        assert len(ddp[0]["grads"]) == 12  # optimizer steps: 4 per epoch of 7 batches accumulated by 2
+        assert_replicas_follow(ranks, "grads", ddp[0]["grads"], "averaged gradients vs ddp")
+    else:
+        assert ranks[0]["grads"] is None
     assert torch.equal(history[-1][:FROZEN], history[0][:FROZEN]), "the frozen layer moved"
     assert not torch.equal(history[-1][FROZEN:], history[0][FROZEN:]), "training did not move the weights"
 

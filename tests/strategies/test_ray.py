@@ -5,6 +5,8 @@ from the reported checkpoint, against the uninterrupted run. One launch of ``tes
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ pytest.importorskip("ray.train.lightning", reason='Ray Train is not installed (p
 pytestmark = pytest.mark.multiprocess
 
 #: the strategies the script restarts (its RESTARTED)
-RESTARTED = ["ring_allreduce", "parameter_server", "sharded_ps"]
+RESTARTED = ["sharded_ps"]
 VARIANTS = ["ring_allreduce", "parameter_server", "sharded_ps", "RayRingAllReduceStrategy",
             "RayParameterServerStrategy", "RayShardedParameterServerStrategy"]  # fmt: skip
 
@@ -46,10 +48,11 @@ def test_an_option_ray_overrides_is_named_once(ray_run):
     _, log = ray_run
     said = [line for line in log.splitlines() if "the default process group was created before the strategy" in line]
     assert said and all("`timeout`" in line for line in said)
-    # once per worker process, although six fits of three strategies ran there (Ray repeats a line through
-    # the driver's log and Lightning's logger: count distinct worker pids)
-    workers = {line.split("pid=", 1)[1].split(")", 1)[0] for line in said if "pid=" in line}
-    assert len(workers) <= 2 and len({line.split(")", 1)[-1] for line in said}) <= 2
+    # once per worker process, by the first of its fits to set up: ring_allreduce in the first two workers (after
+    # Ray's DDP; parameter_server and sharded_ps follow there), sharded_ps in the restarted run's; Ray repeats a
+    # line through the driver's log and Lightning's logger, so the lines themselves are not counted
+    named = {name for line in said for name in re.findall(r"strategy '(\w+)'", line)}
+    assert named == {"ring_allreduce", "sharded_ps"}, named
 
 
 @pytest.mark.parametrize("strategy", RESTARTED)

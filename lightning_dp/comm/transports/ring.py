@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.execution import peers_arrived
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports.p2p import post, wait_for
 from lightning_dp.comm.transports.staging import moves_host_memory_only
@@ -146,7 +145,6 @@ def _pipelined_phase(
     for step in range(n - 1):
         for p in range(num_pieces):
             wait_for(pending[p], ring.group, ring.left, "receive from")
-            peers_arrived()
             if staged:
                 r0, r1 = piece(recv_chunk(step), p)
                 arrived = scratch[p * largest_piece : p * largest_piece + r1 - r0]
