@@ -19,6 +19,7 @@ parser.add_argument("--strategy", default="ring_allreduce")
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--models", default="BoringModel,DemoModel,ManualOptimBoringModel")
 parser.add_argument("--fit-only", action="store_true", help="skip validate/test/predict")
+parser.add_argument("--start-method", default=None, help="strategy option start_method (a name has its default)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -36,9 +37,18 @@ class CheckReplicasIdentical(L.Callback):
         self.checked += 1
 
 
+def strategy():
+    if args.start_method is None:
+        return args.strategy
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[args.strategy]
+    return entry["strategy"](**{**entry["init_params"], "start_method": args.start_method})
+
+
 def trainer(callback):
     return L.Trainer(
-        strategy=args.strategy,
+        strategy=strategy(),
         accelerator="cpu",
         devices=args.devices,
         max_steps=3,
@@ -65,7 +75,8 @@ def main():
         loader = DataLoader(RandomDataset(32, 64), batch_size=2) if cls is DemoModel else None
         t.fit(model, train_dataloaders=loader)
         after = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-        entry = {"steps": t.global_step, "moved": not torch.equal(before, after), "checked": check.checked}
+        entry = {"steps": t.global_step, "moved": not torch.equal(before, after), "checked": check.checked,
+                 "start_method": getattr(t.strategy.launcher, "_start_method", "popen")}  # fmt: skip
         if cls is BoringModel and not args.fit_only:
             entry["validate"] = t.validate(model)
             entry["test"] = t.test(model)

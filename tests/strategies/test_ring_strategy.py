@@ -65,12 +65,18 @@ def test_lightning_demo_models_train_unchanged(tmp_path):
     assert boring["predict_batches"] == 2
 
 
-@pytest.mark.parametrize("strategy", ["ring_allreduce_spawn", "sharded_ps_fork"])
-def test_spawn_and_fork_start_methods(tmp_path, strategy):
+@pytest.mark.parametrize(
+    "strategy, start_method",
+    [("ring_allreduce_spawn", None), ("sharded_ps_fork", None), ("parameter_server", "forkserver")],
+)
+def test_spawn_fork_and_forkserver_start_methods(tmp_path, strategy, start_method):
     args = ["--strategy", strategy, "--devices", "2", "--models", "BoringModel", "--fit-only", "--out", str(tmp_path)]
+    args += ["--start-method", start_method] if start_method else []
     run_script("fit_demo", *args, timeout=300)
     # the loop state stays in the started processes, which check their replicas themselves after every batch
-    assert json.loads((tmp_path / "summary.json").read_text())["BoringModel"]["moved"]
+    summary = json.loads((tmp_path / "summary.json").read_text())["BoringModel"]
+    assert summary["moved"]
+    assert summary["start_method"] == (start_method or strategy.rsplit("_", 1)[1])
 
 
 def test_two_nodes_through_cluster_environment_variables(tmp_path):
