@@ -55,7 +55,7 @@ def launch_env() -> dict:
 
 
 #: forks the first process of each launch from an interpreter that has imported torch, Lightning and lightning_dp
-WARM = WarmStarter(launch_env(), REPO)
+WARM = WarmStarter(launch_env, REPO)
 atexit.register(WARM.close)
 
 
@@ -106,6 +106,8 @@ def run_processes(
         with COUNTER.one_launch():
             for env, log in zip(envs, logs, strict=True):
                 procs.append(WARM.start(command, env, cwd, log))
+            if any(isinstance(p, WarmProcess) for p in procs):
+                COUNTER.started_warm()
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 timed_out = True

@@ -1,10 +1,11 @@
-"""Per test file: tests run, launches, seconds — printed at the end of every run, so that CI's log shows where its
-time goes and a budget per file can be held.
+"""Per test file: tests run, launches (and how many of them the warm interpreter started), seconds — printed at the
+end of every run, so that CI's log shows where its time goes and a budget per file can be held.
 
 A launch is one job started from the test process: one call of :func:`tests.helpers.launch.run_processes` or of
 :func:`tests.helpers.distributed.run_distributed` (however many processes it starts), or one Python, ``torchrun``,
 ``srun`` or ``sbatch`` command started directly (also inside an emulated host, by ``ip netns exec``). The processes
 a launched job starts itself (Lightning's ranks, servers) are part of its launch; a DataLoader's workers are none.
+A warm launch is one whose first process :mod:`tests.helpers.warm` forked.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ LAUNCH_COMMANDS = ("python", "torchrun", "srun", "sbatch")
 class FileCount:
     tests: int = 0
     launches: int = 0
+    warm: int = 0
     seconds: float = 0.0
 
 
@@ -35,6 +37,7 @@ class LaunchCounter:
 
     def __init__(self) -> None:
         self.total = 0
+        self.warm = 0
         self._lock = threading.Lock()
         self._inside = threading.local()  # launches may start from several threads of a test at once
 
@@ -58,6 +61,11 @@ class LaunchCounter:
     def _count(self) -> None:
         with self._lock:
             self.total += 1
+
+    def started_warm(self) -> None:
+        """The launch just counted started from the warm interpreter."""
+        with self._lock:
+            self.warm += 1
 
 
 def _is_launch(command: object) -> bool:
@@ -98,13 +106,14 @@ class LaunchReport:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
-        launches, start = COUNTER.total, time.monotonic()
+        launches, warm, start = COUNTER.total, COUNTER.warm, time.monotonic()
         try:
             return (yield)
         finally:
             count = self.files.setdefault(item.location[0], FileCount())
             count.tests += 1
             count.launches += COUNTER.total - launches
+            count.warm += COUNTER.warm - warm
             count.seconds += time.monotonic() - start
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -115,11 +124,11 @@ class LaunchReport:
             return
         terminalreporter.section("launches and time per test file")
         width = max(len(name) for name in self.files)
-        terminalreporter.write_line(f"{'file':<{width}}  {'tests':>5}  {'launches':>8}  {'seconds':>8}")
-        for name, count in sorted(self.files.items(), key=lambda item: -item[1].seconds):
-            line = f"{name:<{width}}  {count.tests:>5}  {count.launches:>8}  {count.seconds:>8.1f}"
+        terminalreporter.write_line(f"{'file':<{width}}  {'tests':>5}  {'launches':>8}  {'warm':>5}  {'seconds':>8}")
+        counts = self.files.values()
+        total = FileCount(sum(c.tests for c in counts), sum(c.launches for c in counts), sum(c.warm for c in counts),
+                          sum(c.seconds for c in counts))  # fmt: skip
+        for name, count in [*sorted(self.files.items(), key=lambda item: -item[1].seconds), ("all", total)]:
+            line = f"{name:<{width}}  {count.tests:>5}  {count.launches:>8}  {count.warm:>5}  {count.seconds:>8.1f}"
             terminalreporter.write_line(line)
-        total = FileCount(sum(c.tests for c in self.files.values()), sum(c.launches for c in self.files.values()),
-                          sum(c.seconds for c in self.files.values()))  # fmt: skip
-        terminalreporter.write_line(f"{'all':<{width}}  {total.tests:>5}  {total.launches:>8}  {total.seconds:>8.1f}")
         terminalreporter.write_line(f"wall clock {time.monotonic() - self._started:.1f} s")

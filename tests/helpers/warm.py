@@ -5,14 +5,18 @@ machine's time, paid again by each of the suite's hundreds of launches before Li
 other ranks. :class:`WarmStarter` keeps one process that has imported them; for each launch it forks a child that
 then runs as ``python -m <module> args`` (or ``python <script> args``) would: a session of its own, the launch's
 environment, working directory, output file, ``sys.argv``, ``sys.path[0]`` and ``__main__``, fresh random seeds, and
-its exit status reported to the test. Only a launch's first process comes from it: the ranks that Lightning's
-launcher starts are fresh interpreters, as in a user's run.
+its exit status reported to the test. Before it runs anything, each such child forks :data:`RANK_TEMPLATES` pristine
+copies of itself that wait, children of the launch, for a command: the ranks that Lightning's ``popen`` launcher
+starts (``subprocess.Popen`` of ``python <script>`` in its module) are handed to them, under the same rules, and are
+the launch's children as with a real ``Popen``. Unused copies die with the launch.
 
 A launch starts cold (a plain ``subprocess.Popen``) when its command is not ``python -m ...`` or ``python <file>``,
 when its environment differs from the warm process's in a variable that may be read at import time (anything but
-:data:`RUN_TIME_VARIABLES` and :data:`SET_BY_IMPORTS`), when the warm process cannot start or has died (said once
-on stderr), and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm process forks only
-while it is single-threaded (checked when it starts) and exits when the test process does.
+:data:`RUN_TIME_VARIABLES` and :data:`SET_BY_IMPORTS`; for a rank too, and what Lightning's import reads of its rank
+is set again), when the warm process cannot start (said on stderr; one that has died is started again, up to
+:data:`RESTARTS` times), and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm process
+forks only while it is single-threaded (checked when it starts) and exits when the test process does. Its own
+errors go to a file whose end is printed when it is found dead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import pickle
 import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -28,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,11 +44,16 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_dp", "l
 #: import (Lightning's rank for its rank-zero helpers) the launched code sets again before it matters
 RUN_TIME_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
                       "LIGHTNING_DP_TEST_", "LIGHTNING_DP_PARTITION_BYTES", "LIGHTNING_DP_JOB_SECRET",
-                      "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST")  # fmt: skip
+                      "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST", "LIGHTNING_DP_LAUNCH",
+                      "PL_GLOBAL_SEED")  # fmt: skip
 #: variables the preloaded imports set in their own process (torch's compile cache, Lightning's NVML check): a fresh
 #: interpreter sets them the same way, whether the launch's environment has them or not
 SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 _STATUS = struct.Struct("!q")
+#: warm interpreters started again after one exited, before launches start cold for good
+RESTARTS = 3
+#: pristine copies each warm launch keeps for the ranks Lightning starts: the tests' runs have at most 4 per node
+RANK_TEMPLATES = 3
 
 
 @dataclass(frozen=True)
@@ -84,13 +95,15 @@ class WarmProcess:
 class WarmStarter:
     """Starts launches from the warm interpreter (started on first use), or cold where that could differ."""
 
-    def __init__(self, base_env: dict[str, str], cwd: Path) -> None:
-        self._base_env = base_env
+    def __init__(self, base_env: Callable[[], dict[str, str]], cwd: Path) -> None:
+        self._env_of_launches = base_env  # read when the warm process starts: imports may set variables until then
+        self._base_env: dict[str, str] = {}
         self._cwd = cwd
         self._process: subprocess.Popen | None = None
         self._address = ""
         self._folder = ""
         self._lock = threading.Lock()  # launches may start from several threads at once
+        self._restarts = 0
         self.enabled = os.environ.get("LIGHTNING_DP_TEST_WARM", "1") != "0"
 
     def start(self, command: list[str], env: dict[str, str], cwd: Path, output) -> subprocess.Popen | WarmProcess:
@@ -118,20 +131,17 @@ class WarmStarter:
 
     def _give_up(self, why: str) -> None:
         if self.enabled:
-            sys.stderr.write(f"tests: {why}; launches start cold from now on\n")
+            errors = self._errors()
+            sys.stderr.write(f"tests: {why}; launches start cold from now on\n{errors}")
         self.enabled = False
 
     def _request(self, command: list[str], env: dict[str, str], cwd: Path) -> _Request | None:
-        if not self.enabled or not command or command[0] != sys.executable or len(command) < 2:
+        if not self.enabled:
             return None
-        differing = {k for k in env.keys() | self._base_env.keys() if env.get(k) != self._base_env.get(k)}
-        if any(not k.startswith(RUN_TIME_VARIABLES) and k not in SET_BY_IMPORTS for k in differing):
-            return None
-        if command[1] == "-m" and len(command) > 2:
-            return _Request(command[2:], True, dict(env), str(cwd))
-        if command[1].endswith(".py"):
-            return _Request(command[1:], False, dict(env), str(cwd))
-        return None
+        with self._lock:
+            if not self._base_env:
+                self._base_env = self._env_of_launches()
+        return _request(command, env, str(cwd), self._base_env)
 
     def _ensure_running(self) -> bool:
         with self._lock:
@@ -143,13 +153,20 @@ class WarmStarter:
         if self._process is not None and self._process.poll() is None:
             return True
         if self._process is not None:
-            self._give_up(f"the warm interpreter exited ({self._process.returncode})")
-            return False
+            why = f"the warm interpreter exited ({self._process.returncode})"
+            self._restarts += 1
+            if self._restarts > RESTARTS:
+                self._give_up(why)
+                return False
+            sys.stderr.write(f"tests: {why}; starting another\n{self._errors()}")
+            shutil.rmtree(self._folder, ignore_errors=True)
         self._folder = tempfile.mkdtemp(prefix="lddp-warm-")
         self._address = os.path.join(self._folder, "socket")
         code = f"from tests.helpers.warm import serve; serve({self._address!r})"
-        self._process = subprocess.Popen([sys.executable, "-c", code], cwd=self._cwd, env=self._base_env,
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # fmt: skip
+        with open(os.path.join(self._folder, "errors"), "w") as errors:
+            self._process = subprocess.Popen([sys.executable, "-c", code], cwd=self._cwd, env=self._base_env,
+                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                             stderr=errors)  # fmt: skip
         deadline = time.monotonic() + 120
         while not os.path.exists(self._address):
             if self._process.poll() is not None or time.monotonic() > deadline:
@@ -158,12 +175,34 @@ class WarmStarter:
             time.sleep(0.05)
         return True
 
+    def _errors(self) -> str:
+        """The end of what the warm process wrote to stderr (its children write to their launches' files)."""
+        try:
+            return Path(self._folder, "errors").read_text()[-3000:]
+        except OSError:
+            return ""
+
     def close(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
         if self._folder:
             shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _request(command: list[str], env: dict[str, str], cwd: str, warm_env: dict[str, str]) -> _Request | None:
+    """``command`` as a request to a process that imported :data:`PRELOAD` in ``warm_env``, or ``None`` where a
+    fresh interpreter could differ."""
+    if not command or command[0] != sys.executable or len(command) < 2:
+        return None
+    differing = {k for k in env.keys() | warm_env.keys() if env.get(k) != warm_env.get(k)}
+    if any(not k.startswith(RUN_TIME_VARIABLES) and k not in SET_BY_IMPORTS for k in differing):
+        return None
+    if command[1] == "-m" and len(command) > 2:
+        return _Request(command[2:], True, dict(env), cwd)
+    if command[1].endswith(".py"):
+        return _Request(command[1:], False, dict(env), cwd)
+    return None
 
 
 def serve(address: str) -> None:
@@ -226,20 +265,111 @@ def _serve_until_forked(address: str) -> tuple[_Request, int]:
 
 
 def _become(request: _Request, output: int) -> None:
-    """Turn this forked child (already in a session of its own) into ``python [-m] argv``: files, environment,
-    seeds, then run it."""
-    import random
-    import runpy
-
+    """Turn this forked child (already in a session of its own) into ``python [-m] argv``: files, pristine copies
+    for its ranks, environment, seeds, then run it."""
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.close(output)
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.close(stdin)
+    warm_env = dict(os.environ)
+    templates: list[tuple[int, int]] = []  # (pid, the end its command is written to)
+    for _ in range(RANK_TEMPLATES):
+        commands, give_command = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            for _, end in templates:
+                os.close(end)
+            os.close(give_command)
+            _run(_await_command(commands, parent))
+            return
+        os.close(commands)
+        templates.append((pid, give_command))
+    _start_ranks_from(templates, warm_env)
+    _run(request)
+
+
+def _await_command(commands: int, parent: int) -> _Request:
+    """In a pristine copy: die with the launch until it hands this copy a rank's command, then return it."""
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(0)
+    chunks = []
+    while chunk := os.read(commands, 1 << 16):
+        chunks.append(chunk)
+    os.close(commands)
+    if not chunks:  # the launch closed it unused
+        os._exit(0)
+    _set_parent_death_signal(0)  # as a fresh process has it
+    return pickle.loads(b"".join(chunks))
+
+
+def _set_parent_death_signal(number: int) -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, number)  # PR_SET_PDEATHSIG
+
+
+class _RankPopen(subprocess.Popen):
+    """``subprocess.Popen`` that hands a plain ``python [-m] argv`` start to one of the launch's pristine copies,
+    and starts anything else (or when none is left) as ``subprocess.Popen`` does."""
+
+    templates: list[tuple[int, int]] = []
+    warm_env: dict[str, str] = {}
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest):  # type: ignore[no-untyped-def]
+        request = None
+        if executable is None and preexec_fn is None and not pass_fds and len(rest) == 16:
+            _, _, shell, *pipes, _, gid, gids, uid, umask, new_session, group = rest
+            plain = not shell and all(fd == -1 for fd in pipes) and not new_session and group == -1
+            if plain and gid is None and gids is None and uid is None and umask == -1:
+                command = [os.fsdecode(a) for a in args]
+                request = _request(command, dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()),
+                                   self.warm_env)  # fmt: skip
+        while request is not None and self.templates:
+            pid, end = self.templates.pop(0)
+            try:
+                os.write(end, pickle.dumps(request))
+            except OSError:  # that copy is gone
+                os.waitpid(pid, os.WNOHANG)
+                continue
+            finally:
+                os.close(end)
+            self.pid = pid
+            self._child_created = True
+            return
+        super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
+
+
+def _start_ranks_from(templates: list[tuple[int, int]], warm_env: dict[str, str]) -> None:
+    """Have Lightning's popen launchers (Fabric's and the Trainer's) start ranks with :class:`_RankPopen`."""
+    import types
+
+    from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
+    from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+
+    _RankPopen.templates = templates
+    _RankPopen.warm_env = warm_env
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(subprocess.__dict__)
+    shim.Popen = _RankPopen  # type: ignore[attr-defined]
+    for module in (fabric_launcher, pytorch_launcher):
+        module.subprocess = shim  # type: ignore[attr-defined]
+
+
+def _run(request: _Request) -> None:
+    """Become ``python [-m] argv`` of ``request``: directory, environment, seeds, Lightning's rank, then run it."""
+    import random
+    import runpy
+
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
+    rank_zero_only.rank = _get_rank() or 0  # what Lightning's import reads of the environment
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
