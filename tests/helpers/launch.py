@@ -157,12 +157,13 @@ QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=3", "trainer.limit
 
 
 def run_app(args, cwd, timeout=300, check=True):
-    """Run ``examples/train.py args`` in ``cwd``; kill the whole process group on timeout.
+    """Run ``examples/train.py args`` in ``cwd`` with :func:`launch_env` (a single-node run on loopback, whatever
+    cluster variables this process has picked up); kill the whole process group on timeout.
 
     With ``check`` a non-zero exit fails the test. Returns (exit code, output).
     """
     command = [sys.executable, str(REPO / "examples" / "train.py"), *args]
-    codes, outputs, timed_out = run_processes(command, [subprocess_env()], timeout, cwd=Path(cwd))
+    codes, outputs, timed_out = run_processes(command, [launch_env()], timeout, cwd=Path(cwd))
     if timed_out:
         raise AssertionError(f"train.py {args} timed out:\n{outputs[0][-4000:]}")
     if check:

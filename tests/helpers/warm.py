@@ -8,19 +8,27 @@ environment, working directory, output file, ``sys.argv``, ``sys.path[0]`` and `
 its exit status reported to the test. Before it runs anything, each such child forks :data:`RANK_TEMPLATES` pristine
 copies of itself that wait, children of the launch, for a command: the ranks that Lightning's ``popen`` launcher
 starts (``subprocess.Popen`` of ``python <script>`` in its module) are handed to them, under the same rules, and are
-the launch's children as with a real ``Popen``. Unused copies die with the launch.
+the launch's children as with a real ``Popen``. The copies no rank took end when the launch does.
+
+What a warm start does not reproduce: every process forked from one warm interpreter shares its hash seed (fresh
+interpreters each draw one), ranks start at once rather than after their imports, and what the preloaded modules do
+at import happens once, in the warm process (its warnings go to its own error file). ``LIGHTNING_DP_TEST_WARM=0`` runs
+every launch cold, as a user's run starts.
 
 A launch starts cold (a plain ``subprocess.Popen``) when its command is not ``python -m ...`` or ``python <file>``,
 when its environment differs from the warm process's in a variable that may be read at import time (anything but
 :data:`RUN_TIME_VARIABLES` and :data:`SET_BY_IMPORTS`; for a rank too, and what Lightning's import reads of its rank
-is set again), when the warm process cannot start (said on stderr; one that has died is started again, up to
-:data:`RESTARTS` times), and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm process
-forks only while it is single-threaded (checked when it starts) and exits when the test process does. Its own
-errors go to a file whose end is printed when it is found dead.
+is set again), when no warm process runs (one found dead before a launch is started again, up to :data:`RESTARTS`
+times; one that fails while a launch is handed to it ends warm starts, said on stderr with the end of its errors),
+and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm environment is the launches' as
+it is at the first launch (collection's imports may set variables until then). The warm process forks only while
+it is single-threaded (checked when it starts) and exits when the test process does.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import pickle
 import select
@@ -45,11 +53,12 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_dp", "l
 RUN_TIME_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
                       "LIGHTNING_DP_TEST_", "LIGHTNING_DP_PARTITION_BYTES", "LIGHTNING_DP_JOB_SECRET",
                       "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST", "LIGHTNING_DP_LAUNCH",
-                      "PL_GLOBAL_SEED")  # fmt: skip
+                      "PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # fmt: skip
 #: variables the preloaded imports set in their own process (torch's compile cache, Lightning's NVML check): a fresh
 #: interpreter sets them the same way, whether the launch's environment has them or not
 SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 _STATUS = struct.Struct("!q")
+_LENGTH = struct.Struct("!I")
 #: warm interpreters started again after one exited, before launches start cold for good
 RESTARTS = 3
 #: pristine copies each warm launch keeps for the ranks Lightning starts: the tests' runs have at most 4 per node
@@ -278,7 +287,12 @@ def _become(request: _Request, output: int) -> None:
     for _ in range(RANK_TEMPLATES):
         commands, give_command = os.pipe()
         parent = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # fewer copies: the ranks beyond them start cold
+            os.close(commands)
+            os.close(give_command)
+            break
         if pid == 0:
             for _, end in templates:
                 os.close(end)
@@ -288,22 +302,42 @@ def _become(request: _Request, output: int) -> None:
         os.close(commands)
         templates.append((pid, give_command))
     _start_ranks_from(templates, warm_env)
+    atexit.register(_release, templates)
     _run(request)
 
 
+def _release(templates: list[tuple[int, int]]) -> None:
+    """At the launch's exit: end the copies no rank took (they read an empty command) and reap them."""
+    for _, end in templates:
+        os.close(end)
+    for pid, _ in templates:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    templates.clear()
+
+
 def _await_command(commands: int, parent: int) -> _Request:
-    """In a pristine copy: die with the launch until it hands this copy a rank's command, then return it."""
+    """In a pristine copy: die with the launch until it hands this copy a rank's command (its length first), then
+    return it."""
     _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
-    chunks = []
-    while chunk := os.read(commands, 1 << 16):
-        chunks.append(chunk)
+    size = _read_exactly(commands, _LENGTH.size)
+    message = _read_exactly(commands, _LENGTH.unpack(size)[0]) if len(size) == _LENGTH.size else b""
     os.close(commands)
-    if not chunks:  # the launch closed it unused
+    if not message:  # the launch ended with this copy unused
         os._exit(0)
     _set_parent_death_signal(0)  # as a fresh process has it
-    return pickle.loads(b"".join(chunks))
+    return pickle.loads(message)
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd``, or fewer if it closes first."""
+    chunks, left = [], size
+    while left and (chunk := os.read(fd, left)):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _set_parent_death_signal(number: int) -> None:
@@ -330,10 +364,14 @@ class _RankPopen(subprocess.Popen):
                                    self.warm_env)  # fmt: skip
         while request is not None and self.templates:
             pid, end = self.templates.pop(0)
+            message = pickle.dumps(request)
             try:
-                os.write(end, pickle.dumps(request))
+                data = memoryview(_LENGTH.pack(len(message)) + message)
+                while data:
+                    data = data[os.write(end, data) :]
             except OSError:  # that copy is gone
-                os.waitpid(pid, os.WNOHANG)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
                 continue
             finally:
                 os.close(end)
