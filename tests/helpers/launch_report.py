@@ -132,3 +132,8 @@ class LaunchReport:
             line = f"{name:<{width}}  {count.tests:>5}  {count.launches:>8}  {count.warm:>5}  {count.seconds:>8.1f}"
             terminalreporter.write_line(line)
         terminalreporter.write_line(f"wall clock {time.monotonic() - self._started:.1f} s")
+        from tests.helpers.launch import WARM
+
+        if WARM.cold_because:
+            named = ", ".join(f"{name} ({count})" for name, count in sorted(WARM.cold_because.items()))
+            terminalreporter.write_line(f"launches started cold for a variable the warm interpreter has not: {named}")

@@ -113,6 +113,8 @@ class WarmStarter:
         self._folder = ""
         self._lock = threading.Lock()  # launches may start from several threads at once
         self._restarts = 0
+        #: launches started cold for want of a warm process with their environment: per differing variable
+        self.cold_because: dict[str, int] = {}
         self.enabled = os.environ.get("LIGHTNING_DP_TEST_WARM", "1") != "0"
 
     def start(self, command: list[str], env: dict[str, str], cwd: Path, output) -> subprocess.Popen | WarmProcess:
@@ -150,7 +152,11 @@ class WarmStarter:
         with self._lock:
             if not self._base_env:
                 self._base_env = self._env_of_launches()
-        return _request(command, env, str(cwd), self._base_env)
+        request = _request(command, env, str(cwd), self._base_env)
+        if request is None:
+            for name in import_time_differences(env, self._base_env):
+                self.cold_because[name] = self.cold_because.get(name, 0) + 1
+        return request
 
     def _ensure_running(self) -> bool:
         with self._lock:
@@ -199,13 +205,18 @@ class WarmStarter:
             shutil.rmtree(self._folder, ignore_errors=True)
 
 
+def import_time_differences(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
+    """The variables ``env`` sets differently from ``warm_env`` that an import may read."""
+    differing = sorted(k for k in env.keys() | warm_env.keys() if env.get(k) != warm_env.get(k))
+    return [k for k in differing if not k.startswith(RUN_TIME_VARIABLES) and k not in SET_BY_IMPORTS]
+
+
 def _request(command: list[str], env: dict[str, str], cwd: str, warm_env: dict[str, str]) -> _Request | None:
     """``command`` as a request to a process that imported :data:`PRELOAD` in ``warm_env``, or ``None`` where a
     fresh interpreter could differ."""
     if not command or command[0] != sys.executable or len(command) < 2:
         return None
-    differing = {k for k in env.keys() | warm_env.keys() if env.get(k) != warm_env.get(k)}
-    if any(not k.startswith(RUN_TIME_VARIABLES) and k not in SET_BY_IMPORTS for k in differing):
+    if import_time_differences(env, warm_env):
         return None
     if command[1] == "-m" and len(command) > 2:
         return _Request(command[2:], True, dict(env), cwd)
