@@ -105,7 +105,7 @@ class WarmStarter:
     """Starts launches from the warm interpreter (started on first use), or cold where that could differ."""
 
     def __init__(self, base_env: Callable[[], dict[str, str]], cwd: Path) -> None:
-        self._env_of_launches = base_env  # read when the warm process starts: imports may set variables until then
+        self._env_of_launches = base_env  # read at the first launch: imports may set variables until then
         self._base_env: dict[str, str] = {}
         self._cwd = cwd
         self._process: subprocess.Popen | None = None
@@ -160,9 +160,9 @@ class WarmStarter:
 
     def _ensure_running(self) -> bool:
         with self._lock:
-            return self._start_once()
+            return self._start_if_needed()
 
-    def _start_once(self) -> bool:
+    def _start_if_needed(self) -> bool:
         if not self.enabled:
             return False
         if self._process is not None and self._process.poll() is None:
