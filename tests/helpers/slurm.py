@@ -1,8 +1,9 @@
 """A real single-host SLURM cluster for the tests: Debian's ``slurm-wlm`` and ``munge``, on loopback.
 
 :func:`slurm_cluster` starts ``munged`` (unless one runs), ``slurmctld`` and ``slurmd`` with a configuration of
-its own (one node, ``localhost``, as many CPUs as the machine has, ports picked free, 10 s between a stopped job's
-SIGTERM and SIGKILL) and stops them afterwards; clients find it through ``SLURM_CONF`` in the environment it yields.
+its own (one node, ``localhost``, as many CPUs as the machine has, ports picked free, 2 s between a stopped job's
+SIGTERM and SIGKILL, a requeued job eligible again after :data:`CRED_EXPIRE_S` and started within a second of it by
+the main scheduler) and stops them afterwards; clients find it through ``SLURM_CONF`` in the environment it yields.
 :func:`unavailable` says why it cannot run here (not root, packages missing), for a skip.
 """
 
@@ -34,12 +35,18 @@ def unavailable() -> str | None:
     return None
 
 
+#: the job step credential's lifetime, which is also how long a requeued job waits before it starts again (SLURM's
+#: default: 120 s); long enough for a step's launch on this one host, a second as SLURM sees it
+CRED_EXPIRE_S = 10
+
+
 def _config(root: Path) -> str:
     return f"""ClusterName=lightningdp
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
+AuthInfo=cred_expire={CRED_EXPIRE_S}
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -54,7 +61,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
-KillWait=10
+KillWait=2
+SchedulerParameters=sched_interval=1
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

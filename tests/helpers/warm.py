@@ -54,9 +54,15 @@ RUN_TIME_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "
                       "LIGHTNING_DP_TEST_", "LIGHTNING_DP_PARTITION_BYTES", "LIGHTNING_DP_JOB_SECRET",
                       "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST", "LIGHTNING_DP_LAUNCH",
                       "PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # fmt: skip
-#: variables the preloaded imports set in their own process (torch's compile cache, Lightning's NVML check): a fresh
-#: interpreter sets them the same way, whether the launch's environment has them or not
-SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+#: variables imports set in their own process (torch's compile cache and Lightning's NVML check, preloaded; the
+#: Intel OpenMP settings of scikit-learn, which the demo data imports, and which torch's GNU OpenMP does not read): a
+#: fresh interpreter sets them the same way, whether the launch's environment has them or not
+SET_BY_IMPORTS = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+)
 _STATUS = struct.Struct("!q")
 _LENGTH = struct.Struct("!I")
 #: warm interpreters started again after one exited, before launches start cold for good
