@@ -2,7 +2,6 @@
 asserted here)."""
 
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -12,20 +11,23 @@ import pytest
 from benchmarks.dedicated_servers import PHASES
 from benchmarks.gloo_flows import PATTERNS as GLOO_PATTERNS
 from benchmarks.report import rows as result_rows
-from tests.helpers.launch import PYTHONWARNINGS, REPO
+from tests.helpers.launch import launch_env, run_processes
 from tests.helpers.netns import skip_without_netns
 
 
 def run(args, timeout=240):
-    env = {**os.environ, "PYTHONWARNINGS": PYTHONWARNINGS, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    """``python args`` in the checkout, as a launch of the tests (a single-node environment; started warm where it
+    can be): its exit code, and its output (stdout and stderr together) as ``.stdout``."""
+    codes, outputs, timed_out = run_processes([sys.executable, *args], [launch_env()], timeout)
+    assert not timed_out, f"{args} did not finish in {timeout} s:\n{outputs[0][-5000:]}"
+    return subprocess.CompletedProcess(args, codes[0], outputs[0])
 
 
 @pytest.mark.multiprocess
 def test_collectives_benchmark_runs(tmp_path):
     out = run(["-m", "benchmarks.collectives", "--world-sizes", "2", "--sizes-mb", "1", "--repeats", "1",
                "--shm-wait", "sleep", "--name", "collectives_sleeping", "--out", str(tmp_path)])  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     rows = result_rows(tmp_path / "collectives_sleeping.json")
     ops = {"p2p", "shm_allreduce", "shm_in_place", "ring_allreduce", "gloo_all_reduce", "central_ps", "sharded_ps"}
     # MPI only where mpi4py is installed, or a row saying why it was skipped
@@ -40,7 +42,7 @@ def test_collectives_benchmark_runs(tmp_path):
 def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
     out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--size-mb", "2", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     row = result_rows(tmp_path / "emulated_cluster.json")[0]
     # a rate limit of 1 Gbit/s really binds: the central server cannot beat the analytic time
     assert row["measured_s"]["central_ps"] >= 0.9 * row["analytic_s"]["central_ps"]
@@ -54,7 +56,7 @@ def test_emulated_cluster_benchmark_runs_and_cleans_up(tmp_path):
 def test_emulated_hierarchical_benchmark_runs(tmp_path):
     out = run(["-m", "benchmarks.emulated_cluster", "--world-sizes", "2", "--ranks-per-host", "2", "--size-mb", "4",
                "--repeats", "2", "--out", str(tmp_path)])  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     row = result_rows(tmp_path / "emulated_hierarchical.json")[0]
     assert (row["hosts"], row["ranks_per_host"], row["world_size"]) == (2, 2, 4)
     assert set(row["measured_s"]) == {"hierarchical", "ring_allreduce", "gloo_all_reduce"}
@@ -70,7 +72,7 @@ def test_emulated_hierarchical_benchmark_runs(tmp_path):
 def test_dedicated_servers_benchmark_runs_and_the_links_bind(tmp_path):
     out = run(["-m", "benchmarks.dedicated_servers", "--trainers", "2", "--servers", "0", "1", "--size-mb", "2",
                "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     rows = result_rows(tmp_path / "dedicated_servers.json")
     assert [(r["trainers"], r["servers"]) for r in rows] == [(2, 0), (2, 1)]
     for r in rows:  # no exchange beats the bandwidth bound of its split, nor do its network phases together
@@ -87,7 +89,7 @@ def test_dedicated_servers_benchmark_runs_and_the_links_bind(tmp_path):
 def test_gloo_flows_benchmark_runs_and_the_links_bind(tmp_path):
     out = run(["-m", "benchmarks.gloo_flows", "--hosts", "2", "--size-mb", "4", "--repeats", "1",
                "--out", str(tmp_path)])  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     (row,) = result_rows(tmp_path / "gloo_flows.json")
     assert row["hosts"] == 2 and set(row["measured_s"]) == set(GLOO_PATTERNS)
     for seconds in row["measured_s"].values():  # 1 Gbit/s binds: nothing beats (n - 1) / n of 4 MB at that rate
@@ -100,7 +102,7 @@ def test_scale_model_measures_a_message_and_prices_every_point(tmp_path):
     from benchmarks.scale_model import HOROVOD, RANKS, clusters, schemes
 
     out = run(["-m", "benchmarks.scale_model", "--messages", "200", "--out", str(tmp_path)])
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     rows = result_rows(tmp_path / "scale_model.json")
     sweep = [r for r in rows if r["kind"] == "sweep"]
     assert len(sweep) == len(clusters(0.0)) * 2 * len(RANKS) * len(schemes(8))
@@ -173,7 +175,7 @@ def test_straggler_benchmark_runs_one_setting(tmp_path):
 def test_advisor_validation_runs_on_delayed_links_and_cleans_up(tmp_path):
     out = run(["-m", "benchmarks.advisor_validation", "--hosts", "2", "--rates-mbit", "1000", "--latencies-ms", "10",
                "--sizes-mb", "1", "--repeats", "1", "--out", str(tmp_path)])  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:]
     rows = result_rows(tmp_path / "advisor_validation.json")
     one_per_host = [r for r in rows if r["ranks_per_host"] == 1]
     assert sorted(r["scheme"] for r in one_per_host) == sorted(
@@ -206,18 +208,18 @@ def test_gpu_check_runs_in_stages_keeps_what_a_cut_off_run_found_and_refuses_wit
 
     # the smoke stage gets 1.2 s, less than a rank takes to import torch: its launches are stopped
     cut = run([*check, "--quick", "--slack", "0.02", "--budget", "60"])
-    assert cut.returncode == 1 and stored.exists(), cut.stdout[-3000:] + cut.stderr[-3000:]
+    assert cut.returncode == 1 and stored.exists(), cut.stdout[-5000:]
     assert list(stages()) == ["smoke"], cut.stdout[-3000:]
     assert stages()["smoke"]["status"] == "stopped" and stages()["smoke"]["limit_s"] == pytest.approx(1.2)
     assert {run["outcome"] for run in stages()["smoke"]["runs"].values()} == {"STOPPED"}
     smoke = run([*check, "--quick", "--resume"])
-    assert smoke.returncode == 0, smoke.stdout[-3000:] + smoke.stderr[-3000:]
+    assert smoke.returncode == 0, smoke.stdout[-5000:]
     runs = stages()["smoke"]["runs"]
     assert sorted(runs) == ["parameter_server", "ring_allreduce", "sharded_ps", "sharded_ps+servers"]
     assert all(r["outcome"] == "PASSED" for r in runs.values()), runs
     strategies = ["--strategies", "ddp", "ring_allreduce", "--steps", "2", "--warmup", "2"]
     out = run([*check, "--resume", "--stages", "smoke", "end_to_end", *strategies])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-5000:]
     assert "gpu_check: smoke kept from the stored results (passed)" in out.stdout
     assert list(stages()) == ["smoke", "end_to_end"] and stages()["smoke"]["runs"] == runs
     rows = stages()["end_to_end"]["rows"]

@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -43,6 +44,7 @@ parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKI
 parser.add_argument("--kill-step", type=int, default=0)
 parser.add_argument("--kill-server-step", type=int, default=None, help="rank 0 SIGKILLs server 0 before this step")
 parser.add_argument("--sigterm-rank", type=int, default=None, help="this rank gets SIGTERM before step --kill-step")
+parser.add_argument("--mark-step", type=int, default=None, help="each rank touches <out>/at-step-<step>-rank<r> then")
 parser.add_argument("--model", choices=sorted(MODELS), default="regression")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -94,6 +96,8 @@ class Record(L.Callback):
             os.kill(trainer.strategy.engine.processes[0].pid, signal.SIGKILL)
         if trainer.global_rank == args.sigterm_rank and trainer.global_step == args.kill_step:
             os.kill(os.getpid(), signal.SIGTERM)
+        if trainer.global_step == args.mark_step:
+            Path(args.out, f"at-step-{args.mark_step}-rank{trainer.global_rank}").touch()
 
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy

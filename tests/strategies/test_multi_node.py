@@ -96,10 +96,14 @@ def test_trainers_on_two_hosts_with_a_server_started_by_the_cli_on_a_third(tmp_p
 @pytest.mark.slow
 def test_link_down_mid_run_fails_with_an_error_naming_the_peer(tmp_path):
     with emulated_hosts(2, rate_mbit=1000) as hosts:
-        args = ["--strategy", "ring_allreduce", "--steps", "100000", "--timeout", "10", "--out", str(tmp_path)]
+        args = ["--strategy", "ring_allreduce", "--steps", "100000", "--timeout", "10", "--mark-step", "3",
+                "--out", str(tmp_path)]  # fmt: skip
         nodes = start_nodes(hosts, args, port=29720)
-        time.sleep(20)  # both nodes are up and training
-        assert all(n.poll() is None for n in nodes), "training ended before the fault"
+        marks = [tmp_path / f"at-step-3-rank{r}" for r in range(2)]
+        deadline = time.monotonic() + 120
+        while not all(m.exists() for m in marks):  # both nodes are up and training
+            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, finish(nodes, timeout=5)
+            time.sleep(0.2)
         subprocess.run(["ip", "-n", hosts[1], "link", "set", IFNAME, "down"], check=True)
         outputs = finish(nodes, timeout=120)
     assert nodes[0].returncode != 0
