@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.helpers.distributed import free_port
-from tests.helpers.launch import CLUSTER_VARIABLES, REPO, kill_process_tree, run_script, subprocess_env
+from tests.helpers.launch import CLUSTER_VARIABLES, REPO, WARM, kill_process_tree, run_script, subprocess_env
 from tests.helpers.replicas import assert_continues
+from tests.helpers.warm import WarmProcess
 
 pytestmark = pytest.mark.multiprocess
 
@@ -130,11 +131,13 @@ def _assert_session_ends(session: int, within: float) -> None:
     assert not left, f"processes of the launch still alive after {within} s: {left}"
 
 
-def _start_fit(*args: str, env: dict | None = None) -> subprocess.Popen:
+def _start_fit(*args: str, output: Path, env: dict | None = None) -> subprocess.Popen | WarmProcess:
+    """``tests/scripts/midepoch.py args`` in a session of its own (warm where it can be), its output to the file
+    ``output``."""
     full_env = {k: v for k, v in subprocess_env().items() if k not in CLUSTER_VARIABLES}
-    return subprocess.Popen([sys.executable, "-m", "tests.scripts.midepoch", *args], cwd=REPO,
-                            env={**full_env, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    with output.open("w") as log:
+        return WARM.start([sys.executable, "-m", "tests.scripts.midepoch", *args], {**full_env, **(env or {})}, REPO,
+                          log)  # fmt: skip
 
 
 def test_a_launch_whose_port_is_taken_fails_naming_it_and_leaves_no_process(tmp_path):
@@ -142,23 +145,27 @@ def test_a_launch_whose_port_is_taken_fails_naming_it_and_leaves_no_process(tmp_
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        proc = _start_fit("--out", str(tmp_path), env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        out = proc.communicate(timeout=120)[0]
+        log = tmp_path / "output"
+        proc = _start_fit(
+            "--out", str(tmp_path), output=log, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        )
+        proc.wait(timeout=120)
+    out = log.read_text()
     assert proc.returncode != 0
     assert f"127.0.0.1:{port}" in out and "another process holds the port" in out, out[-3000:]
     _assert_session_ends(proc.pid, within=10)
 
 
 def test_sigkill_of_rank_0_stops_the_ranks_it_started(tmp_path):
-    proc = _start_fit("--samples", "100000", "--max-epochs", "1", "--out", str(tmp_path))
+    log = tmp_path / "output"
+    proc = _start_fit("--pause-at-step", "1", "--out", str(tmp_path), output=log)
     try:
         deadline = time.monotonic() + 120
-        while len(_session_processes(proc.pid)) < 2 and time.monotonic() < deadline:
+        while not all((tmp_path / f"paused-rank{r}").exists() for r in range(2)):  # both ranks are training
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        assert len(_session_processes(proc.pid)) >= 2, "rank 1 never started"
-        time.sleep(8)  # rank 1 is inside the run now (imports done, rendezvous or training)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
+        proc.wait(timeout=30)
         _assert_session_ends(proc.pid, within=10)
     finally:
         _kill_session(proc.pid)
