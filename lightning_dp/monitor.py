@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,8 +14,9 @@ from typing_extensions import override
 
 from lightning_dp.comm.buckets import assign_buckets
 from lightning_dp.comm.cluster.probe import measure_link
-from lightning_dp.comm.cost import Link, Scheme, StepCost, Topology, Wire, rank_traffic, step_cost
+from lightning_dp.comm.cost import Link, Scheme, StepCost, Topology, Wire, core_sharing, rank_traffic, step_cost
 from lightning_dp.comm.stats import SyncStats
+from lightning_dp.comm.transports.shm import usable_cores
 from lightning_dp.strategies.base import DataParallelStrategy
 
 #: the metrics logged per optimizer step, under the monitor's prefix
@@ -44,7 +45,9 @@ class CommSummary:
         lines = [f"CommMonitor: {self.strategy}, {self.steps} optimizer steps (means per step, this rank)"]
         if link is not None:
             lines.append(f"link ({where}): latency {link.latency * 1e3:.3f} ms, bandwidth {link.bandwidth / 1e6:.1f} "
-                         f"MB/s, inside a machine {link.local_bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+                         f"MB/s; inside a machine {link.local_bandwidth / 1e9:.1f} GB/s, "
+                         f"{link.local_latency * 1e6:.1f} us per barrier, {link.overlap_slowdown:.2g}x as long "
+                         "beside backward")  # fmt: skip
         lines.append(f"{'':<22}{'measured':>14}{'predicted':>14}")
         for name in METRICS:
             lines.append(f"{name:<22}{_fmt(self.measured.get(name)):>14}{_fmt(self.predicted.get(name)):>14}")
@@ -136,9 +139,20 @@ class CommMonitor(Callback):
         return Scheme("ddp"), plain, plain
 
     def _measure(self, trainer: pl.Trainer) -> Link:
+        """Collective: the link between the machines (:func:`measure_link`), and inside one the strategy's own
+        shared-memory exchange where it has one (its barrier and reduction rate), and how much backward slows that
+        exchange on the CPU cores they share (:func:`core_sharing`)."""
         strategy = trainer.strategy
         group = strategy.gradient_group if isinstance(strategy, DataParallelStrategy) else None
-        return measure_link(group, device=strategy.root_device)
+        link = measure_link(group, device=strategy.root_device)
+        transport = strategy.transport if isinstance(strategy, DataParallelStrategy) else None
+        in_node = transport.measure_in_node() if transport is not None else None
+        if in_node is not None:
+            link = replace(link, local_latency=in_node[0], local_bandwidth=in_node[1])
+        if strategy.root_device.type == "cpu":
+            ranks = max(1, trainer.world_size // max(1, trainer.num_nodes))
+            link = replace(link, overlap_slowdown=core_sharing(ranks, torch.get_num_threads(), usable_cores()))
+        return link
 
     # ------------------------------------------------------------------ per step
     # no gradient hook here (on_after_backward, ...): unless a callback declares reads_gradients = False, the

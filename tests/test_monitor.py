@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_dp.comm.cost import Link, core_sharing
+from lightning_dp.comm.transports.shm import usable_cores
 from tests.helpers.launch import run_script
 
 pytestmark = pytest.mark.multiprocess
@@ -51,7 +53,13 @@ def test_monitor_logs_the_strategys_counters_and_the_prediction(tmp_path, strate
         assert seconds > 0 and float(r["comm/peer_wait_seconds"]) >= 0
     predicted = summary["predicted"]
     measured = summary["measured"]
-    assert predicted["seconds"] > 0 and summary["link"]["bandwidth"] > 0
+    link = summary["link"]
+    assert predicted["seconds"] > 0 and link["bandwidth"] > 0
+    # inside the machine: the shared-memory exchange's own barrier and rate where there is one (else the model's
+    # barrier and a memory copy), and two ranks' backward and exchange threads (one each here) on its cores
+    shared = "--intra-node" in options and options[options.index("--intra-node") + 1] == "shm"
+    assert (link["local_latency"] != Link.local_latency) == shared, link
+    assert link["overlap_slowdown"] == core_sharing(2, 1, usable_cores()), link
     if "--staleness" in options:  # each worker pushes alone: no per-rank prediction of the bytes
         assert predicted["bytes_sent"] is None and measured["bytes_sent"] > 0
         return

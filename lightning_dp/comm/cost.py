@@ -13,7 +13,12 @@ into one link at once (an all-to-all, a server's fan-in) share it less well than
 time (incast; ``β`` = 0.05 from ``benchmarks/gloo_flows.py``, an all-to-all through the member group, measured at
 ``F`` = 1 to 3 and not extrapolated past it). A step is a sequence of :class:`Phase` s; a phase of ``r`` rounds that
 puts ``W`` bytes through the busiest machine's link (one direction) from ``F`` machines at once and copies ``Q``
-bytes inside a machine takes ``r ρ α + (1 + β (min(F, 3) − 1)) W / B + Q / C``. For ``N = M L`` ranks (``M``
+bytes inside a machine takes ``r ρ α + (1 + β (min(F, 3) − 1)) W / B + Q / C`` plus ``l α_L`` for its ``l``
+synchronizations inside a machine (shared-memory barriers). The gradient exchange's work inside a machine runs
+beside backward for all buckets but the last, ``(K − 1) / K`` of it, and takes ``σ`` times as long there when
+backward's threads and the exchange's want more cores than the machine has (``σ``: :func:`core_sharing`).
+``CommMonitor`` measures ``α_L`` and ``C`` of a shared-memory exchange with that exchange's own barrier and
+reduction. For ``N = M L`` ranks (``M``
 machines of ``L`` ranks) and ``S`` bytes of gradient buckets (travelling as ``S_w`` after compression), per bucket:
 
 =================================  =============  ===========================================
@@ -52,6 +57,8 @@ class Link:
         bandwidth: bytes/s a machine sends, and at the same time receives.
         local_bandwidth: bytes/s of copies between ranks of one machine (shared memory, loopback).
         local_latency: seconds of one synchronization between the ranks of one machine (a shared-memory barrier).
+        overlap_slowdown: how many times longer that work inside a machine takes while backward computes beside
+            it on the same cores (:func:`core_sharing`; 1: cores to spare, or the compute is on GPUs).
         latencies_per_round: one-way latencies a message round costs (``ρ``: 2 over gloo's TCP pairs).
         incast: the extra time, as a fraction, each concurrent flow beyond the first adds to a link (``β``).
         incast_flows: the most flows into one link the incast term was measured at; beyond them it is not
@@ -62,6 +69,7 @@ class Link:
     bandwidth: float
     local_bandwidth: float = 4e9
     local_latency: float = 2e-5
+    overlap_slowdown: float = 1.0
     latencies_per_round: float = 2.0
     incast: float = 0.05
     incast_flows: int = 3
@@ -69,8 +77,19 @@ class Link:
     def __post_init__(self) -> None:
         if self.latency < 0 or self.bandwidth <= 0 or self.local_bandwidth <= 0:
             raise ValueError(f"a link needs latency >= 0 and bandwidths > 0, got {self}")
-        if self.latencies_per_round < 1 or self.incast < 0:
-            raise ValueError(f"a link needs latencies_per_round >= 1 and incast >= 0, got {self}")
+        if self.latencies_per_round < 1 or self.incast < 0 or self.overlap_slowdown < 1:
+            raise ValueError(
+                f"a link needs latencies_per_round >= 1, incast >= 0 and overlap_slowdown >= 1, got {self}"
+            )
+
+
+def core_sharing(ranks_per_node: int, threads_per_rank: int, cores: int) -> float:
+    """:attr:`Link.overlap_slowdown` of a machine whose ``ranks_per_node`` ranks each compute backward on
+    ``threads_per_rank`` threads while one more thread of theirs exchanges buckets, on ``cores`` cores: the threads
+    that want a core over the cores there are, at least 1."""
+    if ranks_per_node < 1 or threads_per_rank < 1 or cores < 1:
+        raise ValueError(f"core_sharing needs positive counts, got {ranks_per_node}, {threads_per_rank}, {cores}")
+    return max(1.0, ranks_per_node * (threads_per_rank + 1) / cores)
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,10 @@ class Phase:
     def seconds(self, link: Link) -> float:
         return self.latency_seconds(link) + self.transfer_seconds(link)
 
+    def local_seconds(self, link: Link) -> float:
+        """The part of :meth:`seconds` spent inside a machine: its synchronizations and copies."""
+        return self.local_rounds * link.local_latency + self.local_bytes / link.local_bandwidth
+
     def latency_seconds(self, link: Link) -> float:
         """The rounds' part of :meth:`seconds` (network and shared-memory synchronizations)."""
         return self.rounds * link.latencies_per_round * link.latency + self.local_rounds * link.local_latency
@@ -202,8 +225,18 @@ class StepCost:
 
     @property
     def seconds(self) -> float:
-        """Communication time of a step, all phases end to end."""
-        return sum(p.seconds(self.link) for p in self.phases)
+        """Communication time of a step, all phases end to end: :attr:`latency_seconds`, :attr:`transfer_seconds`
+        and :attr:`sharing_seconds`."""
+        return sum(p.seconds(self.link) for p in self.phases) + self.sharing_seconds
+
+    @property
+    def sharing_seconds(self) -> float:
+        """What the work inside a machine of the phases that overlap backward costs beyond the rest while
+        backward shares its cores: all buckets but the last, ``(K - 1) / K`` of it, run beside backward and take
+        ``overlap_slowdown`` times as long."""
+        k = max(1, self.num_buckets)
+        local = sum(p.local_seconds(self.link) for p in self.phases if p.overlaps_backward)
+        return local * (self.link.overlap_slowdown - 1) * (k - 1) / k
 
     @property
     def rounds(self) -> int:
@@ -227,7 +260,7 @@ class StepCost:
         """The part of :attr:`seconds` the step waits for: the gradient exchange runs bucket by bucket while
         backward computes the rest, so at most ``(K - 1) / K`` of the backward time hides it, never the last
         bucket's share; every other phase is waited for."""
-        overlapping = sum(p.seconds(self.link) for p in self.phases if p.overlaps_backward)
+        overlapping = sum(p.seconds(self.link) for p in self.phases if p.overlaps_backward) + self.sharing_seconds
         return exposed_seconds(overlapping, self.seconds - overlapping, self.num_buckets, backward_seconds)
 
 

@@ -7,6 +7,7 @@ from lightning_dp.comm.cost import (
     Scheme,
     Topology,
     Wire,
+    core_sharing,
     dedicated_exchange_seconds,
     optimizer_state_peak,
     rank_traffic,
@@ -156,6 +157,33 @@ def test_exposed_time_hides_all_but_the_last_buckets_share_behind_backward():
     assert server.exposed_seconds(backward_seconds=100.0) == pytest.approx(pull + (server.seconds - pull) / 4)
 
 
+def test_shared_memory_prices_barriers_copies_and_the_cores_backward_shares():
+    """One machine of L ranks, K buckets through shared memory: 2 K barriers of ``α_L`` and ``2 (L - 1) / L · S``
+    at ``C``; the first K - 1 buckets' share of that runs beside backward, σ times as long."""
+    alpha_l, c, sigma, buckets, ranks = 5e-6, 6e9, 2.0, 4, 2
+    link = Link(ALPHA, B, local_bandwidth=c, local_latency=alpha_l, overlap_slowdown=sigma)
+    cost = step_cost(Scheme("ring_allreduce"), Topology(1, ranks), link, Wire((S // buckets,) * buckets))
+    alone = 2 * buckets * alpha_l + 2 * (ranks - 1) / ranks * S / c
+    beside = alone * (buckets - 1) / buckets * (sigma - 1)
+    assert cost.sharing_seconds == pytest.approx(beside)
+    assert cost.seconds == pytest.approx(alone + beside)
+    assert cost.exposed_seconds(backward_seconds=100.0) == pytest.approx((alone + beside) / buckets)
+    spare = step_cost(Scheme("ring_allreduce"), Topology(1, ranks), Link(ALPHA, B, c, alpha_l),
+                      Wire((S // buckets,) * buckets))  # fmt: skip
+    assert spare.seconds == pytest.approx(alone) and spare.sharing_seconds == 0.0
+    # over sockets nothing is done inside the machine: the cores backward shares cost nothing there
+    sockets = step_cost(Scheme("ring_allreduce", "ring"), hosts(4), link, Wire((S,) * 2))
+    assert sockets.sharing_seconds == 0.0
+
+
+def test_core_sharing_counts_the_threads_that_want_a_core():
+    assert core_sharing(2, 1, 2) == 2.0  # two ranks, each backward on one thread and an exchange thread, two cores
+    assert core_sharing(4, 3, 8) == 2.0
+    assert core_sharing(2, 1, 16) == 1.0  # cores to spare: never faster than alone
+    with pytest.raises(ValueError, match="positive counts"):
+        core_sharing(2, 0, 2)
+
+
 def test_optimizer_state_per_rank():
     assert optimizer_state_peak(Scheme("ring_allreduce"), 4, 800) == 800
     assert optimizer_state_peak(Scheme("parameter_server"), 4, 800) == 800
@@ -179,5 +207,7 @@ def test_bad_input_is_refused():
         Scheme("gossip")
     with pytest.raises(ValueError, match="latency >= 0"):
         Link(-1.0, B)
+    with pytest.raises(ValueError, match="overlap_slowdown >= 1"):
+        Link(ALPHA, B, overlap_slowdown=0.5)
     with pytest.raises(ValueError, match="at least one node"):
         Topology(0, 1)

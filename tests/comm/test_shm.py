@@ -211,3 +211,31 @@ def test_a_zombie_counts_as_dead():
 
 def _segments_left() -> list[str]:
     return [name for name in os.listdir(SHM_DIR) if name.startswith(NAME_PREFIX)]
+
+
+def _probe_in_node(rank: int, world_size: int) -> list:
+    """The in-node probe on two nodes of two ranks, between two buckets' worth of real data in the slots."""
+    exchange = HierarchicalAllReduce([4096, 1 << 20], node_key=rank // 2, timeout=60)
+    regions = [exchange.buffer(slot, nbytes // 4, torch.float32) for slot, nbytes in enumerate(exchange.slot_bytes)]
+    for slot, region in enumerate(regions):
+        region.copy_(torch.randn(region.numel(), generator=torch.Generator().manual_seed(10 * rank + slot)))
+    before = [r.clone() for r in regions]
+    barrier, rate = exchange.measure_in_node(barriers=20, repeats=3)
+    restored = all(torch.equal(a, b) for a, b in zip(before, regions, strict=True))
+    counters = exchange.stats.reset()
+    data = torch.arange(8, dtype=torch.float32) * (rank + 1)
+    expected = data.clone()
+    dist.all_reduce(expected)  # across both nodes: the ring between them is back in place
+    across = torch.equal(exchange.all_reduce(data, op="sum"), expected)
+    exchange.close()
+    return [barrier, rate, restored, counters, across]
+
+
+@pytest.mark.multiprocess
+def test_the_in_node_probe_measures_the_exchange_and_leaves_it_as_it_was():
+    """``measure_in_node``: a barrier and a reduction rate, positive and finite; the slot's contents, the byte
+    counters and the ring across nodes as they were."""
+    for barrier, rate, restored, counters, across in run_distributed(_probe_in_node, 4, timeout=120):
+        assert 0 < barrier < 1 and 0 < rate < float("inf")
+        assert restored and counters == (0, 0) and across
+    assert not _segments_left()

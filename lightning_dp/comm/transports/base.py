@@ -114,6 +114,12 @@ class Transport(ABC):
         socket transports with more than one rank, for shared memory only across nodes."""
         return self.size > 1
 
+    def measure_in_node(self) -> tuple[float, float] | None:
+        """Collective: ``(seconds of one synchronization, bytes/s)`` of this transport's exchange among the ranks of
+        one node, for the cost model's ``Link.local_latency`` and ``local_bandwidth``; ``None`` for a transport
+        whose ranks of a node exchange over sockets like any others (the link probe measures those)."""
+        return None
+
     def owns_all(self, bucket: GradientBucket) -> bool:
         """Whether this rank holds the whole averaged ``bucket`` after :meth:`reduce`."""
         return self.owned(bucket) == (0, bucket.grad_numel)

@@ -28,6 +28,8 @@ other region; ``reduce_scatter`` writes only after its own barrier.
 from __future__ import annotations
 
 import socket
+import statistics
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import cast
@@ -103,6 +105,7 @@ class HierarchicalAllReduce:
         wait: str = "auto",
     ) -> None:
         self.group = group
+        self.slot_bytes = list(slot_bytes)
         self.size = dist.get_world_size(group)
         self.layout = NodeLayout.gather(socket.gethostname() if node_key is None else node_key, group)
         check_uniform(self.layout)  # before any segment exists
@@ -129,6 +132,42 @@ class HierarchicalAllReduce:
     def slice(self, numel: int) -> Segment:
         """The ``(start, end)`` part of a slot's ``numel`` elements this rank reduces."""
         return chunk_bounds(numel, self.local_size)[self.local_rank]
+
+    def measure_in_node(self, barriers: int = 50, repeats: int = 5) -> tuple[float, float]:
+        """Collective over the node's ranks: ``(seconds of one barrier, bytes/s of the node's reduction)``, what the
+        cost model's :class:`~lightning_dp.comm.cost.Link` calls ``local_latency`` and ``local_bandwidth`` for this
+        exchange. The barrier: the median of ``barriers``. The reduction: :meth:`reduce_in_place` of the largest
+        slot inside this node, every rank's input freshly written first as backward writes it, less its two
+        barriers (the fastest of ``repeats``), priced as the ``2 (L - 1) / L`` of the slot's bytes the model counts.
+        The slot's contents and the byte counters are as they were before. A node of one rank has neither:
+        ``(0.0, inf)``."""
+        if self.local_size == 1:
+            return 0.0, float("inf")
+        slot = max(range(len(self.slot_bytes)), key=self.slot_bytes.__getitem__)
+        region = self.memory.input(slot, self.slot_bytes[slot] // 4, torch.float32)
+        kept, fresh, stats, cross_ring = region.clone(), torch.ones_like(region), self.stats, self.cross_ring
+        self.stats, self.cross_ring = CommStats(), None  # this node's part alone
+        try:
+            self.memory.barrier()
+            times = []
+            for _ in range(barriers):
+                start = time.perf_counter()
+                self.memory.barrier()
+                times.append(time.perf_counter() - start)
+            barrier = statistics.median(times)
+            best = float("inf")
+            for _ in range(repeats):
+                region.copy_(fresh)
+                self.memory.barrier()
+                start = time.perf_counter()
+                self.reduce_in_place(region, slot, "avg")
+                best = min(best, time.perf_counter() - start)
+        finally:
+            self.memory.barrier()  # no rank restores its region while a peer still sums it
+            region.copy_(kept)
+            self.stats, self.cross_ring = stats, cross_ring
+        counted = 2 * (self.local_size - 1) / self.local_size * region.numel() * 4
+        return barrier, counted / max(best - 2 * barrier, 1e-9)
 
     def all_reduce(self, tensor: torch.Tensor, slot: int = 0, op: ReduceOpName = "sum") -> torch.Tensor:
         """All-reduce the contiguous ``tensor`` in place and return it; bit-identical on every rank. A tensor that is

@@ -60,6 +60,9 @@ class _SharedMemoryTransport(Transport):
     def crosses_network(self) -> bool:
         return self.exchange.layout.num_nodes > 1
 
+    def measure_in_node(self) -> tuple[float, float] | None:
+        return self.exchange.measure_in_node()
+
     def close(self) -> None:
         if self._exchange is not None:
             self._exchange.close()
