@@ -6,7 +6,8 @@
 The emulated-cluster, compression, dedicated-server, gloo-flow and advisor-validation benchmarks need root (network
 namespaces); without it, they are skipped with a note. The accuracy parts of the compression and straggler
 benchmarks (`python -m benchmarks.compression --accuracy`, `python -m benchmarks.straggler --accuracy`, about 10 and
-6 minutes) and the example app's spread (`python -m benchmarks.app_accuracy`, about 15 minutes) run on their own;
+6 minutes), the example app's spread (`python -m benchmarks.app_accuracy`, about 15 minutes) and its monitor's
+prediction (`python -m benchmarks.monitor_model`, about 4 minutes) run on their own;
 their tables are collected if present. Writing to the stored results, it then renders the documents' result
 blocks again (``python -m benchmarks.tables``).
 """
@@ -41,7 +42,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
     names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
              "straggler_accuracy", "app_accuracy", "dedicated_servers", "gloo_flows", "end_to_end_emulated",
-             "advisor_validation", "scale_model")  # fmt: skip
+             "advisor_validation", "monitor_model", "scale_model")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

@@ -9,6 +9,7 @@ python examples/train.py model=boring
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_dp import hydra_support
+from lightning_dp import CommMonitor, hydra_support
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ def train(cfg: DictConfig) -> dict:
             summary["staleness_seen"] = staleness
         if backup is not None:
             summary["backup"] = backup
+        monitor = next((c for c in trainer.callbacks if isinstance(c, CommMonitor)), None)
+        if monitor is not None and monitor.summary is not None:  # means per step, measured and predicted
+            summary["comm"] = dataclasses.asdict(monitor.summary)
         (output / "metrics.json").write_text(json.dumps(summary, indent=2))
         print("final metrics:", json.dumps(metrics, sort_keys=True))
     return metrics

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
 from benchmarks.report import rows as result_rows
+from lightning_dp.comm.cost import Link
 from lightning_dp.hydra_support import _config_flags
 from tests.helpers.launch import QUICK, REPO, run_app
 
@@ -131,6 +132,11 @@ def test_default_run_reaches_the_readme_accuracy(tmp_path):
     assert summary["strategy"] == "RingAllReduceStrategy" and summary["world_size"] == 2
     assert summary["global_step"] == 100  # 10 epochs x ceil(1257 training images / global batch 128)
     assert summary["metrics"]["test_acc"] >= 0.95, summary
+    # CommMonitor's means per step (conf/callbacks/default.yaml), measured beside predicted, with the link inside
+    # the machine measured by the shared-memory exchange itself (benchmarks/monitor_model.py compares the columns)
+    comm = summary["comm"]
+    assert comm["steps"] == 100 and comm["measured"]["seconds"] > 0 and comm["predicted"]["seconds"] > 0, comm
+    assert comm["link"]["local_latency"] != Link.local_latency and comm["link_measured"], comm
 
 
 @pytest.mark.multiprocess
