@@ -1,7 +1,7 @@
 """``CommMonitor``'s two columns on the example app: the exchange it measured beside the one the cost model
 predicted for the same step, over repeated runs of ``python examples/train.py``.
 
-    python -m benchmarks.monitor_model             # 3 runs per setting (about 3 minutes on 2 cores)
+    python -m benchmarks.monitor_model             # 3 runs per setting (about 4 minutes on 2 cores)
     python -m benchmarks.monitor_model --runs 5
 
 Each run is the app as the README shows it (the main job: ``ring_allreduce`` through shared memory, 2 ranks) or

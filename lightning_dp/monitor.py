@@ -16,7 +16,6 @@ from lightning_dp.comm.buckets import assign_buckets
 from lightning_dp.comm.cluster.probe import measure_link
 from lightning_dp.comm.cost import Link, Scheme, StepCost, Topology, Wire, core_sharing, rank_traffic, step_cost
 from lightning_dp.comm.stats import SyncStats
-from lightning_dp.comm.transports.shm import usable_cores
 from lightning_dp.strategies.base import DataParallelStrategy
 
 #: the metrics logged per optimizer step, under the monitor's prefix
@@ -31,6 +30,9 @@ class CommSummary:
     steps: int = 0
     link: Link | None = None
     link_measured: bool = True
+    #: whether the link's barrier, reduction rate and slowdown beside backward inside a machine are those of the
+    #: strategy's own shared-memory exchange (else the copy rate measured and the model's barrier)
+    in_node_measured: bool = False
     #: mean measured values per step; ``None`` where the strategy does not measure them (``ddp``'s seconds)
     measured: dict[str, float | None] = field(default_factory=dict)
     predicted: dict[str, float | None] = field(default_factory=dict)
@@ -44,10 +46,12 @@ class CommSummary:
         where = "measured" if self.link_measured else "given"
         lines = [f"CommMonitor: {self.strategy}, {self.steps} optimizer steps (means per step, this rank)"]
         if link is not None:
+            inside = f"inside a machine {link.local_bandwidth / 1e9:.1f} GB/s"
+            if self.in_node_measured:
+                inside += (f" (shared memory), {link.local_latency * 1e6:.1f} us per barrier, "
+                           f"{link.overlap_slowdown:.2g}x as long beside backward")  # fmt: skip
             lines.append(f"link ({where}): latency {link.latency * 1e3:.3f} ms, bandwidth {link.bandwidth / 1e6:.1f} "
-                         f"MB/s; inside a machine {link.local_bandwidth / 1e9:.1f} GB/s, "
-                         f"{link.local_latency * 1e6:.1f} us per barrier, {link.overlap_slowdown:.2g}x as long "
-                         "beside backward")  # fmt: skip
+                         f"MB/s; {inside}")  # fmt: skip
         lines.append(f"{'':<22}{'measured':>14}{'predicted':>14}")
         for name in METRICS:
             lines.append(f"{name:<22}{_fmt(self.measured.get(name)):>14}{_fmt(self.predicted.get(name)):>14}")
@@ -79,7 +83,9 @@ class CommMonitor(Callback):
 
     Values are means per optimizer step over the steps a batch closed (several with several optimizers). At the start
     of training the ranks measure their link with a short ping-pong (:func:`measure_link`, a collective: give every
-    rank the callback) unless ``link`` is given; at the end rank 0 prints :class:`CommSummary` (also in
+    rank the callback) and, where the strategy exchanges through shared memory, that exchange's barrier and
+    reduction rate and how much backward slows it on the node's cores, unless ``link`` is given (used as it is); at
+    the end rank 0 prints :class:`CommSummary` (also in
     :attr:`summary` on every rank).
 
     Args:
@@ -112,7 +118,7 @@ class CommMonitor(Callback):
         strategy = trainer.strategy
         scheme, wire, plain = self._model_of(trainer, pl_module)
         measured = self.link is None
-        link = self.link if self.link is not None else self._measure(trainer)
+        link, probed = (self.link, False) if self.link is not None else self._measure(trainer)
         topology = Topology(trainer.num_nodes, max(1, trainer.world_size // max(1, trainer.num_nodes)))
         self._cost = step_cost(scheme, topology, link, wire, plain)
         if isinstance(strategy, DataParallelStrategy):
@@ -125,7 +131,7 @@ class CommMonitor(Callback):
         self._last_global_step = trainer.global_step
         self._totals = {name: 0.0 for name in (*METRICS, "backward")}
         self._steps = 0
-        self.summary = CommSummary(scheme.label(), link=link, link_measured=measured)
+        self.summary = CommSummary(scheme.label(), link=link, link_measured=measured, in_node_measured=probed)
 
     def _model_of(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Scheme, Wire, Wire]:
         strategy = trainer.strategy
@@ -138,21 +144,22 @@ class CommMonitor(Callback):
         plain = Wire(tuple(sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets))
         return Scheme("ddp"), plain, plain
 
-    def _measure(self, trainer: pl.Trainer) -> Link:
+    def _measure(self, trainer: pl.Trainer) -> tuple[Link, bool]:
         """Collective: the link between the machines (:func:`measure_link`), and inside one the strategy's own
-        shared-memory exchange where it has one (its barrier and reduction rate), and how much backward slows that
-        exchange on the CPU cores they share (:func:`core_sharing`)."""
+        shared-memory exchange where it has one (CPU buckets): its barrier and reduction rate, and how much backward
+        slows it on the cores the node's ranks share (:func:`core_sharing`). Returns the link, and whether the
+        exchange inside a machine was measured."""
         strategy = trainer.strategy
         group = strategy.gradient_group if isinstance(strategy, DataParallelStrategy) else None
         link = measure_link(group, device=strategy.root_device)
         transport = strategy.transport if isinstance(strategy, DataParallelStrategy) else None
-        in_node = transport.measure_in_node() if transport is not None else None
-        if in_node is not None:
-            link = replace(link, local_latency=in_node[0], local_bandwidth=in_node[1])
-        if strategy.root_device.type == "cpu":
+        probe = transport.measure_in_node() if transport is not None else None
+        if probe is not None:
             ranks = max(1, trainer.world_size // max(1, trainer.num_nodes))
-            link = replace(link, overlap_slowdown=core_sharing(ranks, torch.get_num_threads(), usable_cores()))
-        return link
+            slowdown = core_sharing(ranks, torch.get_num_threads(), probe.cores)
+            link = replace(link, local_latency=probe.barrier_seconds, local_bandwidth=probe.reduction_bandwidth,
+                           overlap_slowdown=slowdown)  # fmt: skip
+        return link, probe is not None
 
     # ------------------------------------------------------------------ per step
     # no gradient hook here (on_after_backward, ...): unless a callback declares reads_gradients = False, the

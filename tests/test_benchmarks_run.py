@@ -228,8 +228,9 @@ def test_gpu_check_runs_in_stages_keeps_what_a_cut_off_run_found_and_refuses_wit
     ]
     assert [r["vs_ddp"] for r in rows if r["strategy"] == "ddp"] == [1.0, 1.0]
     assert all(r["steps_per_s"] > 0 and r["vs_ddp"] > 0 for r in rows)
-    summary = out.stdout.strip().splitlines()[-1]
-    assert summary.startswith("gpu_check: smoke passed; end_to_end passed; two ranks sharing the device, steps/s")
+    summaries = [line for line in out.stdout.splitlines() if line.startswith("gpu_check: smoke passed;")]
+    assert len(summaries) == 1, out.stdout[-3000:]
+    assert summaries[0].startswith("gpu_check: smoke passed; end_to_end passed; two ranks sharing the device, steps/s")
     report = (tmp_path / "gpu_check_on_cpu.md").read_text()
     assert "| smoke | passed |" in report and "| collectives | not run |" in report
     if not torch.cuda.is_available():

@@ -318,15 +318,22 @@ def test_the_run_folder_is_named_by_the_clusters_job(monkeypatch):
 def test_ranks_torchrun_starts_share_one_run_folder(tmp_path):
     """torchrun starts both ranks, each composes its own config: one run folder, one log per rank."""
     from tests.helpers.distributed import free_port
-    from tests.helpers.launch import CLUSTER_VARIABLES, subprocess_env
+    from tests.helpers.launch import CLUSTER_VARIABLES, WARM, kill_process_tree, subprocess_env
 
     env = {k: v for k, v in subprocess_env().items() if k not in CLUSTER_VARIABLES}
     # the README's command (its first start finds no last checkpoint and starts afresh)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                "--master-port", str(free_port()), str(REPO / "examples" / "train.py"), "trainer.devices=2",
                "ckpt_path=last", *QUICK]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as output:  # torchrun and its workers warm where they can be
+        run = WARM.start(command, env, tmp_path, output)
+    try:
+        run.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        kill_process_tree(run.pid)  # the workers run in sessions of their own
+        raise
+    assert run.returncode == 0, log.read_text()[-5000:]
     (folder,) = (tmp_path / "outputs").iterdir()
     assert folder.name.startswith("torchrun-")
     assert {p.name for p in folder.glob("*.log")} == {"train.log", "train_rank1.log"}

@@ -220,7 +220,9 @@ def _probe_in_node(rank: int, world_size: int) -> list:
     for slot, region in enumerate(regions):
         region.copy_(torch.randn(region.numel(), generator=torch.Generator().manual_seed(10 * rank + slot)))
     before = [r.clone() for r in regions]
-    barrier, rate = exchange.measure_in_node(barriers=20, repeats=3)
+    probe = exchange.measure_in_node(barriers=20, repeats=3)
+    assert probe is not None
+    barrier, rate, cores = probe
     restored = all(torch.equal(a, b) for a, b in zip(before, regions, strict=True))
     counters = exchange.stats.reset()
     data = torch.arange(8, dtype=torch.float32) * (rank + 1)
@@ -228,14 +230,17 @@ def _probe_in_node(rank: int, world_size: int) -> list:
     dist.all_reduce(expected)  # across both nodes: the ring between them is back in place
     across = torch.equal(exchange.all_reduce(data, op="sum"), expected)
     exchange.close()
-    return [barrier, rate, restored, counters, across]
+    alone = HierarchicalAllReduce([64], node_key=rank, timeout=60)  # a node of one rank: nothing to measure
+    nothing = alone.measure_in_node()
+    alone.close()
+    return [barrier, rate, cores, restored, counters, across, nothing]
 
 
 @pytest.mark.multiprocess
 def test_the_in_node_probe_measures_the_exchange_and_leaves_it_as_it_was():
-    """``measure_in_node``: a barrier and a reduction rate, positive and finite; the slot's contents, the byte
-    counters and the ring across nodes as they were."""
-    for barrier, rate, restored, counters, across in run_distributed(_probe_in_node, 4, timeout=120):
-        assert 0 < barrier < 1 and 0 < rate < float("inf")
-        assert restored and counters == (0, 0) and across
+    """``measure_in_node``: a barrier and a reduction rate, positive and finite, and the node's cores; the slot's
+    contents, the byte counters and the ring across nodes as they were; on a node of one rank nothing."""
+    for barrier, rate, cores, restored, counters, across, nothing in run_distributed(_probe_in_node, 4, timeout=120):
+        assert 0 < barrier < 1 and 0 < rate < float("inf") and cores == usable_cores()
+        assert restored and counters == (0, 0) and across and nothing is None
     assert not _segments_left()

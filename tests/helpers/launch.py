@@ -106,8 +106,6 @@ def run_processes(
         with COUNTER.one_launch():
             for env, log in zip(envs, logs, strict=True):
                 procs.append(WARM.start(command, env, cwd, log))
-            if any(isinstance(p, WarmProcess) for p in procs):
-                COUNTER.started_warm()
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 timed_out = True

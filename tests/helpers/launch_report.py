@@ -47,6 +47,7 @@ class LaunchCounter:
         depth = getattr(self._inside, "depth", 0)
         if depth == 0:
             self._count()
+            self._inside.warm = False
         self._inside.depth = depth + 1
         try:
             yield
@@ -63,7 +64,10 @@ class LaunchCounter:
             self.total += 1
 
     def started_warm(self) -> None:
-        """The launch just counted started from the warm interpreter."""
+        """A process of the launch this thread is in (counted once per launch) started from the warm interpreter."""
+        if getattr(self._inside, "warm", False):
+            return
+        self._inside.warm = True
         with self._lock:
             self.warm += 1
 

@@ -7,28 +7,33 @@ then runs as ``python -m <module> args`` (or ``python <script> args``) would: a 
 environment, working directory, output file, ``sys.argv``, ``sys.path[0]`` and ``__main__``, fresh random seeds, and
 its exit status reported to the test. Before it runs anything, each such child forks :data:`RANK_TEMPLATES` pristine
 copies of itself that wait, children of the launch, for a command: the ranks that Lightning's ``popen`` launcher
-starts (``subprocess.Popen`` of ``python <script>`` in its module) are handed to them, under the same rules, and are
-the launch's children as with a real ``Popen``. The copies no rank took end when the launch does.
+starts (``subprocess.Popen`` of ``python <script>`` in its module) and the workers torchrun's agent starts (``python
+-u ...``, each in a session of its own, entered before the hand-off returns) are handed to them, under the same
+rules, and are the launch's children as with a real ``Popen``. The copies no rank took end when the launch does.
 
 What a warm start does not reproduce: every process forked from one warm interpreter shares its hash seed (fresh
-interpreters each draw one), ranks start at once rather than after their imports, and what the preloaded modules do
-at import happens once, in the warm process (its warnings go to its own error file). ``LIGHTNING_DP_TEST_WARM=0`` runs
-every launch cold, as a user's run starts.
+interpreters each draw one), ranks start at once rather than after their imports, what the preloaded modules do
+at import happens once, in the warm process (its warnings go to its own error file), ``sys.flags`` are the warm
+process's (``-u`` is given by unbuffered streams alone), and inside an emulated host ``/sys`` is the machine's.
+``LIGHTNING_DP_TEST_WARM=0`` runs every launch cold, as a user's run starts.
 
-A launch starts cold (a plain ``subprocess.Popen``) when its command is not ``python -m ...`` or ``python <file>``,
-when its environment differs from the warm process's in a variable that may be read at import time (anything but
-:data:`RUN_TIME_VARIABLES` and :data:`SET_BY_IMPORTS`; for a rank too, and what Lightning's import reads of its rank
-is set again), when no warm process runs (one found dead before a launch is started again, up to :data:`RESTARTS`
-times; one that fails while a launch is handed to it ends warm starts, said on stderr with the end of its errors),
-and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm environment is the launches' as
-it is at the first launch (collection's imports may set variables until then). The warm process forks only while
-it is single-threaded (checked when it starts) and exits when the test process does.
+A launch starts cold (a plain ``subprocess.Popen``) when its command is not ``python [-u] -m ...`` or ``python [-u]
+<file>``, when its environment differs from the warm process's in a variable that may be read at import time
+(anything but :data:`RUN_TIME_VARIABLES` and :data:`SET_BY_IMPORTS`; for a rank too, and what Lightning's import
+reads of its rank is set again), when no warm process runs (one found dead before a launch is started again, up to
+:data:`RESTARTS` times; one that fails while a launch is handed to it ends warm starts, said on stderr with the end
+of its errors), and always when the test process runs with ``LIGHTNING_DP_TEST_WARM=0``. The warm environment is the
+launches' as it is at the first launch (collection's imports may set variables until then). The warm process forks
+only while it is single-threaded (checked when it starts) and exits when the test process does. A launch inside an
+emulated host's network namespace (``netns``) enters it with ``setns`` before it forks its copies, as root may.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import io
 import os
 import pickle
 import select
@@ -45,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.launch_report import COUNTER
+
 #: what the warm process imports once
 PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_dp", "lightning_dp.strategies", "hydra",
            "omegaconf", "torchvision", "tests.scripts.models")  # fmt: skip
@@ -53,7 +60,8 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_dp", "l
 RUN_TIME_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
                       "LIGHTNING_DP_TEST_", "LIGHTNING_DP_PARTITION_BYTES", "LIGHTNING_DP_JOB_SECRET",
                       "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST", "LIGHTNING_DP_LAUNCH",
-                      "PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # fmt: skip
+                      "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_", "ROLE_", "LOCAL_WORLD_SIZE",
+                      "GROUP_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")  # fmt: skip
 #: variables imports set in their own process (torch's compile cache and Lightning's NVML check, preloaded; the
 #: Intel OpenMP settings of scikit-learn, which the demo data imports, and which torch's GNU OpenMP does not read): a
 #: fresh interpreter sets them the same way, whether the launch's environment has them or not
@@ -67,8 +75,9 @@ _STATUS = struct.Struct("!q")
 _LENGTH = struct.Struct("!I")
 #: warm interpreters started again after one exited, before launches start cold for good
 RESTARTS = 3
-#: pristine copies each warm launch keeps for the ranks Lightning starts: the tests' runs have at most 4 per node
-RANK_TEMPLATES = 3
+#: pristine copies each warm launch keeps for the ranks it starts: the tests' runs have at most 4 per node, and
+#: torchrun's agent starts 2 workers and 2 more on a restart
+RANK_TEMPLATES = 4
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,9 @@ class _Request:
     module: bool  # python -m argv[0]; else python argv[0]
     env: dict[str, str]
     cwd: str
+    netns: str | None = None  # the named network namespace it runs in (``ip netns exec``'s), if any
+    unbuffered: bool = False  # python -u
+    new_session: bool = False  # a rank that asked for a session of its own (torchrun's workers)
 
 
 class WarmProcess:
@@ -123,17 +135,24 @@ class WarmStarter:
         self.cold_because: dict[str, int] = {}
         self.enabled = os.environ.get("LIGHTNING_DP_TEST_WARM", "1") != "0"
 
-    def start(self, command: list[str], env: dict[str, str], cwd: Path, output) -> subprocess.Popen | WarmProcess:
-        """Start ``command`` with ``env`` in ``cwd``, stdout and stderr to the file ``output``. The process is in a
-        session of its own when this returns."""
-        request = self._request(command, env, cwd)
-        if request is not None and self._ensure_running():
-            try:
-                return self._fork(request, output)
-            except (OSError, struct.error) as error:  # the warm process is gone: this launch and the next cold
-                self._give_up(f"the warm interpreter stopped answering ({error!r})")
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # fmt: skip
+    def start(
+        self, command: list[str], env: dict[str, str], cwd: Path, output, netns: str | None = None
+    ) -> subprocess.Popen | WarmProcess:
+        """Start ``command`` with ``env`` in ``cwd``, stdout and stderr to the file ``output``, inside the named
+        network namespace ``netns`` if given (as ``ip netns exec`` runs it). The process is in a session of its own
+        when this returns."""
+        with COUNTER.one_launch():  # one launch, or a process of the launch the caller counts
+            request = self._request(command, env, cwd)
+            if request is not None and self._ensure_running():
+                try:
+                    process = self._fork(dataclasses.replace(request, netns=netns), output)
+                    COUNTER.started_warm()
+                    return process
+                except (OSError, struct.error) as error:  # the warm process is gone: this launch and the next cold
+                    self._give_up(f"the warm interpreter stopped answering ({error!r})")
+            prefix = ["ip", "netns", "exec", netns] if netns is not None else []
+            return subprocess.Popen([*prefix, *command], cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)  # fmt: skip
 
     def _fork(self, request: _Request, output) -> WarmProcess:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -220,14 +239,16 @@ def import_time_differences(env: dict[str, str], warm_env: dict[str, str]) -> li
 def _request(command: list[str], env: dict[str, str], cwd: str, warm_env: dict[str, str]) -> _Request | None:
     """``command`` as a request to a process that imported :data:`PRELOAD` in ``warm_env``, or ``None`` where a
     fresh interpreter could differ."""
-    if not command or command[0] != sys.executable or len(command) < 2:
+    if len(command) < 2 or command[0] != sys.executable:
         return None
     if import_time_differences(env, warm_env):
         return None
-    if command[1] == "-m" and len(command) > 2:
-        return _Request(command[2:], True, dict(env), cwd)
-    if command[1].endswith(".py"):
-        return _Request(command[1:], False, dict(env), cwd)
+    unbuffered = command[1] == "-u"
+    rest = command[2:] if unbuffered else command[1:]
+    if len(rest) > 1 and rest[0] == "-m":
+        return _Request(rest[1:], True, dict(env), cwd, unbuffered=unbuffered)
+    if rest and rest[0].endswith(".py"):
+        return _Request(rest, False, dict(env), cwd, unbuffered=unbuffered)
     return None
 
 
@@ -291,51 +312,89 @@ def _serve_until_forked(address: str) -> tuple[_Request, int]:
 
 
 def _become(request: _Request, output: int) -> None:
-    """Turn this forked child (already in a session of its own) into ``python [-m] argv``: files, pristine copies
-    for its ranks, environment, seeds, then run it."""
+    """Turn this forked child (already in a session of its own) into ``python [-m] argv``: files, network
+    namespace, pristine copies for its ranks, environment, seeds, then run it."""
     os.dup2(output, 1)
     os.dup2(output, 2)
     os.close(output)
+    if request.netns is not None:
+        _enter_network_namespace(request.netns)
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.close(stdin)
     warm_env = dict(os.environ)
-    templates: list[tuple[int, int]] = []  # (pid, the end its command is written to)
+    templates: list[_Template] = []
     for _ in range(RANK_TEMPLATES):
         commands, give_command = os.pipe()
+        started, tell_started = os.pipe()
         parent = os.getpid()
         try:
             pid = os.fork()
         except OSError:  # fewer copies: the ranks beyond them start cold
-            os.close(commands)
-            os.close(give_command)
+            for end in (commands, give_command, started, tell_started):
+                os.close(end)
             break
         if pid == 0:
-            for _, end in templates:
-                os.close(end)
+            for template in templates:
+                os.close(template.commands)
+                os.close(template.started)
             os.close(give_command)
-            _run(_await_command(commands, parent))
+            os.close(started)
+            _run(_await_command(commands, tell_started, parent))
             return
         os.close(commands)
-        templates.append((pid, give_command))
+        os.close(tell_started)
+        templates.append(_Template(pid, give_command, started))
     _start_ranks_from(templates, warm_env)
     atexit.register(_release, templates)
     _run(request)
 
 
-def _release(templates: list[tuple[int, int]]) -> None:
+def _enter_network_namespace(name: str) -> None:
+    """Move this single-threaded process into the named network namespace (``/run/netns/<name>``, as ``ip netns``
+    makes them): its sockets, interfaces and routes are the namespace's, and so are those of every process and thread
+    it starts. ``ip netns exec`` also mounts a fresh ``/sys`` and the namespace's ``/etc/netns`` files: the launched
+    programs read neither for the network, but a process started so sees no ``/sys/fs/cgroup`` (no CPU quota) where
+    this one sees the machine's."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    descriptor = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(descriptor, _CLONE_NEWNET) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"setns into network namespace {name!r}: {os.strerror(number)}")
+    finally:
+        os.close(descriptor)
+
+
+_CLONE_NEWNET = 0x40000000  # Linux: the network namespace, for setns
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A pristine copy waiting for a rank's command: its pid, the end its command is written to, and the end it says
+    on that it has its own session (where the command asked for one)."""
+
+    pid: int
+    commands: int
+    started: int
+
+
+def _release(templates: list[_Template]) -> None:
     """At the launch's exit: end the copies no rank took (they read an empty command) and reap them."""
-    for _, end in templates:
-        os.close(end)
-    for pid, _ in templates:
+    for template in templates:
+        os.close(template.commands)
+        os.close(template.started)
+    for template in templates:
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+            os.waitpid(template.pid, 0)
     templates.clear()
 
 
-def _await_command(commands: int, parent: int) -> _Request:
+def _await_command(commands: int, tell_started: int, parent: int) -> _Request:
     """In a pristine copy: die with the launch until it hands this copy a rank's command (its length first), then
-    return it."""
+    return it, in a session of its own first if it asks for one (said on ``tell_started``)."""
     _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
@@ -345,7 +404,12 @@ def _await_command(commands: int, parent: int) -> _Request:
     if not message:  # the launch ended with this copy unused
         os._exit(0)
     _set_parent_death_signal(0)  # as a fresh process has it
-    return pickle.loads(message)
+    request: _Request = pickle.loads(message)
+    if request.new_session:
+        os.setsid()
+    os.write(tell_started, b"s")
+    os.close(tell_started)
+    return request
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -367,43 +431,57 @@ class _RankPopen(subprocess.Popen):
     """``subprocess.Popen`` that hands a plain ``python [-m] argv`` start to one of the launch's pristine copies,
     and starts anything else (or when none is left) as ``subprocess.Popen`` does."""
 
-    templates: list[tuple[int, int]] = []
+    templates: list[_Template] = []
     warm_env: dict[str, str] = {}
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest):  # type: ignore[no-untyped-def]
         request = None
         if executable is None and preexec_fn is None and not pass_fds and len(rest) == 16:
             _, _, shell, *pipes, _, gid, gids, uid, umask, new_session, group = rest
-            plain = not shell and all(fd == -1 for fd in pipes) and not new_session and group == -1
+            plain = not shell and all(fd == -1 for fd in pipes) and group == -1
             if plain and gid is None and gids is None and uid is None and umask == -1:
                 command = [os.fsdecode(a) for a in args]
                 request = _request(command, dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()),
                                    self.warm_env)  # fmt: skip
+                if request is not None and new_session:
+                    request = dataclasses.replace(request, new_session=True)
         while request is not None and self.templates:
-            pid, end = self.templates.pop(0)
+            template = self.templates.pop(0)
             message = pickle.dumps(request)
             try:
                 data = memoryview(_LENGTH.pack(len(message)) + message)
                 while data:
-                    data = data[os.write(end, data) :]
+                    data = data[os.write(template.commands, data) :]
+                # once it said so, the copy runs the command (and leads its session): signals to its group reach it
+                handed = os.read(template.started, 1) == b"s"
             except OSError:  # that copy is gone
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
-                continue
+                handed = False
+            except BaseException:  # interrupted (a signal handler raised): no copy runs a command nobody waits for
+                with contextlib.suppress(OSError):
+                    os.kill(template.pid, signal.SIGKILL)
+                    os.waitpid(template.pid, 0)
+                raise
             finally:
-                os.close(end)
-            self.pid = pid
+                os.close(template.commands)
+                os.close(template.started)
+            if not handed:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(template.pid, os.WNOHANG)
+                continue
+            self.pid = template.pid
             self._child_created = True
             return
         super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
 
 
-def _start_ranks_from(templates: list[tuple[int, int]], warm_env: dict[str, str]) -> None:
-    """Have Lightning's popen launchers (Fabric's and the Trainer's) start ranks with :class:`_RankPopen`."""
+def _start_ranks_from(templates: list[_Template], warm_env: dict[str, str]) -> None:
+    """Have Lightning's popen launchers (Fabric's and the Trainer's) and torchrun's worker handler start ranks with
+    :class:`_RankPopen`."""
     import types
 
     from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
     from lightning.pytorch.strategies.launchers import subprocess_script as pytorch_launcher
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as torchrun_handler
 
     _RankPopen.templates = templates
     _RankPopen.warm_env = warm_env
@@ -412,6 +490,7 @@ def _start_ranks_from(templates: list[tuple[int, int]], warm_env: dict[str, str]
     shim.Popen = _RankPopen  # type: ignore[attr-defined]
     for module in (fabric_launcher, pytorch_launcher):
         module.subprocess = shim  # type: ignore[attr-defined]
+    torchrun_handler.Popen = _RankPopen  # type: ignore[attr-defined]
 
 
 def _run(request: _Request) -> None:
@@ -425,6 +504,12 @@ def _run(request: _Request) -> None:
     os.environ.clear()
     os.environ.update(request.env)
     rank_zero_only.rank = _get_rank() or 0  # what Lightning's import reads of the environment
+    if request.unbuffered:  # as ``python -u`` makes them: text straight onto the unbuffered file descriptors
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            stream = getattr(sys, name)
+            stream.flush()
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding,
+                                                errors=stream.errors, write_through=True))  # fmt: skip
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

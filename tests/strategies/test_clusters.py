@@ -52,13 +52,15 @@ def _torchrun(out: Path, *args: str, timeout: float = 240) -> subprocess.Complet
     env = {k: v for k, v in subprocess_env().items() if k not in CLUSTER_VARIABLES}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                "--master-port", str(free_port()), "-m", "tests.scripts.midepoch", *args, "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = out.parent / f"{out.name}-torchrun.log"
+    with log.open("w") as output:  # torchrun and its workers warm where they can be
+        proc = WARM.start(command, env, REPO, output)
     try:
-        output = proc.communicate(timeout=timeout)[0]
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_process_tree(proc.pid)
-        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{proc.communicate()[0][-5000:]}") from None
-    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+        kill_process_tree(proc.pid)  # the workers run in sessions of their own
+        raise AssertionError(f"torchrun did not finish in {timeout} s:\n{log.read_text()[-5000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, log.read_text(), "")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -1,17 +1,22 @@
 """A real multi-node run: one Lightning node per emulated host (network namespace), joined only through
 MASTER_ADDR / MASTER_PORT / NODE_RANK as on a cluster; then a link goes down mid-run."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, node_ranks, server_command, start_in_hosts
-from tests.helpers.launch import BATCH, REPO, load_ranks, subprocess_env
+from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, node_ranks, server_command
+from tests.helpers.launch import BATCH, REPO, WARM, load_ranks, subprocess_env
 from tests.helpers.netns import skip_without_netns
 from tests.helpers.replicas import assert_identical_replicas
+from tests.helpers.warm import WarmProcess
 from tests.scripts.models import reference_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
@@ -20,32 +25,60 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
 FIT_STEPS = 4
 
 
-def start_nodes(hosts, args, port, devices=1):
+@dataclass
+class Node:
+    """A process started inside an emulated host, its output in the file ``log``."""
+
+    process: subprocess.Popen | WarmProcess
+    log: Path
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+
+def start_in_host(host: str, argv: list[str], env: dict, log: Path) -> Node:
+    """``argv`` inside ``host``'s network namespace, as ``ip netns exec`` runs it (warm where it can be)."""
+    with log.open("w") as output:
+        return Node(WARM.start(argv, env, REPO, output, netns=host), log)
+
+
+def start_nodes(hosts, args, port, out: Path, devices=1) -> list[Node]:
     env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     fit = [sys.executable, "-m", "tests.scripts.fit", "--devices", str(devices), "--num-nodes", str(len(hosts)), *args]
-    return start_in_hosts([(ns, fit) for ns in hosts], env, node_ranks(len(hosts)), cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return [start_in_host(host, fit, {**env, **extra}, out / f"node{rank}.log")
+            for rank, (host, extra) in enumerate(zip(hosts, node_ranks(len(hosts)), strict=True))]  # fmt: skip
 
 
-def finish(nodes, timeout):
+def finish(nodes: list[Node], timeout: float) -> list[str]:
+    """Wait for every node (``timeout`` seconds for all; raises ``TimeoutExpired`` past it, the nodes killed); the
+    nodes' outputs."""
     deadline = time.monotonic() + timeout
-    outputs = []
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+            node.process.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
-    return outputs
+        stop(nodes)
+    return [node.log.read_text() for node in nodes]
+
+
+def stop(nodes: list[Node]) -> str:
+    """Kill the nodes still running; the end of every node's output."""
+    for node in nodes:
+        if node.poll() is None:
+            os.killpg(node.process.pid, signal.SIGKILL)
+            node.process.wait()
+    return "\n".join(node.log.read_text()[-3000:] for node in nodes)
 
 
 @pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps"])
 def test_equivalence_across_emulated_hosts(tmp_path, strategy):
     with emulated_hosts(2, rate_mbit=1000) as hosts:
-        nodes = start_nodes(hosts, ["--strategy", strategy, "--out", str(tmp_path)], port=29710)
+        nodes = start_nodes(hosts, ["--strategy", strategy, "--out", str(tmp_path)], port=29710, out=tmp_path)
         outputs = finish(nodes, timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     ranks = load_ranks(tmp_path, 2)
@@ -62,7 +95,8 @@ def test_equivalence_across_emulated_hosts(tmp_path, strategy):
 def test_hierarchical_ring_two_hosts_of_two_ranks(tmp_path):
     """Shared memory inside each host, one ring per local rank across the hosts: the same weights as one process."""
     with emulated_hosts(2, rate_mbit=1000) as hosts:
-        nodes = start_nodes(hosts, ["--strategy", "ring_allreduce", "--out", str(tmp_path)], port=29730, devices=2)
+        nodes = start_nodes(hosts, ["--strategy", "ring_allreduce", "--out", str(tmp_path)], port=29730, out=tmp_path,
+                            devices=2)  # fmt: skip
         outputs = finish(nodes, timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     ranks = load_ranks(tmp_path, 4)
@@ -80,9 +114,9 @@ def test_trainers_on_two_hosts_with_a_server_started_by_the_cli_on_a_third(tmp_p
     port = 29740
     with emulated_hosts(3, rate_mbit=1000) as hosts:
         args = ["--strategy", "parameter_server", "--num-servers", "1", "--external-servers", "--out", str(tmp_path)]
-        nodes = start_nodes(hosts[:2], args, port=port)
-        [server] = start_in_hosts([(hosts[2], server_command(f"{SUBNET}.1", port, 0, 1))], subprocess_env(),
-                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        nodes = start_nodes(hosts[:2], args, port=port, out=tmp_path)
+        server = start_in_host(hosts[2], server_command(f"{SUBNET}.1", port, 0, 1), subprocess_env(),
+                               tmp_path / "server.log")  # fmt: skip
         outputs = finish([*nodes, server], timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert server.returncode == 0 and "server 0 done after 4 steps" in outputs[2], outputs[2][-3000:]
@@ -98,11 +132,11 @@ def test_link_down_mid_run_fails_with_an_error_naming_the_peer(tmp_path):
     with emulated_hosts(2, rate_mbit=1000) as hosts:
         args = ["--strategy", "ring_allreduce", "--steps", "100000", "--timeout", "10", "--mark-step", "3",
                 "--out", str(tmp_path)]  # fmt: skip
-        nodes = start_nodes(hosts, args, port=29720)
+        nodes = start_nodes(hosts, args, port=29720, out=tmp_path)
         marks = [tmp_path / f"at-step-3-rank{r}" for r in range(2)]
         deadline = time.monotonic() + 120
         while not all(m.exists() for m in marks):  # both nodes are up and training
-            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, finish(nodes, timeout=5)
+            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, stop(nodes)
             time.sleep(0.2)
         subprocess.run(["ip", "-n", hosts[1], "link", "set", IFNAME, "down"], check=True)
         outputs = finish(nodes, timeout=120)

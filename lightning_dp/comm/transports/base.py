@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports.ring import Ring, chunk_bounds
 from lightning_dp.comm.transports.staging import Staging, staging_for
+
+if TYPE_CHECKING:
+    from lightning_dp.comm.transports.hierarchical import NodeProbe
 
 Segment = tuple[int, int]
 
@@ -114,10 +117,10 @@ class Transport(ABC):
         socket transports with more than one rank, for shared memory only across nodes."""
         return self.size > 1
 
-    def measure_in_node(self) -> tuple[float, float] | None:
-        """Collective: ``(seconds of one synchronization, bytes/s)`` of this transport's exchange among the ranks of
-        one node, for the cost model's ``Link.local_latency`` and ``local_bandwidth``; ``None`` for a transport
-        whose ranks of a node exchange over sockets like any others (the link probe measures those)."""
+    def measure_in_node(self) -> NodeProbe | None:
+        """Collective: the barrier and the reduction rate of the node's shared-memory exchange, for the cost model's
+        ``Link.local_latency`` and ``local_bandwidth``; ``None`` for a transport whose ranks of a node exchange over
+        sockets like any others (the link probe measures those) and on a node of one rank."""
         return None
 
     def owns_all(self, bucket: GradientBucket) -> bool:

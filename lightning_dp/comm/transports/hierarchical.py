@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,16 @@ def cross_node_groups(
     return mine
 
 
+class NodeProbe(NamedTuple):
+    """What :meth:`HierarchicalAllReduce.measure_in_node` found: what the cost model's
+    :class:`~lightning_dp.comm.cost.Link` calls ``local_latency`` (``barrier_seconds``) and ``local_bandwidth``
+    (``reduction_bandwidth``, bytes/s) for this exchange, and the cores the node's ranks may run on together."""
+
+    barrier_seconds: float
+    reduction_bandwidth: float
+    cores: int
+
+
 class HierarchicalAllReduce:
     """Reduce tensors of fixed slots (sizes in bytes, ``slot_bytes``) over ``group``: shared memory inside each
     node, a ring across nodes. Collective to construct; ``node_key`` says which ranks share a node (default: the
@@ -133,16 +143,15 @@ class HierarchicalAllReduce:
         """The ``(start, end)`` part of a slot's ``numel`` elements this rank reduces."""
         return chunk_bounds(numel, self.local_size)[self.local_rank]
 
-    def measure_in_node(self, barriers: int = 50, repeats: int = 5) -> tuple[float, float]:
-        """Collective over the node's ranks: ``(seconds of one barrier, bytes/s of the node's reduction)``, what the
-        cost model's :class:`~lightning_dp.comm.cost.Link` calls ``local_latency`` and ``local_bandwidth`` for this
-        exchange. The barrier: the median of ``barriers``. The reduction: :meth:`reduce_in_place` of the largest
-        slot inside this node, every rank's input freshly written first as backward writes it, less its two
-        barriers (the fastest of ``repeats``), priced as the ``2 (L - 1) / L`` of the slot's bytes the model counts.
-        The slot's contents and the byte counters are as they were before. A node of one rank has neither:
-        ``(0.0, inf)``."""
+    def measure_in_node(self, barriers: int = 50, repeats: int = 5) -> NodeProbe | None:
+        """Collective over the node's ranks: this node's :class:`NodeProbe`, ``None`` for a node of one rank. The
+        barrier: the median of ``barriers``. The reduction: :meth:`reduce_in_place` of the largest slot inside this
+        node, every rank's input freshly written first as backward writes it, less its two barriers (the fastest of
+        ``repeats``), priced as the ``2 (L - 1) / L`` of the slot's bytes the model counts. The slot's contents and
+        the byte counters are as they were before; after an error on one rank the others' waits end as any
+        exchange's do (the peer is named, or the timeout passes)."""
         if self.local_size == 1:
-            return 0.0, float("inf")
+            return None
         slot = max(range(len(self.slot_bytes)), key=self.slot_bytes.__getitem__)
         region = self.memory.input(slot, self.slot_bytes[slot] // 4, torch.float32)
         kept, fresh, stats, cross_ring = region.clone(), torch.ones_like(region), self.stats, self.cross_ring
@@ -162,12 +171,15 @@ class HierarchicalAllReduce:
                 start = time.perf_counter()
                 self.reduce_in_place(region, slot, "avg")
                 best = min(best, time.perf_counter() - start)
-        finally:
             self.memory.barrier()  # no rank restores its region while a peer still sums it
             region.copy_(kept)
+        finally:
             self.stats, self.cross_ring = stats, cross_ring
+        reduction = best - 2 * barrier
+        if reduction < best / 2:  # a slot too small to tell its reduction from its barriers
+            reduction = best
         counted = 2 * (self.local_size - 1) / self.local_size * region.numel() * 4
-        return barrier, counted / max(best - 2 * barrier, 1e-9)
+        return NodeProbe(barrier, counted / reduction, self.memory.cores)
 
     def all_reduce(self, tensor: torch.Tensor, slot: int = 0, op: ReduceOpName = "sum") -> torch.Tensor:
         """All-reduce the contiguous ``tensor`` in place and return it; bit-identical on every rank. A tensor that is

@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.transports.base import CodecTransport, Segment, Transport, balanced_shards
-from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce, overlap
+from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce, NodeProbe, overlap
 from lightning_dp.comm.transports.ring import ReduceOpName
 
 
@@ -60,7 +60,7 @@ class _SharedMemoryTransport(Transport):
     def crosses_network(self) -> bool:
         return self.exchange.layout.num_nodes > 1
 
-    def measure_in_node(self) -> tuple[float, float] | None:
+    def measure_in_node(self) -> NodeProbe | None:
         return self.exchange.measure_in_node()
 
     def close(self) -> None:

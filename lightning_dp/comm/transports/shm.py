@@ -192,6 +192,7 @@ class NodeSharedMemory:
         spin_seconds(wait, layout.local_size, cores=1)  # an unknown ``wait`` fails here, before anything is shared
         #: seconds a waiting rank spins before it sleeps (0: it sleeps at once); decided in :meth:`_share`
         self.spin_seconds = 0.0
+        self.cores = 1
         self._wait_mode = wait
         self.local_rank, self.local_size = layout.local_rank, layout.local_size
         size = self.local_size
@@ -242,8 +243,9 @@ class NodeSharedMemory:
         self._pids = [pid for _, pid, _, _ in local]
         #: a peer in another pid namespace cannot be watched by pid; then only the timeout bounds a wait
         self._watch_pids = len({namespace for _, _, namespace, _ in local}) == 1 and local[0][2] is not None
-        cores = usable_cores([affinity for _, _, _, affinity in local])
-        self.spin_seconds = spin_seconds(self._wait_mode, layout.local_size, cores)
+        #: the cores the node's ranks may run on together
+        self.cores = usable_cores([affinity for _, _, _, affinity in local])
+        self.spin_seconds = spin_seconds(self._wait_mode, layout.local_size, self.cores)
         assert memory is not None
         return memory
 
