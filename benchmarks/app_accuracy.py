@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -76,23 +77,33 @@ def report(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=6, help="runs per setting")
+def app_runs(
+    description: str, settings: dict[str, list[str]], default_runs: int
+) -> tuple[argparse.Namespace, Iterator[tuple[str, list[str], int, dict]]]:
+    """The command line of a benchmark that runs the app repeatedly (``--runs``, ``--timeout``, ``--out``), and its
+    runs: ``(setting, overrides, run, metrics.json)``, the settings interleaved so that a slow period of the
+    machine hits all alike."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--runs", type=int, default=default_runs, help="runs per setting")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
+    runs = ((name, overrides, run, run_app(overrides, args.timeout)) for run in range(args.runs)
+            for name, overrides in settings.items())  # fmt: skip
+    return args, runs
+
+
+def main() -> None:
+    args, runs = app_runs(__doc__.split("\n\n")[0], SETTINGS, default_runs=6)
     rows = []
-    for run in range(args.runs):  # the settings interleaved, so a slow period of the machine hits all alike
-        for name, overrides in SETTINGS.items():
-            metrics = run_app(overrides, args.timeout)
-            seen = metrics.get("staleness_seen") or {"max": 0, "mean": 0.0}
-            rows.append({"setting": name, "overrides": overrides, "run": run,
-                         "test_acc": metrics["metrics"]["test_acc"], "staleness_max": seen["max"],
-                         "staleness_mean": seen["mean"], "global_step": metrics["global_step"]})  # fmt: skip
-            print(f"{name} run {run}: test accuracy {rows[-1]['test_acc']:.4f}, max staleness {seen['max']}")
+    for name, overrides, run, metrics in runs:
+        seen = metrics.get("staleness_seen") or {"max": 0, "mean": 0.0}
+        rows.append({"setting": name, "overrides": overrides, "run": run,
+                     "test_acc": metrics["metrics"]["test_acc"], "staleness_max": seen["max"],
+                     "staleness_mean": seen["mean"], "global_step": metrics["global_step"]})  # fmt: skip
+        print(f"{name} run {run}: test accuracy {rows[-1]['test_acc']:.4f}, max staleness {seen['max']}")
     save(args.out, "app_accuracy", rows, report)
 
 

@@ -12,15 +12,13 @@ the wait for the slower peer are shown beside it, the latter with no prediction 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
-from pathlib import Path
 
 import torch
 
-from benchmarks.app_accuracy import run_app
+from benchmarks.app_accuracy import app_runs
 from benchmarks.report import save
 
 #: setting name -> the app's overrides
@@ -59,26 +57,19 @@ def report(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="runs per setting")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = parser.parse_args()
-    if args.runs < 1:
-        parser.error(f"--runs must be at least 1, got {args.runs}")
+    args, runs = app_runs(__doc__.split("\n\n")[0], SETTINGS, default_runs=3)
     rows = []
-    for run in range(args.runs):  # the settings interleaved, so a slow period of the machine hits all alike
-        for name, overrides in SETTINGS.items():
-            comm = run_app(overrides, args.timeout)["comm"]
-            measured, predicted, link = comm["measured"], comm["predicted"], comm["link"]
-            rows.append({"setting": name, "overrides": overrides, "run": run, "steps": comm["steps"],
-                         "measured_s": measured["seconds"], "predicted_s": predicted["seconds"],
-                         "exposed_s": measured["exposed_seconds"], "predicted_exposed_s": predicted["exposed_seconds"],
-                         "peer_wait_s": measured["peer_wait_seconds"], "local_latency_s": link["local_latency"],
-                         "local_bandwidth": link["local_bandwidth"],
-                         "overlap_slowdown": link["overlap_slowdown"]})  # fmt: skip
-            print(f"{name} run {run}: measured {1e3 * rows[-1]['measured_s']:.3f} ms, predicted "
-                  f"{1e3 * rows[-1]['predicted_s']:.3f} ms")  # fmt: skip
+    for name, overrides, run, metrics in runs:
+        comm = metrics["comm"]
+        measured, predicted, link = comm["measured"], comm["predicted"], comm["link"]
+        rows.append({"setting": name, "overrides": overrides, "run": run, "steps": comm["steps"],
+                     "measured_s": measured["seconds"], "predicted_s": predicted["seconds"],
+                     "exposed_s": measured["exposed_seconds"], "predicted_exposed_s": predicted["exposed_seconds"],
+                     "peer_wait_s": measured["peer_wait_seconds"], "local_latency_s": link["local_latency"],
+                     "local_bandwidth": link["local_bandwidth"],
+                     "overlap_slowdown": link["overlap_slowdown"]})  # fmt: skip
+        print(f"{name} run {run}: measured {1e3 * rows[-1]['measured_s']:.3f} ms, predicted "
+              f"{1e3 * rows[-1]['predicted_s']:.3f} ms")  # fmt: skip
     save(args.out, "monitor_model", rows, report)
 
 
