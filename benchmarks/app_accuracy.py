@@ -54,13 +54,21 @@ def run_app(overrides: list[str], timeout: float) -> dict:
         return json.loads((Path(tmp) / "run" / "metrics.json").read_text())
 
 
+def app_machine(rows: list[dict], training: str, measured: str) -> str:
+    """The ``Machine: ...`` line of a table of the app's repeated runs (``rows`` with a ``run`` index each):
+    ``training`` says how the app trained, ``measured`` what the table holds."""
+    runs = max(r["run"] for r in rows) + 1
+    machine = f"{os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}"
+    return (f"Machine: {machine}; `python examples/train.py` with the overrides below ({training}), {runs} runs per "
+            f"setting; {measured}")  # fmt: skip
+
+
 def report(rows: list[dict]) -> list[str]:
     """The table of ``rows`` (``Machine: ...`` first)."""
-    runs = max(r["run"] for r in rows) + 1
     lines = [
-        f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; `python "
-        f"examples/train.py` with the overrides below (reference CNN, Adam, 10 epochs on the bundled digits), {runs} "
-        "runs per setting; test accuracy on rank 0 after the last epoch",
+        app_machine(
+            rows, "reference CNN, Adam, 10 epochs on the bundled digits", "test accuracy on rank 0 after the last epoch"
+        ),  # fmt: skip
         "",
         "| setting | overrides | runs | least | median | most | max staleness seen |",
         "|---|---|---|---|---|---|---|",

@@ -12,13 +12,9 @@ the wait for the slower peer are shown beside it, the latter with no prediction 
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 
-import torch
-
-from benchmarks.app_accuracy import app_runs
+from benchmarks.app_accuracy import app_machine, app_runs
 from benchmarks.report import save
 
 #: setting name -> the app's overrides
@@ -31,11 +27,12 @@ SETTINGS = {
 
 def report(rows: list[dict]) -> list[str]:
     """The table of ``rows`` (``Machine: ...`` first)."""
-    runs = max(r["run"] for r in rows) + 1
     lines = [
-        f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; `python "
-        f"examples/train.py` with the overrides below (reference CNN, 10 epochs on the bundled digits), {runs} runs "
-        "per setting; CommMonitor's means per step on rank 0, medians over the runs",
+        app_machine(
+            rows,
+            "reference CNN, 10 epochs on the bundled digits",
+            "CommMonitor's means per step on rank 0, medians over the runs",
+        ),  # fmt: skip
         "",
         "| setting | overrides | runs | measured ms | predicted ms | measured / predicted (least, median, most) "
         "| exposed ms (predicted) | peer wait ms |",
