@@ -1,10 +1,11 @@
 """Per test file: tests run, launches (and how many of them the warm interpreter started), seconds — printed at the
 end of every run, so that CI's log shows where its time goes and a budget per file can be held.
 
-A launch is one job started from the test process: one call of :func:`tests.helpers.launch.run_processes` or of
-:func:`tests.helpers.distributed.run_distributed` (however many processes it starts), or one Python, ``torchrun``,
-``srun`` or ``sbatch`` command started directly (also inside an emulated host, by ``ip netns exec``). The processes
-a launched job starts itself (Lightning's ranks, servers) are part of its launch; a DataLoader's workers are none.
+A launch is one job started from the test process: one call of :func:`tests.helpers.launch.run_processes`, of
+``WARM.start`` outside it or of :func:`tests.helpers.distributed.run_distributed` (however many processes it
+starts), or one Python, ``torchrun``, ``srun`` or ``sbatch`` command started directly (also inside an emulated host,
+by ``ip netns exec``). The processes a launched job starts itself (Lightning's ranks, servers) are part of its
+launch; a DataLoader's workers are none.
 A warm launch is one whose first process :mod:`tests.helpers.warm` forked.
 """
 
