@@ -166,6 +166,8 @@ def worker(args) -> None:
     shape, batch = MODELS[args.model]
 
     class StepTimer(Callback):
+        reads_weights = False  # so the parameter servers' pull stays behind the next forward
+
         def __init__(self):
             self.times = []
             self.cpu_times = []  # this process's CPU seconds, all its threads
@@ -199,6 +201,7 @@ def worker(args) -> None:
         arrive)."""
 
         reads_gradients = False
+        reads_weights = False
 
         def __init__(self):
             self.marks: dict[str, float] = {}

@@ -94,6 +94,9 @@ class CommMonitor(Callback):
         print_summary: print the summary table at the end of ``fit`` (rank 0).
     """
 
+    #: it reads counters between steps, not the weights: the servers' pull stays behind the next forward
+    reads_weights = False
+
     def __init__(self, link: Link | None = None, prefix: str = "comm/", print_summary: bool = True) -> None:
         self.link = link
         self.prefix = prefix

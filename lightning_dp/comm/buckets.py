@@ -351,6 +351,25 @@ class BucketReducer:
     def _timed_reduce(self, bucket: GradientBucket) -> None:
         self.execution.run(self.reduce_bucket, bucket)
 
+    def post(self, exchange: Callable[[GradientBucket], None], bucket: GradientBucket) -> Future:
+        """Run ``exchange(bucket)`` on the communication thread, after every exchange posted before it, timed like the
+        gradients' (the servers' weight pull). On CUDA it waits for the work the caller's stream has queued so far;
+        :meth:`wait` makes the caller's stream wait for it in turn."""
+        if bucket.buffer.is_cuda:
+            stream = torch.cuda.current_stream(bucket.buffer.device)
+            bucket.streams = {stream.stream_id: stream}
+            bucket.seal()
+        return self._executor.submit(self.execution.run, exchange, bucket)
+
+    def wait(self, future: Future) -> None:
+        """Wait for an exchange :meth:`post` returned (re-raising its error); the time it then still ran is exposed."""
+        self.execution.begin_wait()
+        try:
+            future.result()
+        finally:
+            self.execution.end_wait()
+        self.execution.join()
+
     def take_timing(self) -> tuple[float, float, float]:
         """``(communication seconds, seconds of them backward's caller waited for, seconds the exchanges waited for
         slower peers)`` since the last call; resets them. On a CUDA device the first two are the device's time, as

@@ -145,7 +145,7 @@ class ThroughputBatches(EqualBatches):
             if drawn is not None:
                 balancer.record(self._computed, drawn[0])
         if balancer.window_full:
-            measurements = gather_measurements(balancer.measurement(), strategy.gradient_group, strategy.root_device)
+            measurements = gather_measurements(balancer.measurement(), strategy.control_group, strategy.root_device)
             decision = balancer.decide(measurements, key)
             if decision is not None:
                 rank_zero_info(

@@ -283,7 +283,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             assert self.model is not None
             buffers = list(self.model.buffers())
             if buffers:
-                broadcast_tensors(buffers, src=0, group=self.gradient_group)
+                broadcast_tensors(buffers, src=0, group=self.control_group)
         self.batches.forward_started()
         return super().training_step(*args, **kwargs)
 
@@ -291,6 +291,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward, with the gradient synchronization completed before ``on_after_backward`` (as
         DDP's reducer completes it inside ``loss.backward()``), so the hooks see and edit averaged gradients."""
+        self._before_backward()
         self.pre_backward(closure_loss)
         assert self.lightning_module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -303,6 +304,9 @@ class DataParallelStrategy(ProcessGroupStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _before_backward(self) -> None:
+        """Backward is about to run (before ``on_before_backward``): whatever still uses the buckets ends here."""
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

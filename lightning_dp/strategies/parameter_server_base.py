@@ -54,6 +54,12 @@ class ParameterServerBase(DataParallelStrategy):
             Synchronous only (``staleness=0``), uncompressed.
         start_servers: with ``num_servers > 0``, whether trainer 0 starts the servers on its own machine (default)
             or they are started elsewhere with ``python -m lightning_dp.server`` (on spare CPU machines).
+        overlap_pull: with the servers among the trainers and ``staleness=0`` (default ``True``): the step only
+            starts the pull of the new weights, in the order the next forward uses them, and each module's forward
+            waits for its own weights, so the pull runs behind the next forward (see
+            :mod:`lightning_dp.comm.weight_pull`); every forward reads exactly the weights after the step. ``False``:
+            every rank holds the new weights when the step returns. Callbacks reading weights between steps, validation
+            and checkpoints see them complete either way (:mod:`~lightning_dp.strategies.weight_hooks`).
         backup_workers: ``b`` (default ``0``: every step waits for every rank). With ``b >= 1`` each synchronous
             step aggregates the first ``N - b`` gradients to reach the servers (their mean, under the optimizer's own
             learning rate) and drops the rest, counted in :attr:`late_gradients`; a rank whose step closed before it
@@ -75,9 +81,11 @@ class ParameterServerBase(DataParallelStrategy):
         num_servers: int = 0,
         start_servers: bool = True,
         backup_workers: int = 0,
+        overlap_pull: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.overlap_pull = check_flag("overlap_pull", overlap_pull)
         try:
             self.staleness = check_staleness(staleness)
         except ValueError as error:
@@ -154,6 +162,17 @@ class ParameterServerBase(DataParallelStrategy):
         if self.staleness != 0:
             return StaleEngine(self, self.staleness, self._served_segments)
         return self._synchronous_engine()
+
+    def pull_overlap_refusal(self) -> str | None:
+        """Why the weight pull cannot overlap the next forward in this run (``None``: it can), at set-up."""
+        if not self.overlap_pull:
+            return "overlap_pull=False"
+        if self._process_group_backend != "gloo":
+            return (
+                f"process_group_backend={self._process_group_backend!r}: the forward's own collectives (buffers, "
+                "SyncBatchNorm) could interleave with the pull differently on each rank; the overlap needs gloo"
+            )
+        return None
 
     def _synchronous_engine(self) -> StepEngine:
         """The engine of ``staleness=0`` with the servers among the trainers (subclasses)."""
@@ -235,6 +254,7 @@ class ParameterServerBase(DataParallelStrategy):
     @override
     def measure_exchange_seconds(self, repeats: int = 3) -> float:
         self.engine.check_measurable()
+        self.engine.complete_pull()
         return super().measure_exchange_seconds(repeats)
 
     # ------------------------------------------------------------------ Lightning's loop
@@ -246,7 +266,12 @@ class ParameterServerBase(DataParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.on_training_step()
-        return super().training_step(*args, **kwargs)
+        with self.engine.training_step_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def _before_backward(self) -> None:
+        self.engine.complete_pull()  # backward writes gradients into the buckets the pull may still be using
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

@@ -294,6 +294,13 @@ class ProcessGroupStrategy(DDPStrategy):
         self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
         self._check_world_size(self.world_size)
 
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        """The group of the collectives the training loop itself runs between exchanges (rank 0's buffers, the
+        balancer's timings): the default group, as Lightning's, so that they never interleave with an exchange the
+        communication thread may be running on :attr:`gradient_group` (the servers' pull behind the forward)."""
+        return None
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         stop_silencing()  # the loop has checked whether the resumed loader resumes by now

@@ -73,6 +73,8 @@ if options:
 
 
 class Record(L.Callback):
+    reads_weights = False  # its hooks between steps read no weights: the servers' pull stays behind the forward
+
     def on_train_start(self, trainer, pl_module):
         self.sockets = tcp_sockets()
         #: per backward: how many buckets had been sent when the gradient backward produces last (the first

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -105,6 +106,15 @@ class StepEngine:
     # ------------------------------------------------------------------ Lightning's loop
     def on_training_step(self) -> None:
         """The module's training step is about to run (inside the optimizer's closure)."""
+
+    @contextmanager
+    def training_step_context(self) -> Generator[None, None, None]:
+        """Around the module's training step (its forward): the weights it reads arrive here."""
+        yield
+
+    def complete_pull(self) -> None:
+        """Every rank's parameters hold the weights of every step so far; nothing of a step is in flight on the
+        gradient group (before anything between steps reads the weights or uses that group; not collective)."""
 
     def on_train_start(self) -> None:
         """Every server takes the weights as they are now (after ``on_fit_start``, a restore)."""

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
+from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.host import to_host
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.servers.sharded_optimizer import ShardedOptimizer, ShardLayout, hyperparameters
 from lightning_dp.comm.transports import ShardedServerTransport, SharedMemoryShardedTransport
+from lightning_dp.comm.transports.ring import Ring
 from lightning_dp.comm.transports.shards import any_rank
+from lightning_dp.comm.weight_pull import BlockingPull, OverlappedPull, ReadProbe
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines.base import StepEngine
+from lightning_dp.strategies.weight_hooks import CompleteWeightsBefore, weight_readers
+
+if TYPE_CHECKING:
+    from lightning_dp.strategies.parameter_server_base import ParameterServerBase
 
 
 class SynchronousEngine(StepEngine):
@@ -26,26 +36,121 @@ class SynchronousEngine(StepEngine):
     backward), Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, a vote on NaN/inf, the servers'
     update and the pull of the new weights over the transport. Ranks that serve nothing never call the optimizer,
     so they hold no optimizer state. A subclass says who serves what.
+
+    With the strategy's ``overlap_pull`` the step only posts the pull, and each module's forward waits for its own
+    weights (:class:`~lightning_dp.comm.weight_pull.OverlappedPull`); whatever else reads the weights between steps
+    completes the pull first (:meth:`complete_pull`): backward, validation, checkpoints, the end of training, and
+    the hooks of callbacks that may read them (:mod:`~lightning_dp.strategies.weight_hooks`).
     """
+
+    def __init__(self, strategy: DataParallelStrategy) -> None:
+        super().__init__(strategy)
+        #: the weights' way down after the servers' update: one object per mode, chosen at set-up
+        self.weights: BlockingPull | None = None
+        self._probe: ReadProbe | None = None
+        self._weight_hooks: CompleteWeightsBefore | None = None
 
     def setup_gradient_sync(self) -> None:
         self.strategy.setup_bucket_exchange()
+        self.weights = self._make_weight_pull()
+
+    def _make_weight_pull(self) -> BlockingPull:
+        strategy = cast("ParameterServerBase", self.strategy)
+        assert strategy.reducer is not None and strategy.model is not None
+        refusal = strategy.pull_overlap_refusal()
+        if refusal is not None:
+            if strategy.overlap_pull:
+                rank_zero_info(f"{self.name}: the weight pull runs at the end of each step ({refusal})")
+            return BlockingPull(self._pull_bucket, self._unpack, strategy.reducer)
+        pull = OverlappedPull(self._pull_bucket, self._unpack, strategy.reducer, strategy.model, self._needs_unpack)
+        self._probe = ReadProbe(pull, {id(p): name for name, p in strategy.model.named_parameters()})
+        return pull
+
+    def _needs_unpack(self, bucket: GradientBucket) -> bool:
+        """Whether this rank takes ``bucket``'s weights from the pull (an owner of all of it holds them already)."""
+        strategy = self.strategy
+        assert strategy.transport is not None
+        return strategy.codec.rewrites_weights or not strategy.transport.owns_all(bucket)
+
+    def _pull_bucket(self, bucket: GradientBucket) -> None:
+        """The owners pack their new weights of ``bucket``, and the codec shares them over the transport."""
+        strategy = self.strategy
+        assert strategy.transport is not None
+        start, end = strategy.transport.owned(bucket)
+        bucket.pack_params(start, end)
+        strategy.codec.share_weights(bucket, strategy.transport)
+
+    def _unpack(self, bucket: GradientBucket) -> None:
+        if self._needs_unpack(bucket):
+            bucket.unpack_params()
+
+    def setup_trainer(self, trainer: pl.Trainer) -> None:
+        if self.weights is None or not self.weights.overlapped:
+            return
+        assert self.strategy.lightning_module is not None
+        readers = weight_readers(trainer, self.strategy.lightning_module)
+        if readers:
+            self._weight_hooks = CompleteWeightsBefore(self.complete_pull, readers)
+            self._weight_hooks.install(trainer)
+            named = ", ".join(f"{who}.{hook}" for hook, whos in readers.items() for who in whos)
+            rank_zero_info(
+                f"{self.name}: the weight pull completes before {named}, which may read the weights between steps "
+                "(a callback that does not declares reads_weights = False)"
+            )
+
+    def complete_pull(self) -> None:
+        if self.weights is not None:
+            self.weights.complete()
+
+    @contextmanager
+    def training_step_context(self) -> Generator[None, None, None]:
+        if self._probe is not None and self._probe.watched:
+            self._decide_overlap(self._probe)
+        pull = self.weights
+        if not isinstance(pull, OverlappedPull):
+            yield
+            return
+        root = self.strategy.lightning_module
+        assert root is not None
+        pull.wait_for(pull.buckets_holding(root.parameters(recurse=False)))  # training_step may read them itself
+        if self._probe is None or pull.pending:
+            yield
+            return
+        with self._probe:
+            yield
+
+    def _decide_overlap(self, probe: ReadProbe) -> None:
+        """After the first forward under the probe, every rank keeps the overlap, or every rank runs the pull at the
+        end of each step from now on. The vote runs on the default group: the gradient group may carry the pull."""
+        strategy = self.strategy
+        self._probe = None
+        if not any_rank(bool(probe.early_reads), Ring(None), strategy.root_device):
+            return
+        assert self.weights is not None and strategy.reducer is not None
+        self.weights.complete()
+        self.weights.close()
+        self.weights = BlockingPull(self._pull_bucket, self._unpack, strategy.reducer)
+        if probe.early_reads:
+            rank_zero_warn(
+                f"{self.name}: the training step reads {', '.join(probe.early_reads)} before a module holding them "
+                "runs its forward, so the weight pull cannot overlap the forward: it runs at the end of each step "
+                "from now on (overlap_pull=False says so up front)"
+            )
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         strategy = self.strategy
         strategy.check_trainable_unchanged(optimizer)
         result = closure()
+        self.complete_pull()  # a closure without backward, or a second optimizer's step after the first one's pull
         self.gradients_before_hooks(optimizer)
         after_closure(strategy.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
         self.gradients_after_hooks(optimizer)
         self.check_server_gradients(optimizer)
-        assert strategy.transport is not None
+        assert strategy.transport is not None and self.weights is not None
         for bucket in strategy.buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
             strategy.codec.before_update(bucket, strategy.transport)
         self.server_update(optimizer, **kwargs)
-        assert strategy.reducer is not None
-        with strategy.reducer.execution.blocking():  # on a GPU, the device's time: NCCL returns before it is done
-            self.pull(optimizer)
+        self.weights.post(strategy.buckets_of(optimizer))
         strategy.end_step()
         self.staleness_seen.add(0)
         return result
@@ -72,20 +177,32 @@ class SynchronousEngine(StepEngine):
         if any_rank(bad is not None, strategy.transport.ring, strategy.root_device):
             strategy.raise_nonfinite(bad)
 
-    def pull(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank receives the new weights of ``optimizer``'s parameters from their servers."""
-        strategy = self.strategy
-        assert strategy.transport is not None
-        for bucket in strategy.buckets_of(optimizer):
-            start, end = strategy.transport.owned(bucket)
-            bucket.pack_params(start, end)
-            strategy.codec.share_weights(bucket, strategy.transport)
-            if strategy.codec.rewrites_weights or not strategy.transport.owns_all(bucket):
-                bucket.unpack_params()
-
     def exchange_weights(self) -> None:
+        self.complete_pull()
         for optimizer in self.strategy.optimizers:
-            self.pull(unwrap_optimizer(optimizer))
+            for bucket in self.strategy.buckets_of(unwrap_optimizer(optimizer)):
+                self._pull_bucket(bucket)
+                self._unpack(bucket)
+
+    def flush(self) -> None:
+        self.complete_pull()
+
+    def on_train_end(self) -> None:
+        self.complete_pull()
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.weights is not None:
+            self.weights.discard()
+
+    def close_gradient_sync(self) -> None:
+        if self.weights is not None:
+            self.weights.discard()
+            self.weights.close()
+            self.weights = None
+        self._probe = None
+        if self._weight_hooks is not None:
+            self._weight_hooks.remove()
+            self._weight_hooks = None
 
 
 class CentralServerEngine(SynchronousEngine):
@@ -116,6 +233,7 @@ class CentralServerEngine(SynchronousEngine):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         strategy = self.strategy
+        self.complete_pull()
         state = optimizer.state_dict() if self.is_server else {}
         if self.server_rank == 0:
             return state
@@ -161,6 +279,7 @@ class ShardedServerEngine(SynchronousEngine):
         )
 
     def close_gradient_sync(self) -> None:
+        super().close_gradient_sync()
         if self._restore_clipping is not None:
             self._restore_clipping()
             self._restore_clipping = None
@@ -209,6 +328,7 @@ class ShardedServerEngine(SynchronousEngine):
         return [s.shard for s in self.sharded_optimizers if s.serves_anything]
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        self.complete_pull()
         sharded = self._sharded(optimizer)
         sharded.consolidate_state_dict(to=0)
         return sharded.state_dict() if self.strategy.is_global_zero else {}

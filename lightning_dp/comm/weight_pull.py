@@ -1,0 +1,218 @@
+"""The servers' weight pull: how the weights updated by their owners reach every rank after a step.
+
+Two modes, chosen once when the exchange is set up:
+
+- :class:`BlockingPull`: every bucket's weights travel before the optimizer step returns, as a plain parameter
+  server does; nothing is in flight between steps.
+- :class:`OverlappedPull`: the step only posts each bucket's pull on the communication thread, in the order the
+  next forward uses the parameters, and returns. A forward pre-hook on every module that holds trainable
+  parameters waits for the buckets holding that module's own parameters (and writes them into the parameters)
+  just before its forward runs, so layer ``k``'s forward overlaps the pull of the layers after it. Every forward
+  reads exactly the weights after the step: a parameter is written only once its bucket has arrived, and read only
+  after that. Whatever else reads the weights between steps calls :meth:`WeightPull.complete` first.
+
+A parameter is current from the start of the forward of any module it is registered on. A parameter read before
+that (a module reading another module's weight functionally before that module's forward ran) would see the
+weights of the step before: :class:`ReadProbe` watches the first synchronized forward for such reads, and the
+strategy then runs the pull blocking for the rest of the fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+
+#: ``exchange(bucket)``: the owners' packed weights of ``bucket`` reach every rank's copy of the bucket
+Exchange = Callable[[GradientBucket], None]
+
+
+class BlockingPull:
+    """The pull runs in :meth:`post`: every rank holds the new weights when it returns.
+
+    ``exchange`` moves one bucket's weights, ``unpack(bucket)`` writes them into the parameters where this rank
+    must take them, ``reducer`` times the communication (all of it exposed)."""
+
+    overlapped = False
+
+    def __init__(self, exchange: Exchange, unpack: Callable[[GradientBucket], None], reducer: BucketReducer) -> None:
+        self.exchange = exchange
+        self.unpack = unpack
+        self.reducer = reducer
+
+    def post(self, buckets: Sequence[GradientBucket]) -> None:
+        """The owners' new weights of ``buckets`` reach every rank (collective: every rank posts the same buckets)."""
+        with self.reducer.execution.blocking():  # on a GPU, the device's time: NCCL returns before it is done
+            for bucket in buckets:
+                self.exchange(bucket)
+                self.unpack(bucket)
+
+    @property
+    def pending(self) -> int:
+        """Buckets posted whose weights are not in the parameters yet."""
+        return 0
+
+    def complete(self) -> None:
+        """Every posted bucket's weights are in the parameters."""
+
+    def discard(self) -> None:
+        """The run failed: forget what is in flight without waiting for it (it ends with the communication thread)."""
+
+    def close(self) -> None:
+        """Remove what the mode installed on the model."""
+
+
+class OverlappedPull(BlockingPull):
+    """The pull of a step overlaps the next forward (see the module docstring).
+
+    ``module``: the model whose modules get the forward pre-hooks. ``needs_unpack(bucket)``: whether this rank
+    takes the bucket's weights from the exchange (a rank that owns the whole bucket already holds them, so its
+    forward never waits for it)."""
+
+    overlapped = True
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        unpack: Callable[[GradientBucket], None],
+        reducer: BucketReducer,
+        module: nn.Module,
+        needs_unpack: Callable[[GradientBucket], bool],
+    ) -> None:
+        super().__init__(exchange, unpack, reducer)
+        self.buckets = reducer.buckets
+        self._needs_unpack = {b.index: needs_unpack(b) for b in self.buckets}
+        #: the index of the bucket holding each synchronized parameter, by ``id``
+        self.bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
+        #: posted buckets by index, in the order they were posted
+        self._in_flight: dict[int, Future] = {}
+        #: bucket indices in the order a forward first asked for them (learned on the first forward, then kept)
+        self.forward_order: list[int] = []
+        self._order_learned = False
+        #: buckets whose weights a forward pre-hook waited for, and those :meth:`complete` took (counters)
+        self.waited_in_forward = 0
+        self.completed_late = 0
+        #: every module that holds synchronized parameters itself, with the buckets holding them
+        self.holders = [(sub, indices) for sub in module.modules()
+                        if (indices := self.buckets_holding(sub.parameters(recurse=False)))]  # fmt: skip
+        self._hooks = [sub.register_forward_pre_hook(self._pre_forward_hook(indices)) for sub, indices in self.holders]
+
+    def buckets_holding(self, params: Iterable[Tensor]) -> list[int]:
+        """Indices of the buckets that hold any of ``params`` (parameters no bucket holds, frozen ones, have none)."""
+        return sorted({self.bucket_of[id(p)] for p in params if id(p) in self.bucket_of})
+
+    def _pre_forward_hook(self, indices: list[int]) -> Callable[..., None]:
+        def wait_for_own_weights(module: nn.Module, args: Any) -> None:
+            self.wait_for(indices)
+
+        return wait_for_own_weights
+
+    def post(self, buckets: Sequence[GradientBucket]) -> None:
+        self.complete()  # a second optimizer's step: its buckets may be the first one's
+        rank = {index: position for position, index in enumerate(self.forward_order)}
+        # the next forward's first buckets first; buckets it never asked for last, in reverse bucket order (the
+        # order of registration, which forward usually follows)
+        ordered = sorted(buckets, key=lambda b: (rank.get(b.index, len(rank)), -b.index))
+        for bucket in ordered:
+            self._in_flight[bucket.index] = self.reducer.post(self.exchange, bucket)
+
+    @property
+    def pending(self) -> int:
+        return len(self._in_flight)
+
+    def wait_for(self, indices: Iterable[int]) -> None:
+        """The weights of buckets ``indices`` are in the parameters (a forward is about to read them)."""
+        for index in indices:
+            if not self._order_learned and index not in self.forward_order:
+                self.forward_order.append(index)
+            future = self._in_flight.pop(index, None)
+            if future is None:
+                continue
+            if self._needs_unpack[index]:
+                self.waited_in_forward += 1
+                self._take(self.buckets[index], future)
+            else:  # this rank holds the weights already; the exchange only has to end before the buckets are reused
+                self._in_flight[index] = future
+
+    def complete(self) -> None:
+        if self.forward_order:
+            self._order_learned = True
+        while self._in_flight:
+            index = next(iter(self._in_flight))
+            future = self._in_flight.pop(index)
+            self.completed_late += int(self._needs_unpack[index])
+            self._take(self.buckets[index], future)
+
+    def _take(self, bucket: GradientBucket, future: Future) -> None:
+        try:
+            self.reducer.wait(future)
+        except BaseException:
+            self.discard()
+            raise
+        if self._needs_unpack[bucket.index]:
+            self.unpack(bucket)
+
+    def discard(self) -> None:
+        for future in self._in_flight.values():
+            future.cancel()
+        self._in_flight.clear()
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+class ReadProbe(TorchFunctionMode):
+    """Watches a forward for reads of a synchronized parameter before any module it is registered on started its
+    forward: under :class:`OverlappedPull` such a read would see the weights of the step before.
+
+    Enter it around one forward (the first synchronized one, when nothing is in flight);
+    :attr:`early_reads` then names the parameters read early (``names``: parameter names by ``id``)."""
+
+    def __init__(self, pull: OverlappedPull, names: dict[int, str]) -> None:
+        super().__init__()
+        self.pull = pull
+        self.names = names
+        self.current: set[int] = set()
+        self.early_reads: list[str] = []
+        #: whether a forward ran under the probe (then :attr:`early_reads` is its finding)
+        self.watched = False
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> ReadProbe:
+        self.current = set()
+        self.early_reads = []
+        self._hooks = [module.register_forward_pre_hook(self._mark_current(indices))
+                       for module, indices in self.pull.holders]  # fmt: skip
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.watched = True
+
+    def _mark_current(self, indices: list[int]) -> Callable[..., None]:
+        def mark(module: nn.Module, args: Any) -> None:
+            self.current.update(indices)
+
+        return mark
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for value in tree_flatten((args, kwargs))[0]:
+            if isinstance(value, nn.Parameter):
+                index = self.pull.bucket_of.get(id(value))
+                if index is not None and index not in self.current:
+                    name = self.names.get(id(value), f"a parameter of shape {tuple(value.shape)}")
+                    if name not in self.early_reads:
+                        self.early_reads.append(name)
+        return func(*args, **kwargs)
