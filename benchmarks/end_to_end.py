@@ -42,7 +42,15 @@ MODELS = {
     "resnet18": ((3, 32, 32), 32),
     # one linear layer with 32 MiB of gradients and tiny batches: synchronization dominates each step
     "comm_bound": ((1, 64, 64), 4),
+    # the multi-layer models with plain SGD (no momentum: the optimizer's own step is the cheapest), small and large
+    # batches: the parameter servers' weight pull is the largest part of their step that ddp does not have
+    "reference_cnn_sgd_b2": ((1, 28, 28), 2),
+    "reference_cnn_sgd_b32": ((1, 28, 28), 32),
+    "resnet18_sgd_b2": ((3, 32, 32), 2),
+    "resnet18_sgd_b32": ((3, 32, 32), 32),
 }
+#: the learning rate of the plain-SGD models
+SGD_LR = 0.01
 
 
 def build_model(name: str):
@@ -52,6 +60,10 @@ def build_model(name: str):
 
     from lightning_dp.demos import ReferenceCNN
 
+    if "_sgd_" in name:
+        model = build_model(name.split("_sgd_")[0])
+        model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        return model
     if name == "reference_cnn":
         return ReferenceCNN(dropout=0.0)
 
@@ -97,7 +109,8 @@ POWERSGD_RANK, POWERSGD_START = 4, 2
 def build_strategy(spec: str, external_servers: bool = False, backend: str | None = None):
     """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME#K`` (``num_servers=K`` dedicated
     servers, started elsewhere with ``external_servers``), ``NAME@ring`` (``intra_node="ring"``),
-    ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), or ``ddp+HOOK`` (Lightning's
+    ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), ``NAME:blocking`` (a parameter server
+    with ``overlap_pull=False``: the weight pull at the end of the step), or ``ddp+HOOK`` (Lightning's
     ``ddp`` with one of torch's communication hooks, :data:`DDP_HOOKS`, registered on the DDP module at the start of
     training: Lightning registers hooks itself only on CUDA). ``backend``: every strategy's process-group backend
     (``ddp``'s included; default each one's own)."""
@@ -139,9 +152,14 @@ def build_strategy(spec: str, external_servers: bool = False, backend: str | Non
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy(process_group_backend=backend), []
+    name, _, pull = name.partition(":")
+    if pull not in ("", "blocking"):
+        raise ValueError(f"{spec}: the only pull mode to name is ':blocking' (overlap_pull=False)")
     name, _, intra_node = name.partition("@")
     name, _, servers = name.partition("#")
     options: dict = {"process_group_backend": backend} if backend else {}
+    if pull:
+        options["overlap_pull"] = False
     if servers:
         options.update(num_servers=int(servers), start_servers=not external_servers)
     if intra_node:
@@ -173,6 +191,7 @@ def worker(args) -> None:
             self.cpu_times = []  # this process's CPU seconds, all its threads
             self.comm_at_warmup = 0.0
             self.exposed_at_warmup = 0.0
+            self.pull_at_warmup = 0.0
             self.isolated_exchange_seconds = None
 
         def on_train_batch_end(self, trainer, *_):
@@ -184,6 +203,7 @@ def worker(args) -> None:
                 stats = getattr(trainer.strategy, "sync_stats", None)  # ddp has none
                 self.comm_at_warmup = stats.comm_seconds if stats is not None else 0.0
                 self.exposed_at_warmup = stats.exposed_comm_seconds if stats is not None else 0.0
+                self.pull_at_warmup = pull_seconds(trainer.strategy)
 
         def on_train_end(self, trainer, *_):
             # the same exchange with every rank starting it together: its cost with no slower peer to wait for
@@ -278,12 +298,22 @@ def worker(args) -> None:
         "exposed_comm_seconds_per_step": ((stats.exposed_comm_seconds if stats else 0.0) - timer.exposed_at_warmup)
         / args.steps,
         "isolated_exchange_seconds": timer.isolated_exchange_seconds,
+        "pull_wait_seconds_per_step": (pull_seconds(strategy) - timer.pull_at_warmup) / args.steps
+        if pull_seconds(strategy) is not None
+        else None,
         "phase_ms_per_step": {k: 1000 * v / max(1, phases.steps) for k, v in phases.totals.items()},
         "sync_bytes": stats.bucket_bytes if stats is not None else None,
         "last_step_bytes": list(stats.last_step_bytes) if stats is not None else None,
     }
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.result_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def pull_seconds(strategy) -> float | None:
+    """Seconds the training loop spent in the servers' weight pull so far (waiting for it, writing the weights), for
+    the parameter servers among the trainers; ``None`` for the others."""
+    weights = getattr(getattr(strategy, "engine", None), "weights", None)
+    return weights.waited_seconds if weights is not None else None
 
 
 def hidden_fraction(ranks: list[dict]) -> float:
@@ -487,6 +517,8 @@ def main() -> None:
                     row["phase_ms_per_step"] = {
                         phase: median([r["phase_ms_per_step"][phase] for r in ranks]) for phase in PHASES
                     }
+                    if ranks[0].get("pull_wait_seconds_per_step") is not None:
+                        row["pull_wait_ms_per_step"] = 1000 * median([r["pull_wait_seconds_per_step"] for r in ranks])
                     if ranks[0]["isolated_exchange_seconds"]:
                         row["hidden_comm_fraction"] = hidden_fraction(ranks)
                         row["exposed_ms_per_step"] = 1000 * median([r["exposed_comm_seconds_per_step"] for r in ranks])
@@ -499,7 +531,7 @@ def main() -> None:
                     row["state_vs_ddp"] = [round(s / ddp_state, 3) if ddp_state else None for s in states]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-    save(args.out, "end_to_end", rows, report_lines)
+    save(args.out, args.name or "end_to_end", rows, report_lines)
 
 
 def report_lines(rows: list[dict]) -> list[str]:
@@ -538,17 +570,20 @@ def phase_lines(rows: list[dict]) -> list[str]:
         "Where a step goes, ms per timed step (median over ranks): loop (between batches: data, Lightning), "
         "forward, backward (the strategies' exchange completes in it, as DDP's reducer's does), hooks (between "
         "backward and the optimizer step; with dedicated servers' overlapped update, the wait for it), step "
-        "(clipping, optimizer, the servers' weight pull); the phases tile the step, so they add up to 1000 / "
-        "steps per second; `waited` is the part of them spent waiting for communication.",
+        "(clipping, optimizer, the servers' weight pull at the end of the step); the phases tile the step, so "
+        "they add up to 1000 / steps per second; `waited` is the part of them spent waiting for communication; "
+        "`pull` is the time the training loop spent in the servers' weight pull (waiting for it, and writing the "
+        "weights into the parameters): in the step phase with `:blocking`, in the forward otherwise.",
         "",
-        "| model | N | strategy | loop | forward | backward | hooks | step | waited |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | N | strategy | loop | forward | backward | hooks | step | waited | pull |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         phases = r["phase_ms_per_step"]
         cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
         waited = f"{r['exposed_ms_per_step']:.1f}" if "exposed_ms_per_step" in r else "n/a"
-        lines.append(f"| {r['model']} | {r['world_size']} | {r['strategy']} | {cells} | {waited} |")
+        pull = f"{r['pull_wait_ms_per_step']:.1f}" if "pull_wait_ms_per_step" in r else "n/a"
+        lines.append(f"| {r['model']} | {r['world_size']} | {r['strategy']} | {cells} | {waited} | {pull} |")
     return lines
 
 

@@ -19,6 +19,7 @@ strategy then runs the pull blocking for the rest of the fit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -45,13 +46,17 @@ class BlockingPull:
         self.exchange = exchange
         self.unpack = unpack
         self.reducer = reducer
+        #: seconds the training loop spent in the pull: waiting for it and writing the weights into the parameters
+        self.waited_seconds = 0.0
 
     def post(self, buckets: Sequence[GradientBucket]) -> None:
         """The owners' new weights of ``buckets`` reach every rank (collective: every rank posts the same buckets)."""
+        start = time.perf_counter()
         with self.reducer.execution.blocking():  # on a GPU, the device's time: NCCL returns before it is done
             for bucket in buckets:
                 self.exchange(bucket)
                 self.unpack(bucket)
+        self.waited_seconds += time.perf_counter() - start
 
     @property
     def pending(self) -> int:
@@ -92,9 +97,11 @@ class OverlappedPull(BlockingPull):
         self.bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         #: posted buckets by index, in the order they were posted
         self._in_flight: dict[int, Future] = {}
-        #: bucket indices in the order a forward first asked for them (learned on the first forward, then kept)
+        #: bucket indices in the order this rank's forwards first asked for them (learned until :meth:`agree_order`)
         self.forward_order: list[int] = []
         self._order_learned = False
+        #: the order every rank posts the pulls in (the same on every rank: the pulls are collective)
+        self.post_order: list[int] = [b.index for b in reversed(self.buckets)]
         #: buckets whose weights a forward pre-hook waited for, and those :meth:`complete` took (counters)
         self.waited_in_forward = 0
         self.completed_late = 0
@@ -113,14 +120,20 @@ class OverlappedPull(BlockingPull):
 
         return wait_for_own_weights
 
+    def agree_order(self, order: Sequence[int]) -> None:
+        """Post from now on in ``order`` (one rank's :attr:`forward_order`, the same on every rank): the buckets the
+        next forward uses first go first; buckets it never asked for last, in reverse bucket order (the order of
+        registration, which a forward usually follows)."""
+        self._order_learned = True
+        seen = set(order)
+        self.post_order = [*order, *(b.index for b in reversed(self.buckets) if b.index not in seen)]
+
     def post(self, buckets: Sequence[GradientBucket]) -> None:
         self.complete()  # a second optimizer's step: its buckets may be the first one's
-        rank = {index: position for position, index in enumerate(self.forward_order)}
-        # the next forward's first buckets first; buckets it never asked for last, in reverse bucket order (the
-        # order of registration, which forward usually follows)
-        ordered = sorted(buckets, key=lambda b: (rank.get(b.index, len(rank)), -b.index))
-        for bucket in ordered:
-            self._in_flight[bucket.index] = self.reducer.post(self.exchange, bucket)
+        posted = {b.index for b in buckets}
+        for index in self.post_order:
+            if index in posted:
+                self._in_flight[index] = self.reducer.post(self.exchange, self.buckets[index])
 
     @property
     def pending(self) -> int:
@@ -141,8 +154,6 @@ class OverlappedPull(BlockingPull):
                 self._in_flight[index] = future
 
     def complete(self) -> None:
-        if self.forward_order:
-            self._order_learned = True
         while self._in_flight:
             index = next(iter(self._in_flight))
             future = self._in_flight.pop(index)
@@ -150,6 +161,7 @@ class OverlappedPull(BlockingPull):
             self._take(self.buckets[index], future)
 
     def _take(self, bucket: GradientBucket, future: Future) -> None:
+        start = time.perf_counter()
         try:
             self.reducer.wait(future)
         except BaseException:
@@ -157,6 +169,7 @@ class OverlappedPull(BlockingPull):
             raise
         if self._needs_unpack[bucket.index]:
             self.unpack(bucket)
+        self.waited_seconds += time.perf_counter() - start
 
     def discard(self) -> None:
         for future in self._in_flight.values():

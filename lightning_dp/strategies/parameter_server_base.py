@@ -167,6 +167,9 @@ class ParameterServerBase(DataParallelStrategy):
         """Why the weight pull cannot overlap the next forward in this run (``None``: it can), at set-up."""
         if not self.overlap_pull:
             return "overlap_pull=False"
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            return "manual optimization: training_step may read the weights right after optimizer.step()"
         if self._process_group_backend != "gloo":
             return (
                 f"process_group_backend={self._process_group_backend!r}: the forward's own collectives (buffers, "

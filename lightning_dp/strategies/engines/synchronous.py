@@ -120,13 +120,17 @@ class SynchronousEngine(StepEngine):
             yield
 
     def _decide_overlap(self, probe: ReadProbe) -> None:
-        """After the first forward under the probe, every rank keeps the overlap, or every rank runs the pull at the
-        end of each step from now on. The vote runs on the default group: the gradient group may carry the pull."""
+        """After the first forward under the probe, every rank keeps the overlap (posting in the order rank 0's
+        forward asked for the buckets), or every rank runs the pull at the end of each step from now on. Collective,
+        on the default group: the gradient group may carry the pull."""
         strategy = self.strategy
         self._probe = None
+        assert isinstance(self.weights, OverlappedPull) and strategy.reducer is not None
         if not any_rank(bool(probe.early_reads), Ring(None), strategy.root_device):
+            order = [self.weights.forward_order]
+            dist.broadcast_object_list(order, src=0)
+            self.weights.agree_order(order[0])
             return
-        assert self.weights is not None and strategy.reducer is not None
         self.weights.complete()
         self.weights.close()
         self.weights = BlockingPull(self._pull_bucket, self._unpack, strategy.reducer)
@@ -142,6 +146,8 @@ class SynchronousEngine(StepEngine):
         strategy.check_trainable_unchanged(optimizer)
         result = closure()
         self.complete_pull()  # a closure without backward, or a second optimizer's step after the first one's pull
+        if self._probe is not None and self._probe.watched:  # the closure ran the first forward: nothing in flight
+            self._decide_overlap(self._probe)
         self.gradients_before_hooks(optimizer)
         after_closure(strategy.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
         self.gradients_after_hooks(optimizer)
