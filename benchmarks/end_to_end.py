@@ -589,3 +589,30 @@ def phase_lines(rows: list[dict]) -> list[str]:
 
 if __name__ == "__main__":
     main()
+
+
+def pull_lines(rows: list[dict]) -> list[str]:
+    """The parameter servers with the weight pull behind the next forward and at the end of the step (``:blocking``)
+    against the ring, per model and N: steps/s over ``ddp``'s, the servers' ratio as a share of the ring's, and the
+    time the training loop spent in the pull per step (median over ranks)."""
+    lines = [
+        "| model | N | `ring_allreduce` | `parameter_server` (blocking) | `sharded_ps` (blocking) "
+        "| `parameter_server` / ring | `sharded_ps` / ring | pull ms/step, `parameter_server` (blocking) "
+        "| pull ms/step, `sharded_ps` (blocking) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, n in dict.fromkeys((r["model"], r["world_size"]) for r in rows):
+        by = {r["strategy"]: r for r in rows if (r["model"], r["world_size"]) == (model, n)}
+        ring = by["ring_allreduce"]["vs_ddp"]
+
+        def pair(name: str, key: str, unit: str = "", by: dict = by) -> str:
+            fmt = "{:.2f}" if unit == "×" else "{:.1f}"
+            return f"{fmt.format(by[name][key])}{unit} ({fmt.format(by[name + ':blocking'][key])}{unit})"
+
+        lines.append(
+            f"| {model} | {n} | {ring:.2f}× | {pair('parameter_server', 'vs_ddp', '×')} "
+            f"| {pair('sharded_ps', 'vs_ddp', '×')} | {by['parameter_server']['vs_ddp'] / ring:.0%} "
+            f"| {by['sharded_ps']['vs_ddp'] / ring:.0%} | {pair('parameter_server', 'pull_wait_ms_per_step')} "
+            f"| {pair('sharded_ps', 'pull_wait_ms_per_step')} |"
+        )
+    return lines

@@ -54,6 +54,20 @@ def comm_bound_phases(rows: list[dict]) -> list[str]:
     return phase_lines([r for r in rows if r["model"] == "comm_bound" and "phase_ms_per_step" in r])
 
 
+def sgd_pull(rows: list[dict]) -> list[str]:
+    """``end_to_end_sgd``'s servers against the ring, the pull overlapped and blocking."""
+    from benchmarks.end_to_end import pull_lines
+
+    return pull_lines(rows)
+
+
+def sgd_resnet_phases(rows: list[dict]) -> list[str]:
+    """``end_to_end_sgd``'s phase table for ResNet-18."""
+    from benchmarks.end_to_end import phase_lines
+
+    return phase_lines([r for r in rows if r["model"].startswith("resnet18") and "phase_ms_per_step" in r])
+
+
 def collectives_summary(rows: list[dict]) -> list[str]:
     """The shared-memory all-reduce (in place, as the strategies run it) over gloo's, MPI's and one process's memory
     copy, as ranges over the table's rows."""
@@ -115,6 +129,8 @@ def gpu_check_stages(rows: list[dict]) -> list[str]:
 VIEWS: dict[tuple[str, str], Callable[[list[dict]], list[str]]] = {
     ("end_to_end", "speedups"): speedups,
     ("end_to_end", "phases"): comm_bound_phases,
+    ("end_to_end_sgd", "pull"): sgd_pull,
+    ("end_to_end_sgd", "phases"): sgd_resnet_phases,
     ("collectives", "summary"): collectives_summary,
     ("app_accuracy", "summary"): app_accuracy_summary,
     ("scale_model", "best"): scale_best,

@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+#: per thread: counters whose bytes go elsewhere while :meth:`CommStats.diverted` runs (by ``id``)
+_diversions = threading.local()
 
 
 @dataclass
@@ -22,9 +26,24 @@ class CommStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, sent: int = 0, received: int = 0) -> None:
+        target = getattr(_diversions, "targets", {}).get(id(self))
+        if target is not None:
+            target.add(sent, received)
+            return
         with self._lock:
             self.bytes_sent += sent
             self.bytes_received += received
+
+    @contextmanager
+    def diverted(self, target: CommStats) -> Iterator[None]:
+        """Inside this context, the bytes this thread adds to this counter go to ``target`` instead (an exchange
+        counted apart, to be booked to the step it belongs to)."""
+        targets = _diversions.__dict__.setdefault("targets", {})
+        targets[id(self)] = target
+        try:
+            yield
+        finally:
+            del targets[id(self)]
 
     def __getstate__(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.stats import CommStats
 
 #: ``exchange(bucket)``: the owners' packed weights of ``bucket`` reach every rank's copy of the bucket
 Exchange = Callable[[GradientBucket], None]
@@ -78,7 +79,9 @@ class OverlappedPull(BlockingPull):
 
     ``module``: the model whose modules get the forward pre-hooks. ``needs_unpack(bucket)``: whether this rank
     takes the bucket's weights from the exchange (a rank that owns the whole bucket already holds them, so its
-    forward never waits for it)."""
+    forward never waits for it). ``stats``: the counter the exchanges add their bytes to; the bytes of a step's pull
+    are booked to that step when it is posted (the same bytes every step, measured on the first, whose pull
+    :meth:`post` therefore waits for), so a step's bytes are the same as with :class:`BlockingPull`."""
 
     overlapped = True
 
@@ -89,8 +92,12 @@ class OverlappedPull(BlockingPull):
         reducer: BucketReducer,
         module: nn.Module,
         needs_unpack: Callable[[GradientBucket], bool],
+        stats: CommStats | None = None,
     ) -> None:
         super().__init__(exchange, unpack, reducer)
+        self.stats = stats if stats is not None else CommStats()
+        #: ``(sent, received)`` bytes of each bucket's last pull, by bucket index (written by the communication thread)
+        self.bucket_bytes: dict[int, tuple[int, int]] = {}
         self.buckets = reducer.buckets
         self._needs_unpack = {b.index: needs_unpack(b) for b in self.buckets}
         #: the index of the bucket holding each synchronized parameter, by ``id``
@@ -133,7 +140,16 @@ class OverlappedPull(BlockingPull):
         posted = {b.index for b in buckets}
         for index in self.post_order:
             if index in posted:
-                self._in_flight[index] = self.reducer.post(self.exchange, self.buckets[index])
+                self._in_flight[index] = self.reducer.post(self._counted_exchange, self.buckets[index])
+        if not posted <= self.bucket_bytes.keys():
+            self.complete()  # the first pull of these buckets: its bytes are known once it ran
+        self.stats.add(sum(self.bucket_bytes[i][0] for i in posted), sum(self.bucket_bytes[i][1] for i in posted))
+
+    def _counted_exchange(self, bucket: GradientBucket) -> None:
+        counted = CommStats()
+        with self.stats.diverted(counted):
+            self.exchange(bucket)
+        self.bucket_bytes[bucket.index] = (counted.bytes_sent, counted.bytes_received)
 
     @property
     def pending(self) -> int:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.stats import CommStats
 from lightning_dp.comm.weight_pull import BlockingPull, OverlappedPull, ReadProbe
 
 pytestmark = pytest.mark.unit
@@ -42,23 +43,38 @@ class Chain(nn.Module):
 
 
 def make(cap_bytes: int = 72):
+    """``(model, reducer, exchange, exchanged, stats)``: the stand-in exchange counts each bucket's bytes both ways
+    in ``stats`` and records the order buckets were exchanged in."""
     torch.manual_seed(0)
     model = Chain()
     reducer = BucketReducer(model.parameters(), lambda bucket: None, bucket_cap_mb=cap_bytes / 2**20)
     exchanged: list[int] = []
     order_lock = threading.Lock()
+    stats = CommStats()
 
     def exchange(bucket: GradientBucket) -> None:  # runs on the communication thread
         with order_lock:
             exchanged.append(bucket.index)
         bucket.buffer[: bucket.grad_numel].fill_(NEW + bucket.index)
+        stats.add(bucket.nbytes, bucket.nbytes)
 
-    return model, reducer, exchange, exchanged
+    return model, reducer, exchange, exchanged, stats
+
+
+def overlapped(model, reducer, exchange, stats, owns_all: bool = False) -> OverlappedPull:
+    """An overlapped pull after its first post (which waits, to learn each bucket's bytes), the weights zeroed again."""
+    pull = OverlappedPull(exchange, GradientBucket.unpack_params, reducer, model, lambda b: not owns_all, stats)
+    pull.post(reducer.buckets)
+    assert pull.pending == 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return pull
 
 
 def test_each_forward_reads_the_pulled_weights_of_its_own_buckets_only_when_it_runs():
-    model, reducer, exchange, exchanged = make()
-    pull = OverlappedPull(exchange, GradientBucket.unpack_params, reducer, model, needs_unpack=lambda b: True)
+    model, reducer, exchange, exchanged, stats = make()
+    pull = overlapped(model, reducer, exchange, stats)
     try:
         bucket_of = pull.bucket_of
         layers = [model.first, model.second, model.third]
@@ -79,14 +95,16 @@ def test_each_forward_reads_the_pulled_weights_of_its_own_buckets_only_when_it_r
         assert model.read == expected  # every forward, the second use too, read the pulled weights
         assert exchanged[len(exchanged) - len(reducer.buckets) :] == pull.post_order  # posted in forward order
         assert pull.pending == 0 and pull.waited_in_forward == len(reducer.buckets)
+        # each post booked its buckets' bytes when it was posted, none counted twice
+        assert (stats.bytes_sent, stats.bytes_received) == (2 * sum(b.nbytes for b in reducer.buckets),) * 2
     finally:
         pull.close()
         reducer.close()
 
 
 def test_a_bucket_no_forward_asks_for_waits_until_complete():
-    model, reducer, exchange, _ = make()
-    pull = OverlappedPull(exchange, GradientBucket.unpack_params, reducer, model, needs_unpack=lambda b: True)
+    model, reducer, exchange, _, stats = make()
+    pull = overlapped(model, reducer, exchange, stats)
     try:
         pull.post(reducer.buckets)
         model.first(torch.zeros(1, 4))  # only the first layer runs
@@ -100,8 +118,8 @@ def test_a_bucket_no_forward_asks_for_waits_until_complete():
 
 
 def test_a_rank_owning_a_bucket_never_waits_for_it_in_forward():
-    model, reducer, exchange, _ = make()
-    pull = OverlappedPull(exchange, GradientBucket.unpack_params, reducer, model, needs_unpack=lambda b: False)
+    model, reducer, exchange, _, stats = make()
+    pull = overlapped(model, reducer, exchange, stats, owns_all=True)
     try:
         before = model.first.weight.detach().clone()
         pull.post(reducer.buckets)
@@ -115,7 +133,7 @@ def test_a_rank_owning_a_bucket_never_waits_for_it_in_forward():
 
 
 def test_the_blocking_pull_delivers_every_bucket_in_post():
-    model, reducer, exchange, _ = make()
+    model, reducer, exchange, _, _ = make()
     pull = BlockingPull(exchange, GradientBucket.unpack_params, reducer)
     try:
         pull.post(reducer.buckets)
@@ -126,8 +144,8 @@ def test_the_blocking_pull_delivers_every_bucket_in_post():
 
 
 def test_the_probe_names_a_weight_read_before_its_module_runs():
-    model, reducer, exchange, _ = make()
-    pull = OverlappedPull(exchange, GradientBucket.unpack_params, reducer, model, needs_unpack=lambda b: True)
+    model, reducer, exchange, _, stats = make()
+    pull = OverlappedPull(exchange, GradientBucket.unpack_params, reducer, model, lambda b: True, stats)
     probe = ReadProbe(pull, {id(p): name for name, p in model.named_parameters()})
     try:
         with probe:

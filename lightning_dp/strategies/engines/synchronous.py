@@ -62,7 +62,8 @@ class SynchronousEngine(StepEngine):
             if strategy.overlap_pull:
                 rank_zero_info(f"{self.name}: the weight pull runs at the end of each step ({refusal})")
             return BlockingPull(self._pull_bucket, self._unpack, strategy.reducer)
-        pull = OverlappedPull(self._pull_bucket, self._unpack, strategy.reducer, strategy.model, self._needs_unpack)
+        pull = OverlappedPull(self._pull_bucket, self._unpack, strategy.reducer, strategy.model, self._needs_unpack,
+                              strategy.sync_stats)  # fmt: skip
         self._probe = ReadProbe(pull, {id(p): name for name, p in strategy.model.named_parameters()})
         return pull
 
