@@ -44,20 +44,24 @@ class Chain(nn.Module):
 
 def make(cap_bytes: int = 72):
     """``(model, reducer, exchange, exchanged, stats)``: the stand-in exchange counts each bucket's bytes both ways
-    in ``stats`` and records the order buckets were exchanged in."""
+    in ``stats`` and records the order buckets were exchanged in; it waits while ``exchange.gate`` is clear."""
     torch.manual_seed(0)
     model = Chain()
     reducer = BucketReducer(model.parameters(), lambda bucket: None, bucket_cap_mb=cap_bytes / 2**20)
     exchanged: list[int] = []
     order_lock = threading.Lock()
     stats = CommStats()
+    gate = threading.Event()
+    gate.set()
 
     def exchange(bucket: GradientBucket) -> None:  # runs on the communication thread
+        assert gate.wait(10)
         with order_lock:
             exchanged.append(bucket.index)
         bucket.buffer[: bucket.grad_numel].fill_(NEW + bucket.index)
         stats.add(bucket.nbytes, bucket.nbytes)
 
+    exchange.gate = gate
     return model, reducer, exchange, exchanged, stats
 
 
@@ -85,8 +89,13 @@ def test_each_forward_reads_the_pulled_weights_of_its_own_buckets_only_when_it_r
         ]
         pull.agree_order(pull.forward_order)
         model.read.clear()
+        exchange.gate.clear()
         pull.post(reducer.buckets)
         assert pull.pending == len(reducer.buckets)
+        # the post booked its buckets' bytes before any of them ran, and they do not count again when they run
+        both_posts = (2 * sum(b.nbytes for b in reducer.buckets),) * 2
+        assert (stats.bytes_sent, stats.bytes_received) == both_posts
+        exchange.gate.set()
         model(torch.zeros(1, 4))
         expected = []
         for name in ("first", "second", "second", "third"):
@@ -95,8 +104,7 @@ def test_each_forward_reads_the_pulled_weights_of_its_own_buckets_only_when_it_r
         assert model.read == expected  # every forward, the second use too, read the pulled weights
         assert exchanged[len(exchanged) - len(reducer.buckets) :] == pull.post_order  # posted in forward order
         assert pull.pending == 0 and pull.waited_in_forward == len(reducer.buckets)
-        # each post booked its buckets' bytes when it was posted, none counted twice
-        assert (stats.bytes_sent, stats.bytes_received) == (2 * sum(b.nbytes for b in reducer.buckets),) * 2
+        assert (stats.bytes_sent, stats.bytes_received) == both_posts
     finally:
         pull.close()
         reducer.close()
