@@ -192,6 +192,7 @@ def worker(args) -> None:
             self.comm_at_warmup = 0.0
             self.exposed_at_warmup = 0.0
             self.pull_at_warmup = 0.0
+            self.pull_at_end = None
             self.isolated_exchange_seconds = None
 
         def on_train_batch_end(self, trainer, *_):
@@ -206,6 +207,7 @@ def worker(args) -> None:
                 self.pull_at_warmup = pull_seconds(trainer.strategy)
 
         def on_train_end(self, trainer, *_):
+            self.pull_at_end = pull_seconds(trainer.strategy)  # before the strategy closes its pull
             # the same exchange with every rank starting it together: its cost with no slower peer to wait for
             measure = getattr(trainer.strategy, "measure_exchange_seconds", None)
             self.isolated_exchange_seconds = measure() if measure is not None else None
@@ -298,8 +300,8 @@ def worker(args) -> None:
         "exposed_comm_seconds_per_step": ((stats.exposed_comm_seconds if stats else 0.0) - timer.exposed_at_warmup)
         / args.steps,
         "isolated_exchange_seconds": timer.isolated_exchange_seconds,
-        "pull_wait_seconds_per_step": (pull_seconds(strategy) - timer.pull_at_warmup) / args.steps
-        if pull_seconds(strategy) is not None
+        "pull_wait_seconds_per_step": (timer.pull_at_end - timer.pull_at_warmup) / args.steps
+        if timer.pull_at_end is not None
         else None,
         "phase_ms_per_step": {k: 1000 * v / max(1, phases.steps) for k, v in phases.totals.items()},
         "sync_bytes": stats.bucket_bytes if stats is not None else None,

@@ -189,8 +189,14 @@ class GradientBucket:
                     if not p.is_contiguous():
                         p.copy_(flat.view_as(p))
 
-    def unpack_params(self) -> None:
-        """Overwrite every parameter with its values from the gradient region (after weights were pulled)."""
+    def unpack_params(self, keep: tuple[int, int] | None = None) -> None:
+        """Overwrite every parameter with its values from the gradient region (after weights were pulled), except
+        elements ``keep = (start, end)``, which the parameters already hold (an owner's own updated weights)."""
+        if keep is not None and keep[0] < keep[1]:
+            start, end = keep
+            self.write_params(0, start, self.buffer[:start])
+            self.write_params(end, self.grad_numel, self.buffer[end : self.grad_numel])
+            return
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 p.copy_(self.grad_view(i))

@@ -82,8 +82,12 @@ class SynchronousEngine(StepEngine):
         strategy.codec.share_weights(bucket, strategy.transport)
 
     def _unpack(self, bucket: GradientBucket) -> None:
-        if self._needs_unpack(bucket):
+        strategy = self.strategy
+        assert strategy.transport is not None
+        if strategy.codec.rewrites_weights:  # every rank, owners included, takes the weights as they travelled
             bucket.unpack_params()
+        elif not strategy.transport.owns_all(bucket):  # an owner's own range holds its updated weights already
+            bucket.unpack_params(keep=strategy.transport.owned(bucket))
 
     def setup_trainer(self, trainer: pl.Trainer) -> None:
         if self.weights is None or not self.weights.overlapped:
