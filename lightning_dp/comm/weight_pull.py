@@ -5,11 +5,12 @@ Two modes, chosen once when the exchange is set up:
 - :class:`BlockingPull`: every bucket's weights travel before the optimizer step returns, as a plain parameter
   server does; nothing is in flight between steps.
 - :class:`OverlappedPull`: the step only posts each bucket's pull on the communication thread, in the order the
-  next forward uses the parameters, and returns. A forward pre-hook on every module that holds trainable
-  parameters waits for the buckets holding that module's own parameters (and writes them into the parameters)
-  just before its forward runs, so layer ``k``'s forward overlaps the pull of the layers after it. Every forward
-  reads exactly the weights after the step: a parameter is written only once its bucket has arrived, and read only
-  after that. Whatever else reads the weights between steps calls :meth:`WeightPull.complete` first.
+  next forward uses the parameters, and returns; the thread writes each bucket's weights into the parameters once
+  they arrived. A forward pre-hook on every module that holds trainable parameters waits for the buckets holding
+  that module's own parameters just before its forward runs, so layer ``k``'s forward overlaps the pull of the
+  layers after it. Every forward reads exactly the weights after the step: a module reads its parameters only
+  after their buckets were written. Whatever else reads the weights between steps calls
+  :meth:`BlockingPull.complete` first.
 
 A parameter is current from the start of the forward of any module it is registered on. A parameter read before
 that (a module reading another module's weight functionally before that module's forward ran) would see the
@@ -47,7 +48,7 @@ class BlockingPull:
         self.exchange = exchange
         self.unpack = unpack
         self.reducer = reducer
-        #: seconds the training loop spent in the pull: waiting for it and writing the weights into the parameters
+        #: seconds the training loop spent in the pull (blocking: all of it; overlapped: waiting for it)
         self.waited_seconds = 0.0
 
     def post(self, buckets: Sequence[GradientBucket]) -> None:
@@ -146,10 +147,14 @@ class OverlappedPull(BlockingPull):
         self.stats.add(sum(self.bucket_bytes[i][0] for i in posted), sum(self.bucket_bytes[i][1] for i in posted))
 
     def _counted_exchange(self, bucket: GradientBucket) -> None:
+        """On the communication thread: the exchange, its bytes counted apart, then the weights into the parameters
+        (no forward reads them before :meth:`wait_for` returned, nothing else before :meth:`complete`)."""
         counted = CommStats()
         with self.stats.diverted(counted):
             self.exchange(bucket)
         self.bucket_bytes[bucket.index] = (counted.bytes_sent, counted.bytes_received)
+        if self._needs_unpack[bucket.index]:
+            self.unpack(bucket)
 
     @property
     def pending(self) -> int:
@@ -183,8 +188,6 @@ class OverlappedPull(BlockingPull):
         except BaseException:
             self.discard()
             raise
-        if self._needs_unpack[bucket.index]:
-            self.unpack(bucket)
         self.waited_seconds += time.perf_counter() - start
 
     def discard(self) -> None:

@@ -18,6 +18,7 @@ the learning-rate monitor. Fits, each rank saving what it saw to ``<out>/rank<r>
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -146,7 +147,8 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 def plant_skipped_wait(strategy) -> None:
     """The planted bug: ``head``'s forward waits for the bucket of its weight but not for the one of its bias (a
     bias is not saved for backward, so autograd cannot notice the late write either; ``out``'s forward, later, takes
-    that bucket)."""
+    that bucket). That bucket's pull starts half a second late on every rank, so the forward surely reads the bias
+    before it arrives."""
     pull = strategy.engine.weights
     assert isinstance(pull, OverlappedPull)
     head = strategy.lightning_module.head
@@ -155,6 +157,14 @@ def plant_skipped_wait(strategy) -> None:
     weight_bucket = pull.bucket_of[id(head.weight)]
     assert weight_bucket != pull.bucket_of[id(head.bias)]
     head.register_forward_pre_hook(lambda module, args: pull.wait_for([weight_bucket]))
+    bias_bucket, exchange = pull.bucket_of[id(head.bias)], pull.exchange
+
+    def late_exchange(bucket):
+        if bucket.index == bias_bucket:
+            time.sleep(0.5)
+        exchange(bucket)
+
+    pull.exchange = late_exchange
 
 
 class Plant(Callback):
