@@ -200,6 +200,7 @@ def worker(args) -> None:
                 torch.cuda.synchronize(trainer.strategy.root_device)
             self.times.append(time.perf_counter())
             self.cpu_times.append(time.process_time())
+            self.pull_at_end = pull_seconds(trainer.strategy)  # the pull the forwards waited for up to this step
             if len(self.times) == args.warmup:
                 stats = getattr(trainer.strategy, "sync_stats", None)  # ddp has none
                 self.comm_at_warmup = stats.comm_seconds if stats is not None else 0.0
@@ -207,7 +208,6 @@ def worker(args) -> None:
                 self.pull_at_warmup = pull_seconds(trainer.strategy)
 
         def on_train_end(self, trainer, *_):
-            self.pull_at_end = pull_seconds(trainer.strategy)  # before the strategy closes its pull
             # the same exchange with every rank starting it together: its cost with no slower peer to wait for
             measure = getattr(trainer.strategy, "measure_exchange_seconds", None)
             self.isolated_exchange_seconds = measure() if measure is not None else None

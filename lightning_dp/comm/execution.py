@@ -65,6 +65,9 @@ class HostExecution:
         self._wait_started = 0.0
         #: the round's exchanges, each from its peers' arrival to its end (appended by the communication thread)
         self._spans: list[tuple[float, float]] = []
+        #: guards what the communication thread adds while the caller reads and resets it (an exchange may still run
+        #: when the caller takes the timing: the servers' pull behind the next forward)
+        self._lock = threading.Lock()
 
     def thread_started(self) -> None:
         """Prepare the communication thread (once, before its first exchange)."""
@@ -79,9 +82,10 @@ class HostExecution:
             end, arrived = time.perf_counter(), _exchange.arrived
             _exchange.arrived = 0.0
             arrived = start if arrived is None else arrived  # a transport that never marked: no wait told apart
-            self._peer_wait += arrived - start
-            self._seconds += end - arrived
-            self._spans.append((arrived, end))
+            with self._lock:
+                self._peer_wait += arrived - start
+                self._seconds += end - arrived
+                self._spans.append((arrived, end))
 
     def begin_wait(self) -> None:
         """The caller starts waiting for the round's exchanges: backward's own work is queued."""
@@ -89,8 +93,9 @@ class HostExecution:
 
     def end_wait(self) -> None:
         """The caller's wait for the exchanges returned (or failed): the part of it an exchange ran is exposed."""
-        start, end, spans = self._wait_started, time.perf_counter(), self._spans
-        self._spans = []
+        start, end = self._wait_started, time.perf_counter()
+        with self._lock:
+            spans, self._spans = self._spans, []
         self._waited += sum(max(0.0, min(end, done) - max(start, arrived)) for arrived, done in spans)
 
     def join(self) -> None:
@@ -110,8 +115,11 @@ class HostExecution:
         peers)`` since the last call, as far as they are known: the exchanges on the communication thread (from
         their peers' arrival) and the caller's waits while they ran, and :meth:`blocking` communication (counted in
         the first two)."""
-        seconds, blocking, waited, peer_wait = self._seconds, self._blocking, self._waited, self._peer_wait
-        self._seconds = self._blocking = self._waited = self._peer_wait = 0.0
+        with self._lock:
+            seconds, peer_wait = self._seconds, self._peer_wait
+            self._seconds = self._peer_wait = 0.0
+        blocking, waited = self._blocking, self._waited
+        self._blocking = self._waited = 0.0
         return seconds + blocking, waited + blocking, peer_wait
 
 
@@ -142,8 +150,9 @@ class CudaExecution(HostExecution):
             start = _timing_event(self.stream)
             exchange(bucket)
             done = _timing_event(self.stream)
-        self._done.append(done)
-        self._exchanges.append((start, done))
+        with self._lock:
+            self._done.append(done)
+            self._exchanges.append((start, done))
 
     def begin_wait(self) -> None:
         # where the caller's stream stands once backward's kernels are queued: what it then waits for is exposed
@@ -153,14 +162,16 @@ class CudaExecution(HostExecution):
         pass  # the host's wait is not the device's: over gloo it also waits for backward's kernels to finish
 
     def join(self) -> None:
-        if not self._done:
+        with self._lock:  # exchanges posted later may be finishing on the communication thread meanwhile
+            done, self._done = self._done, []
+        if not done:
             return
         caller = torch.cuda.current_stream(self.device)
-        for event in self._done:
+        for event in done:
             caller.wait_event(event)
         work_done = self._work_done if self._work_done is not None else _timing_event(caller)
-        self._waits.append((work_done, self._done[-1]))
-        self._done, self._work_done = [], None
+        self._waits.append((work_done, done[-1]))
+        self._work_done = None
 
     @contextmanager
     def blocking(self) -> Iterator[None]:
@@ -173,7 +184,8 @@ class CudaExecution(HostExecution):
 
     def take_timing(self) -> tuple[float, float, float]:
         # the device's clock cannot see when peers arrived: their wait stays inside the exchanges
-        self._exchanges, exchanges = _split_completed(self._exchanges)
+        with self._lock:
+            self._exchanges, exchanges = _split_completed(self._exchanges)
         self._waits, waits = _split_completed(self._waits)
         self._caller_spans, spans = _split_completed(self._caller_spans)
         seconds = sum(start.elapsed_time(end) for start, end in exchanges) / 1e3

@@ -105,7 +105,7 @@ class OverlappedPull(BlockingPull):
         self.bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         #: posted buckets by index, in the order they were posted
         self._in_flight: dict[int, Future] = {}
-        #: bucket indices in the order this rank's forwards first asked for them (learned until :meth:`agree_order`)
+        #: bucket indices in the order this rank's training forwards first asked for them (until :meth:`agree_order`)
         self.forward_order: list[int] = []
         self._order_learned = False
         #: the order every rank posts the pulls in (the same on every rank: the pulls are collective)
@@ -124,7 +124,7 @@ class OverlappedPull(BlockingPull):
 
     def _pre_forward_hook(self, indices: list[int]) -> Callable[..., None]:
         def wait_for_own_weights(module: nn.Module, args: Any) -> None:
-            self.wait_for(indices)
+            self.wait_for(indices, learn=module.training)
 
         return wait_for_own_weights
 
@@ -160,10 +160,11 @@ class OverlappedPull(BlockingPull):
     def pending(self) -> int:
         return len(self._in_flight)
 
-    def wait_for(self, indices: Iterable[int]) -> None:
-        """The weights of buckets ``indices`` are in the parameters (a forward is about to read them)."""
+    def wait_for(self, indices: Iterable[int], learn: bool = True) -> None:
+        """The weights of buckets ``indices`` are in the parameters (a forward is about to read them). ``learn``: a
+        training forward asks, whose order the pulls should follow (see :meth:`agree_order`)."""
         for index in indices:
-            if not self._order_learned and index not in self.forward_order:
+            if learn and not self._order_learned and index not in self.forward_order:
                 self.forward_order.append(index)
             future = self._in_flight.pop(index, None)
             if future is None:

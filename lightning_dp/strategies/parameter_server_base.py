@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_dp._lightning_compat import unwrap_optimizer
@@ -167,9 +168,15 @@ class ParameterServerBase(DataParallelStrategy):
         """Why the weight pull cannot overlap the next forward in this run (``None``: it can), at set-up."""
         if not self.overlap_pull:
             return "overlap_pull=False"
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
             return "manual optimization: training_step may read the weights right after optimizer.step()"
+        if is_overridden("optimizer_step", module, pl.LightningModule):
+            return f"{type(module).__name__}.optimizer_step may read or edit the weights right after the step"
+        scripted = [name for name, m in module.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            return f"TorchScript modules ({', '.join(scripted)}) run no forward pre-hooks"
         if self._process_group_backend != "gloo":
             return (
                 f"process_group_backend={self._process_group_backend!r}: the forward's own collectives (buffers, "

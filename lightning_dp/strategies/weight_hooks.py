@@ -5,8 +5,8 @@ the last step only from its module's next forward on. A callback or the Lightnin
 hook between the step and that forward (an EMA of the weights in ``on_train_batch_end``, a weight histogram) must
 see them complete: :class:`CompleteWeightsBefore`, the first callback of the trainer, completes the pull before
 those hooks run. Lightning's own callbacks read no weights there, and neither does a callback that declares
-``reads_weights = False``; they never delay the pull. Validation, checkpoints and the end of training complete
-it on their own.
+``reads_weights = False``; they never delay the pull. It also completes the pull before any callback's or the
+module's ``on_validation_start`` and ``on_train_end``; checkpoints complete it on their own.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 #: the hooks that run between an optimizer step and the next forward, or inside the closure before backward
 WEIGHT_HOOKS = ("on_train_batch_end", "on_train_epoch_end", "on_train_epoch_start", "on_train_batch_start",
                 "on_before_zero_grad")  # fmt: skip
+
+#: hooks before which the pull always completes: validation and the end of training read the weights, and Lightning
+#: calls the strategy's own hooks there only after the callbacks' and the module's
+ALWAYS_COMPLETE_BEFORE = ("on_validation_start", "on_train_end")
 
 #: Lightning's callbacks that read no weights in :data:`WEIGHT_HOOKS` (a checkpoint they save completes the pull
 #: itself); a subclass's own override of such a hook still counts
@@ -65,15 +69,18 @@ def weight_readers(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str,
 
 
 class CompleteWeightsBefore(Callback):
-    """Completes the servers' weight pull (``complete``) before the hooks in ``readers`` run on any callback or the
-    module: installed as the trainer's first callback, it runs before all of them."""
+    """Completes the servers' weight pull (``complete``) before the hooks in ``readers`` and
+    :data:`ALWAYS_COMPLETE_BEFORE` run on any callback or the module: installed as the trainer's first callback, it
+    runs before all of them."""
 
     reads_gradients = False
     reads_weights = False
 
     def __init__(self, complete: Callable[[], None], readers: dict[str, list[str]]) -> None:
         self._complete = complete
-        self.hooks = frozenset(readers)
+        #: the reader hooks (the pull completes early for them) and the hooks before which it always completes
+        self.reader_hooks = frozenset(readers)
+        self.hooks = self.reader_hooks | frozenset(ALWAYS_COMPLETE_BEFORE)
         self._trainer: pl.Trainer | None = None
 
     def install(self, trainer: pl.Trainer) -> None:
@@ -105,3 +112,9 @@ class CompleteWeightsBefore(Callback):
 
     def on_before_zero_grad(self, *args: Any, **kwargs: Any) -> None:
         self._before("on_before_zero_grad")
+
+    def on_validation_start(self, *args: Any, **kwargs: Any) -> None:
+        self._before("on_validation_start")
+
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+        self._before("on_train_end")

@@ -89,7 +89,8 @@ class PullModel(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self(x) * self.scale, y)
+        scale = self.scale * 1.0  # the module's own parameter, read before any forward
+        loss = F.mse_loss(self(x) * scale, y)
         self.seen.append(flat_weights(self))  # every module ran its forward: the weights this step uses
         self.losses.append(loss.item())
         return loss
@@ -131,7 +132,9 @@ class Watch(Callback):
             "mode": type(pull).__name__,
             "waited_in_forward": getattr(pull, "waited_in_forward", 0),
             "completed_late": getattr(pull, "completed_late", 0),
-            "hooks_installed": any(isinstance(c, CompleteWeightsBefore) for c in trainer.callbacks),
+            "reader_hooks": sorted(
+                hook for c in trainer.callbacks if isinstance(c, CompleteWeightsBefore) for hook in c.reader_hooks
+            ),
             "callbacks": sorted(type(c).__name__ for c in trainer.callbacks),
         }
 

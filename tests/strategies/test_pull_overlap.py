@@ -1,8 +1,8 @@
 """The servers' weight pull behind the next forward (``overlap_pull=True``, the default) against the pull at the end
 of the step (``overlap_pull=False``): bit-identical, for both servers, on a model with several buckets, a module
 spanning two buckets, a shared parameter, a frozen layer, a module used twice, BatchNorm buffers and a parameter
-of the LightningModule itself (``tests/scripts/pull_overlap.py``). One launch per configuration runs every fit;
-the tests read it."""
+of the LightningModule itself that ``training_step`` reads before any forward (``tests/scripts/pull_overlap.py``).
+One launch per configuration runs every fit; the tests read it."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_overlapped_pull_is_bit_identical_and_stays_on_with_lightnings_callbacks
         identical(rank["overlapped"], rank["blocking"], f"{name}, rank {r}")
     assert_identical_replicas([rank["overlapped"] for rank in ranks], "seen")
     report = ranks[0]["overlapped"]["report"]
-    assert report["mode"] == "OverlappedPull" and not report["hooks_installed"], report
+    assert report["mode"] == "OverlappedPull" and report["reader_hooks"] == [], report
     assert {"TQDMProgressBar", "ModelSummary", "ModelCheckpoint", "LearningRateMonitor"} <= set(report["callbacks"])
     assert report["waited_in_forward"] > 0, report  # rank 0 takes weights from the pull in every configuration
     assert ranks[0]["blocking"]["report"]["mode"] == "BlockingPull"
@@ -75,7 +75,7 @@ def test_a_callback_reading_weights_between_steps_sees_them_complete(launch):
         for step, (read, seen) in enumerate(zip(after, [*blocking["seen"][1:], blocking["final"]], strict=True)):
             assert torch.equal(read, seen), f"{name}, rank {r}: the callback read other weights after step {step + 1}"
         identical(rank["reader"], blocking, f"{name}, rank {r}, with the reader")
-    assert ranks[0]["reader"]["report"]["hooks_installed"]
+    assert ranks[0]["reader"]["report"]["reader_hooks"] == ["on_train_batch_end"]
 
 
 def test_a_forward_reading_a_weight_before_its_module_falls_back_to_the_blocking_pull(launch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_dp._lightning_compat import after_closure, replace_clipping, unwrap_optimizer
@@ -94,9 +95,9 @@ class SynchronousEngine(StepEngine):
             return
         assert self.strategy.lightning_module is not None
         readers = weight_readers(trainer, self.strategy.lightning_module)
+        self._weight_hooks = CompleteWeightsBefore(self.complete_pull, readers)
+        self._weight_hooks.install(trainer)
         if readers:
-            self._weight_hooks = CompleteWeightsBefore(self.complete_pull, readers)
-            self._weight_hooks.install(trainer)
             named = ", ".join(f"{who}.{hook}" for hook, whos in readers.items() for who in whos)
             rank_zero_info(
                 f"{self.name}: the weight pull completes before {named}, which may read the weights between steps "
@@ -122,6 +123,7 @@ class SynchronousEngine(StepEngine):
             yield
             return
         with self._probe:
+            self._probe.current.update(pull.buckets_holding(root.parameters(recurse=False)))
             yield
 
     def _decide_overlap(self, probe: ReadProbe) -> None:
@@ -140,10 +142,16 @@ class SynchronousEngine(StepEngine):
         self.weights.close()
         self.weights = BlockingPull(self._pull_bucket, self._unpack, strategy.reducer)
         if probe.early_reads:
-            rank_zero_warn(
-                f"{self.name}: the training step reads {', '.join(probe.early_reads)} before a module holding them "
-                "runs its forward, so the weight pull cannot overlap the forward: it runs at the end of each step "
-                "from now on (overlap_pull=False says so up front)"
+            warnings.warn(
+                f"{self.name}: the training step on rank {strategy.global_rank} reads {', '.join(probe.early_reads)} "
+                "before a module holding them runs its forward, so the weight pull cannot overlap the forward: every "
+                "rank runs it at the end of each step from now on (overlap_pull=False says so up front)",
+                stacklevel=2,
+            )
+        else:
+            rank_zero_info(
+                f"{self.name}: another rank's training step reads weights before a module holding them runs its "
+                "forward (it warns, naming them): every rank runs the weight pull at the end of each step from now on"
             )
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
