@@ -4,6 +4,7 @@ per rank, for every strategy against Lightning's ``ddp`` in the same run.
     python -m benchmarks.end_to_end                  # all models (below), N = 2 and 4
     python -m benchmarks.end_to_end --quick          # all models, N = 2, fewer steps
     python -m benchmarks.end_to_end --models comm_bound --strategies ddp ring_allreduce ring_allreduce@ring
+    python -m benchmarks.end_to_end --pull           # the servers' pull overlapped and blocking, plain-SGD models
     sudo python -m benchmarks.end_to_end --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
                                                      # one node per emulated host, rate-limited links
 
@@ -34,6 +35,9 @@ from lightning_dp.comm.cost import dedicated_exchange_seconds as communication_t
 REPO = Path(__file__).resolve().parents[1]
 
 STRATEGIES = ("ddp", "ring_allreduce", "parameter_server", "sharded_ps")
+#: ``--pull``: the parameter servers with the weight pull behind the next forward and at the end of the step
+PULL_STRATEGIES = ("ddp", "ring_allreduce", "parameter_server", "parameter_server:blocking", "sharded_ps",
+                   "sharded_ps:blocking")  # fmt: skip
 #: the parts of a step :class:`PhaseTimer` (in the worker) measures, in order
 PHASES = ("loop", "forward", "backward", "hooks", "step")
 MODELS = {
@@ -51,6 +55,9 @@ MODELS = {
 }
 #: the learning rate of the plain-SGD models
 SGD_LR = 0.01
+#: the models a run without ``--models`` measures, and those of ``--pull``
+DEFAULT_MODELS = ("comm_bound", "reference_cnn", "resnet18")
+PULL_MODELS = tuple(name for name in MODELS if "_sgd_" in name)
 
 
 def build_model(name: str):
@@ -450,12 +457,17 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS))
     parser.add_argument(
-        "--strategies", nargs="+", default=list(STRATEGIES),
+        "--strategies", nargs="+", default=None,
         help="registry names; NAME@ring runs NAME with intra_node='ring' (sockets inside the machine too)",
     )  # fmt: skip
     parser.add_argument("--result-dir", default="")
     parser.add_argument("--external-servers", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", default="", help="results/<name>.{json,md} instead of the default name")
+    parser.add_argument(
+        "--pull", action="store_true",
+        help="the servers' weight pull overlapped and blocking on the plain-SGD models: --models and --strategies "
+        "default to those, results/end_to_end_sgd",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     if args.worker:
@@ -465,7 +477,9 @@ def main() -> None:
 
     steps = args.steps or (10 if args.quick else 30)
     world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
-    models = args.models or sorted(MODELS)
+    models = args.models or list(PULL_MODELS if args.pull else DEFAULT_MODELS)
+    args.strategies = args.strategies or list(PULL_STRATEGIES if args.pull else STRATEGIES)
+    args.name = args.name or ("end_to_end_sgd" if args.pull else "")
     rows = []
     if args.emulated_hosts:
         with tempfile.TemporaryDirectory() as tmp:

@@ -37,12 +37,14 @@ def main() -> None:
         print("not root: skipping benchmarks.emulated_cluster, benchmarks.compression, benchmarks.dedicated_servers, "
               "benchmarks.gloo_flows and benchmarks.advisor_validation (network namespaces)")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}  # the repository root, whatever the working directory
-    for module in modules:
-        print(f"== {module}", flush=True)
-        subprocess.run([sys.executable, "-m", module, *quick, "--out", args.out], check=True, env=env)
-    names = ("collectives", "end_to_end", "emulated_cluster", "compression", "compression_accuracy", "straggler",
-             "straggler_accuracy", "app_accuracy", "dedicated_servers", "gloo_flows", "end_to_end_emulated",
-             "advisor_validation", "monitor_model", "scale_model")  # fmt: skip
+    runs = [[module] for module in modules]
+    runs.insert(2, ["benchmarks.end_to_end", "--pull"])  # the servers' pull behind the forward: results/end_to_end_sgd
+    for run in runs:
+        print(f"== {' '.join(run)}", flush=True)
+        subprocess.run([sys.executable, "-m", *run, *quick, "--out", args.out], check=True, env=env)
+    names = ("collectives", "end_to_end", "end_to_end_sgd", "emulated_cluster", "compression", "compression_accuracy",
+             "straggler", "straggler_accuracy", "app_accuracy", "dedicated_servers", "gloo_flows",
+             "end_to_end_emulated", "advisor_validation", "monitor_model", "scale_model")  # fmt: skip
     tables = [Path(args.out) / f"{name}.md" for name in names]
     summary = "\n\n".join(t.read_text() for t in tables if t.exists())
     (Path(args.out) / "summary.md").write_text(summary)

@@ -133,6 +133,10 @@ def test_strategy_specs_of_the_benchmarks():
     assert (servers.num_servers, servers.start_servers) == (3, False)
     with pytest.raises(ValueError, match="ddp\\+zip_hook"):
         build_strategy("ddp+zip_hook")
+    blocking, _ = build_strategy("sharded_ps@ring:blocking")
+    assert (blocking.intra_node, blocking.overlap_pull) == ("ring", False)
+    with pytest.raises(ValueError, match="':blocking'"):
+        build_strategy("sharded_ps:lazy")
 
 
 @pytest.mark.multiprocess
