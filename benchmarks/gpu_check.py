@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: one test's outcome in pytest's ``-v`` output
 TEST_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 #: every stage and its time limit in seconds on one GPU with 16 cores (see the module docstring)
-STAGES = {"smoke": 60, "collectives": 60, "features": 90, "dropin": 150, "codecs": 60, "end_to_end": 150}
+STAGES = {"smoke": 60, "collectives": 60, "features": 90, "dropin": 180, "codecs": 60, "end_to_end": 150}
 #: the stages that run the GPU tier's groups of tests (``tests/test_gpu.py``'s ``GROUPS``)
 TEST_STAGES = ("collectives", "features", "dropin", "codecs")
 #: the whole command's default budget: one call of a lent GPU machine (8 minutes) with time to spare

@@ -332,6 +332,45 @@ def test_drop_in_cases_on_gpus_follow_ddp(dropin_runs, tier, strategy, case):
     assert_follows_ddp(dropin_runs[tier], strategy, case, GPU_TOLERANCE)
 
 
+#: the servers whose weight pull runs behind the next forward, each launched once (two ranks sharing one GPU)
+PULL_RUNS = ("parameter_server", "sharded_ps")
+
+
+def _pull_overlap(out, strategy: str) -> list[dict]:
+    run_script("pull_overlap", "--strategy", strategy, "--devices", "2", "--intra-node", "ring", "--out", str(out),
+               timeout=300, env=SHARED_GPU)  # fmt: skip
+    return load_ranks(out, 2)
+
+
+@pytest.fixture(scope="module")
+def pull_runs(tmp_path_factory):
+    """``tests/scripts/pull_overlap.py`` for each server on the shared GPU, both launched when the first test asks."""
+    if not _runnable("shared_gpu"):
+        return {}
+    pool = ThreadPoolExecutor(max_workers=min(len(PULL_RUNS), LAUNCH_SLOTS))
+    runs = {name: pool.submit(_pull_overlap, tmp_path_factory.mktemp(f"pull-{name}"), name) for name in PULL_RUNS}
+    pool.shutdown(wait=False)
+    return runs
+
+
+@ONE_GPU
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", PULL_RUNS)
+def test_drop_in_pull_behind_the_forward_sharing_one_gpu_equals_the_blocking_pull(pull_runs, strategy):
+    """The servers' weight pull behind the next forward on CUDA buckets over gloo (pinned host copies, the
+    communication stream, one event per bucket) reads exactly the weights of the pull at the end of the step
+    (``tests/scripts/pull_overlap.py``; the CPU version is ``tests/strategies/test_pull_overlap.py``)."""
+    ranks = pull_runs[strategy].result()
+    assert ranks[1]["overlapped"]["report"]["waited_in_forward"] > 0  # not the central server: it takes every bucket
+    for rank in ranks:
+        overlapped, blocking = rank["overlapped"], rank["blocking"]
+        assert overlapped["report"]["mode"] == "OverlappedPull"
+        assert overlapped["losses"] == blocking["losses"] and len(overlapped["seen"]) == len(blocking["seen"]) > 0
+        for seen, theirs in zip(overlapped["seen"], blocking["seen"], strict=True):
+            assert torch.equal(seen, theirs)
+        assert torch.equal(overlapped["final"], blocking["final"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", _tiers())
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -17,7 +17,6 @@ the learning-rate monitor. Fits, each rank saving what it saw to ``<out>/rank<r>
 """
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -198,6 +197,7 @@ def fit(name: str, overlap: bool, early_read: bool = False, extra: list | None =
     )  # fmt: skip
     train, val = loaders()
     trainer.fit(model, train, val)
+    ranks.add(trainer.global_rank)
     saved = sorted(checkpoints.glob("*.ckpt")) if trainer.is_global_zero else []
     return {
         "seen": model.seen, "losses": model.losses, "final": flat_weights(model), "val_losses": watch.val_losses,
@@ -205,6 +205,7 @@ def fit(name: str, overlap: bool, early_read: bool = False, extra: list | None =
     }  # fmt: skip
 
 
+ranks: set[int] = set()
 reader = WeightReader()
 runs = {
     "blocking": fit("blocking", overlap=False),
@@ -215,5 +216,5 @@ runs = {
     "planted": fit("planted", overlap=True, extra=[Plant()]),
 }
 runs["reader"]["after_step"] = reader.after_step
-rank = int(os.environ.get("LOCAL_RANK", 0)) + int(os.environ.get("NODE_RANK", 0)) * args.devices
+(rank,) = ranks
 torch.save(runs, Path(args.out) / f"rank{rank}.pt")
