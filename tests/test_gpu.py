@@ -24,6 +24,7 @@ import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
@@ -296,15 +297,23 @@ def _fit_with_codec(out, strategy: str, compression: str) -> list[dict]:
     return load_ranks(out, 2)
 
 
+def _started_on_shared_gpu(launches: dict) -> dict:
+    """Every launch (key -> a function running it) on the shared GPU at once, at most :data:`LAUNCH_SLOTS` together:
+    their futures by key (none where that tier cannot run)."""
+    if not _runnable("shared_gpu"):
+        return {}
+    pool = ThreadPoolExecutor(max_workers=min(len(launches), LAUNCH_SLOTS))
+    runs = {key: pool.submit(launch) for key, launch in launches.items()}
+    pool.shutdown(wait=False)
+    return runs
+
+
 @pytest.fixture(scope="module")
 def codec_runs(tmp_path_factory):
     """Each codec under Lightning on the shared GPU, started when the first test asks."""
-    if not _runnable("shared_gpu"):
-        return {}
-    pool = ThreadPoolExecutor(max_workers=min(len(CODEC_RUNS), LAUNCH_SLOTS))
-    runs = {run: pool.submit(_fit_with_codec, tmp_path_factory.mktemp("-".join(run)), *run) for run in CODEC_RUNS}
-    pool.shutdown(wait=False)
-    return runs
+    return _started_on_shared_gpu(
+        {run: partial(_fit_with_codec, tmp_path_factory.mktemp("-".join(run)), *run) for run in CODEC_RUNS}
+    )
 
 
 @pytest.mark.slow
@@ -345,12 +354,9 @@ def _pull_overlap(out, strategy: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def pull_runs(tmp_path_factory):
     """``tests/scripts/pull_overlap.py`` for each server on the shared GPU, both launched when the first test asks."""
-    if not _runnable("shared_gpu"):
-        return {}
-    pool = ThreadPoolExecutor(max_workers=min(len(PULL_RUNS), LAUNCH_SLOTS))
-    runs = {name: pool.submit(_pull_overlap, tmp_path_factory.mktemp(f"pull-{name}"), name) for name in PULL_RUNS}
-    pool.shutdown(wait=False)
-    return runs
+    return _started_on_shared_gpu(
+        {name: partial(_pull_overlap, tmp_path_factory.mktemp(f"pull-{name}"), name) for name in PULL_RUNS}
+    )
 
 
 @ONE_GPU

@@ -275,7 +275,6 @@ class ParameterServerBase(DataParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.engine.on_training_step()
         with self.engine.training_step_context():
             return super().training_step(*args, **kwargs)
 

@@ -176,6 +176,5 @@ def test_what_a_skipping_rank_cannot_do_is_refused_at_set_up():
         engine.setup_trainer(trainer)
     with pytest.raises(ValueError, match="read or edited before the optimizer step by GradLogger"):
         engine.full_gradients(trainer, ["GradLogger"])
-    engine.on_training_step()
-    with pytest.raises(ValueError, match="sync_dist"):
+    with engine.training_step_context(), pytest.raises(ValueError, match="sync_dist"):
         engine.check_collective("Lightning's reduce (self.log(..., sync_dist=True))")

@@ -4,7 +4,8 @@ and a rank whose step closed without it skips that step."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -136,8 +137,10 @@ class BackupEngine(StaleEngine):
             )
 
     # ------------------------------------------------------------------ the step
-    def on_training_step(self) -> None:
+    @contextmanager
+    def training_step_context(self) -> Generator[None, None, None]:
         self._in_step = True  # until the closure ends
+        yield
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         """One step: skipped if it has closed already, else the closure, the hooks and the push of this rank's

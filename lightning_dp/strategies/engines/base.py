@@ -104,12 +104,10 @@ class StepEngine:
         return 0
 
     # ------------------------------------------------------------------ Lightning's loop
-    def on_training_step(self) -> None:
-        """The module's training step is about to run (inside the optimizer's closure)."""
-
     @contextmanager
     def training_step_context(self) -> Generator[None, None, None]:
-        """Around the module's training step (its forward): the weights it reads arrive here."""
+        """Around the module's training step (inside the optimizer's closure): the forward, whose weights may still
+        be arriving."""
         yield
 
     def complete_pull(self) -> None:
