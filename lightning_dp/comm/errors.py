@@ -36,6 +36,22 @@ class PeerUnreachableError(LightningDPError, dist.DistNetworkError):
     """A message to or from another rank failed: the peer died, the link is down, or the timeout passed."""
 
 
+class MembershipChange(LightningDPError, RuntimeError):
+    """A rank was lost (or the job's membership otherwise changed) while this rank exchanged or committed a step:
+    the exchange was abandoned and the survivors must agree on the new membership
+    (:meth:`~lightning_dp.comm.membership.Membership.recover`) before any rank exchanges again."""
+
+
+class QuorumLostError(PeerUnreachableError):
+    """The job cannot go on: more ranks are lost than the run allows, or this rank is on a side of a partition
+    without a strict majority of the job's ranks. Raised on every rank that stops."""
+
+
+class FencedError(LightningDPError, RuntimeError):
+    """The job declared this rank lost (it was silent longer than the heartbeat timeout, or cut off) and went on
+    without it: whatever it does now changes nothing of the job's state."""
+
+
 class ForeignJobError(LightningDPError, RuntimeError):
     """A process reached the rendezvous of another job (a stray rank of an earlier launch, two jobs on one port, a
     wrong shared secret) and was refused before it touched that job."""
@@ -47,10 +63,13 @@ class NonFiniteGradientError(LightningDPError, FloatingPointError):
 
 __all__ = [
     "ConfigurationError",
+    "FencedError",
     "ForeignJobError",
     "LightningDPError",
+    "MembershipChange",
     "NonFiniteGradientError",
     "PeerUnreachableError",
+    "QuorumLostError",
     "ReplicaMismatchError",
     "SparseGradientError",
     "UnsupportedChangeError",

@@ -1,0 +1,306 @@
+"""How the survivors of a loss agree on one new membership and on what every member has committed.
+
+One :class:`Agreement` per rank, driven by its control plane's thread (:mod:`.control`): suspicions, the peers'
+messages and the clock. A change begins on a rank when it suspects a peer, hears of a suspicion, or receives a
+report or a decision: from then on no step commits there (:meth:`Agreement.commit` refuses), and it sends a report
+(the members it still hears, the last step it committed) to its leader, the lowest rank it still hears. A leader
+that has the reports of every rank it hears decides:
+
+- the members are the reporters, less one of each pair that cannot hear each other (the higher rank goes), so that
+  every member hears every other;
+- the job goes on only with a strict majority of its original ranks (a minority side of a partition never trains
+  on as a second job) and no more ranks lost than the run allows (``max_lost``); otherwise every reporter is told
+  to stop, naming the lost ranks;
+- the decision (the new generation, the members, what each committed, the store its groups meet on) goes to every
+  member. A rank left out is told it is fenced.
+
+A leader that dies in the middle is suspected like any other rank: its reporters report again, to the next lowest.
+A rank that is not heard from for ``timeout`` seconds is left out in the same way. Messages carry the generation
+they belong to; those of older generations are dropped, newer ones wait until this rank adopts that generation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_dp.comm.errors import FencedError, MembershipChange, QuorumLostError
+
+Send = Callable[[int, dict[str, Any]], bool]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the members of a new generation agreed on."""
+
+    generation: int
+    members: tuple[int, ...]
+    #: the last step each member had committed when the change began
+    committed: dict[int, int]
+    #: where the new generation's process groups meet (the leader serves it)
+    store: tuple[str, int]
+    #: members of the previous generation that are not in this one
+    lost: tuple[int, ...]
+    #: why each lost rank was suspected (as its reporters saw it)
+    causes: dict[int, str] = field(default_factory=dict)
+
+    def message(self) -> dict[str, Any]:
+        return {"t": "decision", "gen": self.generation, "members": list(self.members),
+                "committed": {str(k): v for k, v in self.committed.items()}, "store": list(self.store),
+                "lost": list(self.lost), "causes": {str(k): v for k, v in self.causes.items()}}  # fmt: skip
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> Decision:
+        return cls(
+            int(message["gen"]), tuple(int(r) for r in message["members"]),
+            {int(k): int(v) for k, v in message["committed"].items()},
+            (str(message["store"][0]), int(message["store"][1])), tuple(int(r) for r in message["lost"]),
+            {int(k): str(v) for k, v in message.get("causes", {}).items()},
+        )  # fmt: skip
+
+
+def choose_members(views: dict[int, set[int]]) -> list[int]:
+    """The members of the next generation from each reporter's view (the ranks it hears, itself included): the
+    reporters, less the higher rank of every pair where one does not hear the other."""
+    members = sorted(views)
+    for a in sorted(views):
+        for b in sorted(views):
+            if a < b and a in members and b in members and (b not in views[a] or a not in views[b]):
+                members.remove(b)
+    return members
+
+
+def quorum_problem(members: list[int], original: int, max_lost: int, lost: list[int]) -> str | None:
+    """Why ``members`` may not go on as the job (``None``: they may)."""
+    if 2 * len(members) <= original:
+        return (
+            f"only {len(members)} of the job's {original} ranks ({members}) can reach each other, not a strict "
+            f"majority: this side of the partition stops (ranks out of reach: {lost}), so that no two sides train on "
+            "as two jobs"
+        )
+    if original - len(members) > max_lost:
+        return (
+            f"{original - len(members)} of the job's {original} ranks are lost ({lost}), more than the run allows "
+            f"(max_lost_ranks={max_lost})"
+        )
+    return None
+
+
+class Agreement:
+    """The agreement state of rank ``rank`` (see the module docstring). ``send(peer, message)`` queues a message on
+    the control plane; ``serve_store()`` starts a store for the next generation's groups on this rank and returns
+    its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when a change begins here."""
+
+    def __init__(
+        self,
+        rank: int,
+        members: list[int],
+        original: int,
+        max_lost: int,
+        timeout: float,
+        send: Send,
+        serve_store: Callable[[], tuple[str, int]],
+        on_change: Callable[[], None],
+    ) -> None:
+        self.rank = rank
+        self.generation = 0
+        self.members = tuple(sorted(members))
+        self.original = original
+        self.max_lost = max_lost
+        self.timeout = timeout
+        self._send = send
+        self._serve_store = serve_store
+        self._on_change = on_change
+        self._cond = threading.Condition()
+        #: the generation whose process groups the training side uses (see :meth:`activate`)
+        self.active = 0
+        self.committed = -1
+        self._changing_since: float | None = None
+        self._suspected: dict[int, str] = {}
+        self._reported_to: int | None = None
+        self._reports: dict[int, dict[str, Any]] = {}
+        self._later: list[dict[str, Any]] = []
+        self._decision: Decision | None = None
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ the training side
+    @property
+    def changing(self) -> bool:
+        """Whether the training side must stop exchanging: a change has begun, failed, or was decided and the
+        training side has not activated the new generation yet."""
+        with self._cond:
+            return self._stale()
+
+    def _stale(self) -> bool:
+        return self._changing_since is not None or self._failure is not None or self.generation != self.active
+
+    def commit(self, step: int) -> None:
+        """Record that this rank has completed ``step`` (its exchange done, its update about to apply), or raise
+        :class:`MembershipChange` if a change has begun: then the step does not count, on this rank, as committed."""
+        with self._cond:
+            if self._failure is not None:
+                raise self._failure
+            if self._stale():
+                raise MembershipChange(f"rank {self.rank}: the membership is changing; step {step} is not committed")
+            self.committed = step
+
+    def check(self) -> None:
+        """Raise :class:`MembershipChange` (or the agreement's failure) if the training side must stop exchanging."""
+        with self._cond:
+            if self._failure is not None:
+                raise self._failure
+            if self._stale():
+                raise MembershipChange(f"rank {self.rank}: the membership is changing")
+
+    def activate(self, generation: int) -> None:
+        """The training side uses ``generation``'s process groups from now on."""
+        with self._cond:
+            self.active = generation
+
+    def wait(self) -> Decision:
+        """Block until the change under way is decided; the decision, or the agreement's failure raised."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._decision is not None or self._failure is not None)
+            if self._failure is not None:
+                raise self._failure
+            assert self._decision is not None
+            decision, self._decision = self._decision, None
+            return decision
+
+    # ------------------------------------------------------------------ events (the control plane's thread)
+    def suspect(self, peer: int, cause: str, direct: bool) -> None:
+        """This rank suspects ``peer`` (``direct``), or heard that another rank does."""
+        with self._cond:
+            if peer == self.rank:
+                return
+            if direct and peer in self.members:
+                self._suspected.setdefault(peer, cause)
+            self._begin()
+            self._progress()
+
+    def fenced(self, why: str) -> None:
+        """A member says the job went on without this rank."""
+        with self._cond:
+            self._fail(FencedError(f"rank {self.rank} was declared lost by the job and is no longer a member ({why})"))
+
+    def receive(self, message: dict[str, Any]) -> None:
+        """An agreement message from a peer."""
+        with self._cond:
+            self._receive(message)
+
+    def tick(self, now: float) -> None:
+        """The clock: a change that takes longer than ``timeout`` fails."""
+        with self._cond:
+            if self._changing_since is None or self._failure is not None:
+                return
+            if now - self._changing_since > self.timeout:
+                silent = sorted(set(self._view()) - set(self._reports)) if self._leader() == self.rank else []
+                detail = f"; no report from rank(s) {silent}" if silent else f"; no decision from rank {self._leader()}"
+                self._fail(QuorumLostError(
+                    f"rank {self.rank}: the ranks did not agree on a new membership within {self.timeout:.0f} s of "
+                    f"the loss of rank(s) {sorted(self._suspected)}{detail}"
+                ))  # fmt: skip
+
+    # ------------------------------------------------------------------ internals (under the condition's lock)
+    def _begin(self) -> None:
+        if self._changing_since is None and self._failure is None:
+            self._changing_since = time.monotonic()
+            self._on_change()
+
+    def _view(self) -> list[int]:
+        return [r for r in self.members if r not in self._suspected]
+
+    def _leader(self) -> int:
+        return min(self._view())
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+            self._on_change()
+            self._cond.notify_all()
+
+    def _progress(self) -> None:
+        """Report to the leader (again, where it changed); decide where this rank leads and has every report."""
+        if self._failure is not None or self._changing_since is None:
+            return
+        view = self._view()
+        problem = quorum_problem(view, self.original, self.max_lost, sorted(set(self.members) - set(view)))
+        if problem is not None:
+            self._fail(QuorumLostError(f"rank {self.rank}: {problem}"))
+            return
+        leader = min(view)
+        report = {"t": "report", "gen": self.generation, "rank": self.rank, "view": view,
+                  "committed": self.committed, "causes": {str(k): v for k, v in self._suspected.items()}}  # fmt: skip
+        if leader == self.rank:
+            self._reports[self.rank] = report
+            self._reported_to = self.rank
+            self._decide()  # (once every rank this one hears has reported)
+        elif self._reported_to != leader:
+            self._reported_to = leader
+            self._send(leader, report)
+
+    def _decide(self) -> None:
+        view = self._view()
+        if not set(view) <= set(self._reports):
+            return
+        reports = {r: self._reports[r] for r in view}
+        members = choose_members({r: set(m["view"]) for r, m in reports.items()})
+        lost = sorted(set(self.members) - set(members))
+        problem = quorum_problem(members, self.original, self.max_lost, lost)
+        if problem is not None:
+            for peer in reports:
+                if peer != self.rank:
+                    self._send(peer, {"t": "stop", "gen": self.generation, "why": problem})
+            self._fail(QuorumLostError(f"decided by rank {self.rank}: {problem}"))
+            return
+        causes: dict[int, str] = {}
+        for m in reports.values():
+            causes.update({int(k): v for k, v in m["causes"].items() if int(k) in lost})
+        for r in lost:
+            causes.setdefault(r, "cannot reach every member")
+        decision = Decision(self.generation + 1, tuple(members), {r: int(reports[r]["committed"]) for r in members},
+                            self._serve_store(), tuple(lost), causes)  # fmt: skip
+        for peer in reports:
+            if peer != self.rank:
+                self._send(peer, decision.message())
+        self._adopt(decision)
+
+    def _adopt(self, decision: Decision) -> None:
+        if self.rank not in decision.members:
+            self._fail(FencedError(
+                f"rank {self.rank} was left out of the job's generation {decision.generation} (members "
+                f"{list(decision.members)}): it could not reach every member"
+            ))  # fmt: skip
+            return
+        self.generation = decision.generation
+        self.members = decision.members
+        self._suspected.clear()
+        self._reports.clear()
+        self._reported_to = None
+        self._changing_since = None
+        self._decision = decision
+        self._cond.notify_all()
+        later, self._later = self._later, []
+        for message in later:
+            self._receive(message)
+
+    def _receive(self, message: dict[str, Any]) -> None:
+        if self._failure is not None:
+            return
+        generation = int(message.get("gen", -1))
+        if generation > self.generation + (1 if message.get("t") == "decision" else 0):
+            self._later.append(message)
+            return
+        kind = message.get("t")
+        if kind == "decision" and generation == self.generation + 1:
+            self._begin()
+            self._adopt(Decision.from_message(message))
+        elif kind == "report" and generation == self.generation:
+            self._reports[int(message["rank"])] = message
+            self._begin()
+            self._progress()
+        elif kind == "stop" and generation == self.generation:
+            self._fail(QuorumLostError(f"rank {self.rank}, told by rank {message.get('from')}: {message['why']}"))

@@ -1,0 +1,483 @@
+"""The control plane: a mesh of TCP connections among a job's ranks, beside its process groups.
+
+It tells a lost peer from a slow one without touching the process groups: a peer whose process dies closes its
+connections (the kernel does it, even for SIGKILL), which every other rank sees at once; a peer that goes silent (a
+host cut off, a process stopped) is suspected after ``heartbeat_timeout`` seconds without a frame from it. Its own
+thread sends the heartbeats and reads every connection, so a rank busy for long (a checkpoint write, a long
+forward) keeps answering. It also carries the few small messages of the membership agreement
+(:mod:`.agreement`), so that agreeing never depends on a process group, nor on a store that could die with the
+rank serving it.
+
+Frames are JSON objects behind a 4-byte length; every connection starts with a hello naming the job's scope and the
+rank, and a connection from another job is closed at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from lightning_dp.comm.errors import PeerUnreachableError
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+#: the largest frame accepted (the agreement's messages are a few hundred bytes)
+MAX_FRAME_BYTES = 1 << 20
+#: heartbeats per ``heartbeat_timeout``: a peer is suspected only after missing this many in a row
+HEARTBEATS_PER_TIMEOUT = 4
+
+Message = dict[str, Any]
+
+
+class ControlHandler(Protocol):
+    """What a control plane tells (on its own thread; each call must be short)."""
+
+    def suspect(self, peer: int, cause: str, direct: bool) -> None:
+        """This rank suspects ``peer`` (``direct``: cause ``"closed"`` or ``"silent"``), or another rank said it
+        does."""
+
+    def fenced(self, why: str) -> None:
+        """A peer said the job declared this rank lost."""
+
+    def receive(self, message: Message) -> None:
+        """Any other message from a peer (``message["from"]`` names it)."""
+
+    def tick(self, now: float) -> None:
+        """The clock, at least every heartbeat period."""
+
+
+@dataclass
+class _Peer:
+    rank: int
+    sock: socket.socket
+    heard: float
+    inbound: bytearray = field(default_factory=bytearray)
+    outbound: bytearray = field(default_factory=bytearray)
+
+
+def _frame(message: Message) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return _LENGTH.pack(len(body)) + body
+
+
+class ControlPlane:
+    """The control plane of rank ``rank`` among ``ranks`` (global ranks; see the module docstring).
+
+    Built collectively: every rank listens on ``host`` (the address its process groups use), publishes the
+    endpoint under ``scope`` in ``store`` and connects to every lower rank; the constructor returns once every
+    peer is connected, or raises :class:`~lightning_dp.comm.errors.PeerUnreachableError` after ``timeout``
+    seconds.
+
+    Suspicions are sticky: a suspected peer stays suspected (its frames are ignored) until :meth:`retire` drops it
+    or :meth:`clear` forgives it after an agreement kept it. What it learns goes to the :class:`ControlHandler` given
+    to :meth:`attach`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        ranks: list[int],
+        store: dist.Store,
+        scope: str,
+        host: str,
+        heartbeat_timeout: float,
+        timeout: float = 60.0,
+    ) -> None:
+        self.rank = rank
+        self.scope = scope
+        self.heartbeat_timeout = heartbeat_timeout
+        self._period = heartbeat_timeout / HEARTBEATS_PER_TIMEOUT
+        self._lock = threading.Lock()
+        self._peers: dict[int, _Peer] = {}
+        self._expected = {r for r in ranks if r != rank}
+        self._suspected: dict[int, str] = {}
+        self._retired: set[int] = set()
+        #: why the job declared this rank lost, once a peer has said so (``None`` while it is a member)
+        self.fenced: str | None = None
+        self._handler: ControlHandler | None = None
+        self._connected = threading.Condition(self._lock)
+        self._selector = selectors.DefaultSelector()
+        self._waker_read, self._waker_write = socket.socketpair()
+        self._waker_read.setblocking(False)
+        self._selector.register(self._waker_read, selectors.EVENT_READ, None)
+        self._listener = socket.create_server((host, 0))
+        self._listener.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._closing = False
+        #: sockets to (un)register with the selector, which only the thread touches once it runs
+        self._to_register: list[tuple[socket.socket, int]] = []
+        self._to_unregister: list[socket.socket] = []
+        #: accepted connections whose hello has not arrived: their bytes so far and a deadline
+        self._hellos: dict[socket.socket, tuple[bytearray, float]] = {}
+        #: retired peers' sockets to tell why and close
+        self._to_close: list[tuple[socket.socket, str]] = []
+        self._thread = threading.Thread(target=self._run, name=f"lddp-control-{rank}", daemon=True)
+        self._thread.start()
+        address, port = self._listener.getsockname()[:2]
+        store.set(f"{scope}/control/{rank}", f"{address}:{port}")
+        deadline = time.monotonic() + timeout
+        for peer in sorted(r for r in self._expected if r < rank):
+            store.wait([f"{scope}/control/{peer}"], dist.constants.default_pg_timeout)
+            host_port = store.get(f"{scope}/control/{peer}").decode()
+            self._dial(peer, host_port, deadline)
+        with self._connected:
+            if not self._connected.wait_for(lambda: set(self._peers) >= self._expected, deadline - time.monotonic()):
+                missing = sorted(self._expected - set(self._peers))
+                raise PeerUnreachableError(
+                    f"rank {rank}: the control plane could not connect to rank(s) {missing} within {timeout:.0f} s"
+                )
+
+    # ------------------------------------------------------------------ connections
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """The address and port this rank's control plane listens on."""
+        address, port = self._listener.getsockname()[:2]
+        return str(address), int(port)
+
+    def descriptors(self) -> set[int]:
+        """The file descriptors of this control plane's sockets (never fenced with a process group's)."""
+        with self._lock:
+            socks = [self._listener, self._waker_read, self._waker_write] + [p.sock for p in self._peers.values()]
+        return {s.fileno() for s in socks if s.fileno() >= 0}
+
+    def _dial(self, peer: int, host_port: str, deadline: float) -> None:
+        host, port = host_port.rsplit(":", 1)
+        while True:
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as error:
+                if time.monotonic() > deadline:
+                    raise PeerUnreachableError(
+                        f"rank {self.rank}: the control plane could not reach rank {peer} at {host_port}: {error}"
+                    ) from error
+                time.sleep(0.05)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_frame({"t": "hello", "job": self.scope, "rank": self.rank}))
+        self._adopt(peer, sock)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self._hellos[sock] = (bytearray(), time.monotonic() + max(1.0, self.heartbeat_timeout))
+        self._selector.register(sock, selectors.EVENT_READ, sock)
+
+    def _read_hello(self, sock: socket.socket) -> None:
+        """A dialled connection's first frame: who dials, for which job (read without blocking the thread)."""
+        buffer, _ = self._hellos[sock]
+        try:
+            chunk = sock.recv(4096)
+            if not chunk:
+                raise ConnectionError("closed before its hello")
+            buffer += chunk
+            if len(buffer) < _LENGTH.size:
+                return
+            (length,) = _LENGTH.unpack_from(buffer)
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"a hello of {length} bytes")
+            if len(buffer) < _LENGTH.size + length:
+                return
+            hello = json.loads(bytes(buffer[_LENGTH.size : _LENGTH.size + length]))
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, ValueError) as error:
+            log.info("control plane of rank %d: a dialled connection failed before its hello: %s", self.rank, error)
+            self._drop_hello(sock)
+            sock.close()
+            return
+        self._drop_hello(sock)
+        peer = hello.get("rank") if isinstance(hello, dict) else None
+        if not isinstance(hello, dict) or hello.get("t") != "hello" or hello.get("job") != self.scope:
+            log.warning("control plane of rank %d: refused a connection from another job (%s)", self.rank, hello)
+            sock.close()
+            return
+        with self._lock:
+            retired = peer in self._retired
+            known = isinstance(peer, int) and peer in self._expected and peer not in self._peers
+        if retired:
+            sock.setblocking(True)
+            self._refuse(sock, "this rank was declared lost by the job; it may only join again as a new member")
+        elif not known:
+            sock.close()
+        else:
+            assert isinstance(peer, int)
+            self._adopt(peer, sock)
+
+    def _drop_hello(self, sock: socket.socket) -> None:
+        self._hellos.pop(sock, None)
+        self._unregister(sock)
+
+    def _expire_hellos(self, now: float) -> None:
+        for sock, (_, deadline) in list(self._hellos.items()):
+            if now > deadline:
+                self._drop_hello(sock)
+                sock.close()
+
+    def _refuse_later(self, state: _Peer, why: str) -> None:
+        """Tell a retired peer why, then close, from the thread (which may still be writing to it)."""
+        with self._lock:
+            self._to_close.append((state.sock, why))
+        self._wake()
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(_frame({"t": "fenced", "why": why}))
+        except OSError:
+            pass
+        sock.close()
+
+    def _adopt(self, peer: int, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        with self._connected:
+            self._peers[peer] = _Peer(peer, sock, time.monotonic())
+            self._to_register.append((sock, peer))
+            self._connected.notify_all()
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._waker_write.send(b"x")
+        except OSError:  # the waker's buffer is full: the thread wakes anyway
+            pass
+
+    # ------------------------------------------------------------------ what the rest of the process sees
+    def attach(self, handler: ControlHandler) -> None:
+        """Have ``handler`` hear of every suspicion and message from now on."""
+        with self._lock:
+            self._handler = handler
+
+    @property
+    def suspected(self) -> dict[int, str]:
+        """The peers this rank suspects, with the cause (``"closed"`` or ``"silent"``)."""
+        with self._lock:
+            return dict(self._suspected)
+
+    def send(self, peer: int, message: Message) -> bool:
+        """Queue ``message`` for ``peer``; ``False`` where ``peer`` is not connected (suspected or retired)."""
+        data = _frame(message)
+        with self._lock:
+            state = self._peers.get(peer)
+            if state is None or peer in self._suspected:
+                return False
+            state.outbound += data
+        self._wake()
+        return True
+
+    def clear(self, peers: set[int]) -> None:
+        """Forget the suspicions of ``peers`` (an agreement kept them as members)."""
+        with self._lock:
+            for peer in peers:
+                self._suspected.pop(peer, None)
+
+    def retire(self, peers: set[int], why: str) -> None:
+        """Drop ``peers`` for good: each is told why (if it still listens) and its connection closes; a retired
+        rank that dials again is refused with the same message."""
+        with self._lock:
+            self._retired |= peers
+            self._expected -= peers
+            dropped = [self._peers.pop(p) for p in peers if p in self._peers]
+        for state in dropped:
+            with self._lock:
+                self._to_unregister.append(state.sock)
+            self._wake()
+            self._refuse_later(state, why)
+
+    def close(self) -> None:
+        """Say goodbye to every peer (so that none takes this rank for lost), stop the thread and close every
+        connection."""
+        with self._lock:
+            if self._closing:
+                return
+            peers = list(self._peers)
+        for peer in peers:
+            self.send(peer, {"t": "bye"})
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(p.outbound for p in self._peers.values()):
+                    break
+            time.sleep(0.005)
+        with self._lock:
+            self._closing = True
+        self._wake()
+        self._thread.join(timeout=5.0)
+        with self._lock:
+            socks = [p.sock for p in self._peers.values()]
+            self._peers.clear()
+        for sock in [*socks, self._listener, self._waker_read, self._waker_write]:
+            sock.close()
+        self._selector.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _unregister(self, sock: socket.socket) -> None:
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _suspect(self, peer: int, cause: str, direct: bool = True) -> None:
+        with self._lock:
+            if direct:
+                if peer in self._suspected or peer in self._retired:
+                    return
+                self._suspected[peer] = cause
+            handler = self._handler
+            others = [p for p in self._peers if p != peer and p not in self._suspected]
+        if direct:
+            log.warning("control plane of rank %d: rank %d is suspected lost (%s)", self.rank, peer, cause)
+            for other in others:
+                self.send(other, {"t": "suspect", "rank": peer, "by": self.rank, "cause": cause})
+        if handler is not None:
+            handler.suspect(peer, cause, direct)
+
+    def _depart(self, state: _Peer) -> None:
+        """``state``'s rank leaves the job on purpose (it finished): its connection closing is no loss."""
+        with self._lock:
+            self._peers.pop(state.rank, None)
+            self._expected.discard(state.rank)
+        self._unregister(state.sock)
+        state.sock.close()
+
+    def _fenced(self, why: str) -> None:
+        """A peer says this rank is no longer a member."""
+        with self._lock:
+            if self.fenced is not None:
+                return
+            self.fenced = why
+            handler = self._handler
+        log.warning("control plane of rank %d: fenced by the job (%s)", self.rank, why)
+        if handler is not None:
+            handler.fenced(why)
+
+    def _run(self) -> None:
+        next_beat = time.monotonic()
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                register, self._to_register = self._to_register, []
+                unregister, self._to_unregister = self._to_unregister, []
+                to_close, self._to_close = self._to_close, []
+                writers = [p for p in self._peers.values() if p.outbound]
+            for sock, peer in register:
+                self._selector.register(sock, selectors.EVENT_READ, peer)
+            for sock in unregister:
+                self._unregister(sock)
+            for sock, why in to_close:
+                self._unregister(sock)
+                sock.setblocking(True)
+                self._refuse(sock, why)
+            for state in writers:
+                try:
+                    self._selector.modify(state.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, state.rank)
+                except (KeyError, ValueError):
+                    pass
+            now = time.monotonic()
+            for key, events in self._selector.select(timeout=max(0.0, min(next_beat - now, self._period))):
+                if key.fileobj is self._waker_read:
+                    try:
+                        self._waker_read.recv(4096)
+                    except OSError:
+                        pass
+                elif key.fileobj is self._listener:
+                    self._accept()
+                elif isinstance(key.data, socket.socket):
+                    self._read_hello(key.data)
+                else:
+                    self._serve(key.data, events)
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self._period
+                self._beat(now)
+                self._expire_hellos(now)
+            with self._lock:
+                handler = self._handler
+            if handler is not None:
+                handler.tick(now)
+
+    def _beat(self, now: float) -> None:
+        heartbeat = _frame({"t": "hb"})
+        with self._lock:
+            peers = [p for p in self._peers.values() if p.rank not in self._suspected]
+            for state in peers:
+                state.outbound += heartbeat
+        for state in peers:
+            if now - state.heard > self.heartbeat_timeout:
+                self._suspect(state.rank, "silent")
+
+    def _serve(self, peer: int, events: int) -> None:
+        with self._lock:
+            state = self._peers.get(peer)
+        if state is None:
+            return
+        try:
+            if events & selectors.EVENT_WRITE:
+                with self._lock:
+                    pending = bytes(state.outbound)
+                sent = state.sock.send(pending) if pending else 0
+                with self._lock:
+                    del state.outbound[:sent]
+                    idle = not state.outbound
+                if idle:
+                    self._selector.modify(state.sock, selectors.EVENT_READ, peer)
+            if events & selectors.EVENT_READ:
+                chunk = state.sock.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError("closed by the peer")
+                state.inbound += chunk
+                self._parse(state)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, ValueError) as error:
+            log.info("control plane of rank %d: connection to rank %d ended: %s", self.rank, peer, error)
+            self._unregister(state.sock)
+            with self._lock:
+                suspected = peer in self._suspected or peer in self._retired
+            if not suspected:
+                self._suspect(peer, "closed")
+
+    def _parse(self, state: _Peer) -> None:
+        while len(state.inbound) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(state.inbound)
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"a frame of {length} bytes")
+            if len(state.inbound) < _LENGTH.size + length:
+                return
+            message = json.loads(bytes(state.inbound[_LENGTH.size : _LENGTH.size + length]))
+            del state.inbound[: _LENGTH.size + length]
+            with self._lock:
+                ignored = state.rank in self._suspected
+                state.heard = time.monotonic()
+            if ignored or not isinstance(message, dict):
+                continue
+            kind = message.get("t")
+            if kind == "hb":
+                continue
+            if kind == "bye":
+                self._depart(state)
+                return
+            message["from"] = state.rank
+            if kind == "suspect":
+                self._suspect(int(message["rank"]), f"{message.get('cause')} at rank {message.get('by')}", False)
+            elif kind == "fenced":
+                self._fenced(str(message.get("why", "")))
+            else:
+                with self._lock:
+                    handler = self._handler
+                if handler is not None:
+                    handler.receive(message)
