@@ -108,6 +108,7 @@ class Agreement:
         self.rank = rank
         self.generation = 0
         self.members = tuple(sorted(members))
+        self._started_with = self.members
         self.original = original
         self.max_lost = max_lost
         self.timeout = timeout
@@ -227,7 +228,7 @@ class Agreement:
         if self._failure is not None or self._changing_since is None:
             return
         view = self._view()
-        problem = quorum_problem(view, self.original, self.max_lost, sorted(set(self.members) - set(view)))
+        problem = quorum_problem(view, self.original, self.max_lost, sorted(set(self._started_with) - set(view)))
         if problem is not None:
             self._fail(QuorumLostError(f"rank {self.rank}: {problem}"))
             return
@@ -249,7 +250,7 @@ class Agreement:
         reports = {r: self._reports[r] for r in view}
         members = choose_members({r: set(m["view"]) for r, m in reports.items()})
         lost = sorted(set(self.members) - set(members))
-        problem = quorum_problem(members, self.original, self.max_lost, lost)
+        problem = quorum_problem(members, self.original, self.max_lost, sorted(set(self._started_with) - set(members)))
         if problem is not None:
             for peer in reports:
                 if peer != self.rank:

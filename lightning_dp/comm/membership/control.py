@@ -365,7 +365,7 @@ class ControlPlane:
             handler.fenced(why)
 
     def _run(self) -> None:
-        next_beat = time.monotonic()
+        next_beat = last_pass = time.monotonic()
         while True:
             with self._lock:
                 if self._closing:
@@ -401,21 +401,27 @@ class ControlPlane:
                 else:
                     self._serve(key.data, events)
             now = time.monotonic()
-            if now >= next_beat:
+            stalled = now - last_pass > 2 * self._period
+            last_pass = now
+            if now >= next_beat or stalled:
                 next_beat = now + self._period
-                self._beat(now)
+                self._beat(now, stalled)
                 self._expire_hellos(now)
             with self._lock:
                 handler = self._handler
             if handler is not None:
                 handler.tick(now)
 
-    def _beat(self, now: float) -> None:
+    def _beat(self, now: float, stalled: bool) -> None:
+        """Queue a heartbeat for every peer and suspect the silent ones; after a stall of this process (stopped,
+        starved of CPU) the peers' frames may be waiting unread, so silence is measured afresh instead."""
         heartbeat = _frame({"t": "hb"})
         with self._lock:
             peers = [p for p in self._peers.values() if p.rank not in self._suspected]
             for state in peers:
                 state.outbound += heartbeat
+                if stalled:
+                    state.heard = now
         for state in peers:
             if now - state.heard > self.heartbeat_timeout:
                 self._suspect(state.rank, "silent")

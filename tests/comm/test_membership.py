@@ -1,0 +1,255 @@
+"""The membership layer: survivors agree on one new membership and go on; a slow rank is not lost; a fenced one
+is refused; a side without a majority stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dp.comm.errors import FencedError, MembershipChange, QuorumLostError
+from lightning_dp.comm.membership import Agreement, Decision, choose_members, quorum_problem
+from tests.helpers.distributed import run_distributed_allow_deaths
+
+
+# ---------------------------------------------------------------------------------------------------- the decision
+@pytest.mark.unit
+def test_members_are_the_reporters_that_all_hear_each_other():
+    full = {0, 1, 2, 3}
+    assert choose_members({0: full, 1: full, 3: full}) == [0, 1, 3]
+    # link 2-3 cut: one of the pair goes (the higher), the rest stay
+    assert choose_members({0: full, 1: full, 2: {0, 1, 2}, 3: {0, 1, 3}}) == [0, 1, 2]
+    # rank 0 hears nobody
+    assert choose_members({0: {0}, 1: {1, 2, 3}, 2: {1, 2, 3}, 3: {1, 2, 3}}) == [0]
+
+
+@pytest.mark.unit
+def test_a_majority_of_the_original_ranks_and_max_lost_decide_whether_the_job_goes_on():
+    assert quorum_problem([0, 1, 3], 4, 3, [2]) is None
+    assert "not a strict majority" in str(quorum_problem([0, 1], 4, 3, [2, 3]))
+    assert "max_lost_ranks=1" in str(quorum_problem([0, 1, 2], 5, 1, [3, 4]))
+
+
+class _Network:
+    """Agreements of ``n`` ranks joined by an in-memory network whose links can be cut."""
+
+    def __init__(self, n: int, max_lost: int | None = None) -> None:
+        self.queue: deque[tuple[int, int, dict[str, Any]]] = deque()
+        self.cut: set[frozenset[int]] = set()
+        self.dead: set[int] = set()
+        self.agreements = [
+            Agreement(r, list(range(n)), n, n if max_lost is None else max_lost, timeout=5.0,
+                      send=self._sender(r), serve_store=lambda r=r: (f"host{r}", 1000 + r), on_change=lambda: None)
+            for r in range(n)
+        ]  # fmt: skip
+
+    def _sender(self, rank: int):
+        def send(peer: int, message: dict[str, Any]) -> bool:
+            self.queue.append((rank, peer, dict(message)))
+            return True
+
+        return send
+
+    def pump(self) -> None:
+        while self.queue:
+            sender, peer, message = self.queue.popleft()
+            if peer in self.dead or sender in self.dead or frozenset((sender, peer)) in self.cut:
+                continue
+            message["from"] = sender
+            self.agreements[peer].receive(message)
+
+    def lose(self, rank: int) -> None:
+        """``rank`` dies: every other live rank sees its connection close."""
+        self.dead.add(rank)
+        for a in self.agreements:
+            if a.rank not in self.dead:
+                a.suspect(rank, "closed", True)
+
+    def outcome(self, rank: int) -> Decision | BaseException:
+        a = self.agreements[rank]
+        try:
+            return a.wait() if a._decision is not None or a._failure is not None else RuntimeError("undecided")
+        except BaseException as error:  # noqa: BLE001
+            return error
+
+
+@pytest.mark.unit
+def test_the_survivors_of_a_dead_rank_adopt_one_decision_with_what_each_committed():
+    net = _Network(4)
+    for r, step in enumerate([7, 7, 6, 7]):
+        net.agreements[r].commit(step)
+    net.lose(2)
+    with pytest.raises(MembershipChange, match="not committed"):
+        net.agreements[1].commit(8)  # a step whose exchange completed after the change began does not count
+    net.pump()
+    decisions = [net.outcome(r) for r in (0, 1, 3)]
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert len({(d.generation, d.members, d.store) for d in decisions}) == 1  # type: ignore[union-attr]
+    d = decisions[0]
+    assert d.members == (0, 1, 3) and d.generation == 1 and d.lost == (2,) and d.causes == {2: "closed"}  # type: ignore[union-attr]
+    assert d.committed == {0: 7, 1: 7, 3: 7} and d.store == ("host0", 1000)  # type: ignore[union-attr]
+    # the training side must activate the new generation before it exchanges again
+    with pytest.raises(MembershipChange):
+        net.agreements[1].check()
+    net.agreements[1].activate(1)
+    net.agreements[1].check()
+
+
+@pytest.mark.unit
+def test_a_leader_lost_during_the_agreement_is_replaced_by_the_next_lowest_rank():
+    net = _Network(5)
+    net.dead.add(0)  # rank 0 dies right after 2: it never decides, and the reports sent to it are lost
+    net.lose(2)
+    net.pump()
+    net.lose(0)
+    net.pump()
+    decisions = [net.outcome(r) for r in (1, 3, 4)]
+    assert all(isinstance(d, Decision) and d.members == (1, 3, 4) for d in decisions), decisions
+    assert decisions[0].store == ("host1", 1001) and set(decisions[0].lost) == {0, 2}  # type: ignore[union-attr]
+
+
+@pytest.mark.unit
+def test_a_cut_link_leaves_out_one_end_and_the_rest_go_on():
+    net = _Network(4)
+    net.cut.add(frozenset((0, 3)))
+    net.agreements[0].suspect(3, "silent", True)
+    net.agreements[3].suspect(0, "silent", True)
+    for r in (1, 2):  # they hear of the suspicions (the control plane passes them on)
+        net.agreements[r].suspect(3, "silent at rank 0", False)
+    net.pump()
+    for r in (0, 1, 2):
+        d = net.outcome(r)
+        assert isinstance(d, Decision) and d.members == (0, 1, 2) and d.lost == (3,), (r, d)
+    assert isinstance(net.outcome(3), RuntimeError)  # undecided: its members fence it (see the process test)
+    net.agreements[3].fenced("declared lost in generation 1")
+    assert isinstance(net.outcome(3), FencedError)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("side", "goes_on"), [({3}, True), ({2, 3}, False)])
+def test_a_partition_goes_on_only_on_its_majority_side(side, goes_on):
+    net = _Network(4)
+    rest = {0, 1, 2, 3} - side
+    net.cut = {frozenset((a, b)) for a in side for b in rest}
+    for a in side:
+        for b in rest:
+            net.agreements[a].suspect(b, "silent", True)
+            net.agreements[b].suspect(a, "silent", True)
+    net.pump()
+    for r in rest:
+        outcome = net.outcome(r)
+        if goes_on:
+            assert isinstance(outcome, Decision) and outcome.members == tuple(sorted(rest))
+        else:
+            assert isinstance(outcome, QuorumLostError) and "not a strict majority" in str(outcome)
+    for r in side:
+        outcome = net.outcome(r)
+        assert isinstance(outcome, QuorumLostError) and "not a strict majority" in str(outcome), outcome
+
+
+@pytest.mark.unit
+def test_more_losses_than_allowed_stop_every_survivor_naming_them():
+    net = _Network(5, max_lost=1)
+    net.lose(3)
+    net.pump()
+    for r in (0, 1, 2, 4):
+        net.outcome(r)
+        net.agreements[r].activate(1)
+    net.lose(4)
+    net.pump()
+    for r in (0, 1, 2):
+        outcome = net.outcome(r)
+        assert isinstance(outcome, QuorumLostError) and "max_lost_ranks=1" in str(outcome), outcome
+        assert "[3, 4]" in str(outcome)
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+HEARTBEAT = 1.0
+#: the faults of the job below, by step: (what, rank)
+FAULTS = {5: ("kill", 0), 10: ("pause", 3), 15: ("stop", 4), 25: ("kill", 3)}
+SHORT_PAUSE, LONG_STOP = 0.3 * HEARTBEAT, 4 * HEARTBEAT
+STEPS = 40
+
+
+def _through_faults(rank: int, world_size: int) -> dict[str, Any]:
+    """Ring all-reduces of ``rank + 1`` over the membership's group, through :data:`FAULTS`: rank 0 killed (it serves
+    the default store), rank 3 paused shorter than the heartbeat timeout, rank 4 stopped longer (then resumed: it
+    must find itself fenced), rank 3 killed (two of five left: no majority)."""
+    from torch.distributed import distributed_c10d
+
+    from lightning_dp.comm.membership import Membership
+    from lightning_dp.comm.transports.ring import Ring, ring_allreduce
+
+    pids: list[Any] = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    membership = Membership(rank, list(range(world_size)), distributed_c10d._get_default_store(), "test/membership",
+                            "127.0.0.1", heartbeat_timeout=HEARTBEAT, max_lost=3)  # fmt: skip
+    group = membership.group("gradients")
+    sums: list[tuple[int, float, tuple[int, ...]]] = []
+    recoveries: list[tuple[int, float, tuple[int, ...]]] = []
+    step, fault_at = 0, None
+    try:
+        while step < STEPS:
+            what, victim = FAULTS.get(step, (None, None))
+            if what == "kill" and rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if what in ("pause", "stop") and rank == 1 and fault_at is None:
+                os.kill(pids[victim], signal.SIGSTOP)
+                fault_at = time.monotonic()
+                delay = SHORT_PAUSE if what == "pause" else LONG_STOP
+                threading.Timer(delay, os.kill, (pids[victim], signal.SIGCONT)).start()
+            started = time.monotonic()
+            values = torch.full((50_000,), float(rank + 1))
+            try:
+                membership.check()
+                ring_allreduce(values, group, ring=Ring(group))
+                membership.commit(step)
+            except Exception as error:  # noqa: BLE001 - what it means is the membership's to say
+                change = membership.interpret(error)
+                if not isinstance(change, MembershipChange):
+                    raise change from error
+                decision = membership.recover()
+                since = fault_at if fault_at is not None and rank == 1 else started
+                recoveries.append((step, time.monotonic() - since, decision.members))
+                group = membership.group("gradients")
+                continue
+            sums.append((step, float(values[0]), membership.members))
+            if what in ("pause", "stop"):
+                fault_at = None
+            step += 1
+    except (QuorumLostError, FencedError) as error:
+        return {"sums": sums, "recoveries": recoveries, "losses": membership.losses, "end": type(error).__name__,
+                "message": str(error)}  # fmt: skip
+    return {"sums": sums, "recoveries": recoveries, "losses": membership.losses, "end": "finished"}
+
+
+@pytest.mark.multiprocess
+def test_survivors_go_on_through_kills_and_stops_and_a_side_without_majority_stops():
+    results = run_distributed_allow_deaths(_through_faults, 5, timeout=120)
+    assert results[0] is None and results[3] is None  # killed
+    fenced = results[4]
+    assert fenced is not None and fenced["end"] == "FencedError", fenced
+    assert "declared lost" in fenced["message"]
+    assert [s for s, *_ in fenced["sums"]] == list(range(15))  # it took no step after it was stopped
+
+    everyone, after_0, after_4 = 15.0, 14.0, 9.0
+    for rank in (1, 2):
+        result = results[rank]
+        assert result["end"] == "QuorumLostError" and "not a strict majority" in result["message"], result
+        steps = [s for s, *_ in result["sums"]]
+        assert steps == list(range(25)), steps  # every step once, none after the majority was gone
+        expected = [everyone if s < 5 else after_0 if s < 15 else after_4 for s in steps]
+        assert [v for _, v, _ in result["sums"]] == expected, result["sums"]
+        assert [(loss.rank, loss.cause) for loss in result["losses"]] == [(0, "closed"), (4, "silent")]
+        assert [(s, members) for s, _, members in result["recoveries"]] == [(5, (1, 2, 3, 4)), (15, (1, 2, 3))]
+    # recovery from a killed process: well within 2 s; from a silent one: within the heartbeat timeout + 2 s of the
+    # stop (measured on rank 1, which stopped it)
+    assert results[2]["recoveries"][0][1] < 2.0, results[2]["recoveries"]
+    assert results[1]["recoveries"][1][1] < HEARTBEAT + 2.0, results[1]["recoveries"]
