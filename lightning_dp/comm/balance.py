@@ -57,6 +57,15 @@ def apportion(total: int, weights: Sequence[float], minimum: int = 1) -> list[in
     return [minimum + s for s in shares]
 
 
+def apportion_among(total: int, weights: Sequence[float], members: Sequence[int], minimum: int = 1) -> list[int]:
+    """:func:`apportion` of ``total`` among the positions ``members`` of ``weights`` (by their weights); every other
+    position gets 0 (a rank the job lost)."""
+    shares = [0] * len(weights)
+    for position, share in zip(members, apportion(total, [weights[m] for m in members], minimum)):
+        shares[position] = share
+    return shares
+
+
 def deal(shares: Sequence[int]) -> list[int]:
     """The rank of each position of a global batch of ``sum(shares)`` samples: round robin over the ranks that still
     have room. Equal shares give rank ``r`` the positions ``r, r + N, r + 2N, ...``."""
@@ -105,6 +114,8 @@ class ThroughputBalancer:
     drawn: dict[BatchKey, tuple[int, int]] = field(default_factory=dict)
     #: the latest batch a loader has drawn
     latest_drawn: BatchKey = (-1, -1)
+    #: batches per epoch (set by the training loader; 0: unknown)
+    batches_per_epoch: int = 0
 
     def __post_init__(self) -> None:
         if self.global_batch < self.num_ranks:
@@ -133,7 +144,7 @@ class ThroughputBalancer:
         shares = self.shares_at(key)
         if batch_samples == sum(shares):
             return list(shares)
-        return apportion(batch_samples, [float(s) for s in shares])
+        return apportion_among(batch_samples, [float(s) for s in shares], [r for r, s in enumerate(shares) if s])
 
     def note_drawn(self, key: BatchKey, samples: int, batch_samples: int) -> None:
         self.drawn[key] = (samples, batch_samples)
@@ -188,6 +199,21 @@ class ThroughputBalancer:
             )
         decision = Decision(start, new)
         self.decisions.append(decision)
+        return decision
+
+    def exclude(self, lost: Sequence[int], start: BatchKey) -> Decision:
+        """Deal the shares of the ``lost`` ranks among the others (in proportion to their shares) from batch
+        ``start`` on, which no rank's loader may have drawn yet: the batches before keep their shares (the lost ranks'
+        samples of them are not trained). Every rank calls it with the same arguments."""
+        if start <= self.latest_drawn:
+            raise RuntimeError(f"the shares cannot change from batch {start}: batch {self.latest_drawn} is drawn")
+        shares = self.shares
+        members = [r for r in range(self.num_ranks) if r not in set(lost) and shares[r]]
+        new = tuple(apportion_among(self.global_batch, [float(s) for s in shares], members))
+        self.decisions = [d for d in self.decisions if d.start < start]
+        decision = Decision(start, new)
+        self.decisions.append(decision)
+        self.window = []
         return decision
 
     def state_dict(self) -> dict:

@@ -412,6 +412,19 @@ class BucketReducer:
         if copy_back:
             self.copy_back()
 
+    def drain(self) -> None:
+        """Wait until the communication thread has ended every exchange submitted so far (after a failed
+        :meth:`finish`: one still running when it raised ends with its own error, which is dropped here)."""
+        self._executor.submit(lambda: None).result()
+
+    def resend(self, copy_back: bool = True) -> None:
+        """Exchange every bucket again as it holds now (its contents restored after a failed :meth:`finish`), and
+        complete the round as :meth:`finish` does."""
+        for bucket in self.buckets:
+            bucket.ready = [True] * len(bucket.params)
+            bucket.num_ready = len(bucket.params)
+        self.finish(copy_back)
+
     def _learn_accumulations(self) -> None:
         counts = self._accumulations
         if self._expected is None:

@@ -15,13 +15,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from lightning_dp._lightning_compat import _parse_num_batches
-from lightning_dp.comm.balance import BalancedBatchSampler, ThroughputBalancer, gather_measurements, gradient_weight
+from lightning_dp.comm.balance import (
+    BalancedBatchSampler,
+    BatchKey,
+    ThroughputBalancer,
+    gather_measurements,
+    gradient_weight,
+)
 from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.strategies.options import check_count, check_positive
 from lightning_dp.strategies.resume import _silence_not_resumable, batches_already_trained
@@ -56,6 +63,17 @@ class EqualBatches:
     def weighted(self, loss: Tensor) -> Tensor:
         """The loss whose gradients this rank contributes for the current batch."""
         return loss
+
+    def exclude(self, lost: list[int], behind: bool) -> int:
+        """Deal the ``lost`` ranks' shares among the ranks that train now (collective over them, after a loss);
+        returns how many samples of the step in flight no survivor trains. ``behind``: this rank is one step behind
+        the others (its step in flight is theirs before)."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a lost rank's share")
+
+    def reweigh_in_flight(self) -> float:
+        """After a loss: the factor that turns the gradient of the batch in flight into its weight among the ranks
+        that train now."""
+        return 1.0
 
     def state_dict(self) -> dict | None:
         """What a full checkpoint keeps (``None``: nothing)."""
@@ -110,11 +128,11 @@ class ThroughputBatches(EqualBatches):
             )
         assert isinstance(sampler, DistributedSampler) and isinstance(batch_sampler, BatchSampler)
         strategy = self.strategy
-        global_batch = batch_sampler.batch_size * strategy.world_size
+        global_batch = batch_sampler.batch_size * self._started_ranks()
         # a loader draws up to workers x prefetch_factor batches ahead, and Lightning's fetcher one more
         ahead = dataloader.num_workers * (dataloader.prefetch_factor or 0) if dataloader.num_workers else 0
         if self.balancer is None or self.balancer.global_batch != global_batch:
-            self.balancer = ThroughputBalancer(strategy.world_size, global_batch, self.interval, self.tolerance,
+            self.balancer = ThroughputBalancer(self._started_ranks(), global_batch, self.interval, self.tolerance,
                                                lag=ahead + 2)  # fmt: skip
             if self._saved is not None:
                 try:
@@ -128,11 +146,17 @@ class ThroughputBatches(EqualBatches):
             done = 0  # the epoch was complete: the next one starts from its beginning
         balanced = BalancedBatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last, self.balancer,
                                         strategy.global_rank, skip=done, skip_epoch=trainer.current_epoch)  # fmt: skip
+        self.balancer.batches_per_epoch = len(balanced)
         balanced.set_epoch(trainer.current_epoch)
         if done:
             _silence_not_resumable()
             rank_zero_info(f"resuming mid-epoch: the balanced sampler skips the {done} batches already trained")
         return _with_batch_sampler(dataloader, balanced)
+
+    def _started_ranks(self) -> int:
+        """The ranks the job started with (the shares are theirs; a lost rank's is 0)."""
+        membership = self.strategy.rank_loss.membership
+        return len(membership.original) if membership is not None else self.strategy.world_size
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
         balancer = self.balancer
@@ -192,12 +216,127 @@ class ThroughputBatches(EqualBatches):
             self._saved = None
 
 
-def make_batches(strategy: Any, balance: str, interval: Any, tolerance: Any) -> EqualBatches:
-    """The object of the ``balance`` mode (options checked by the caller: ``balance``; here the others)."""
+class DealtBatches(ThroughputBatches):
+    """``balance="none"`` with ``on_rank_loss="continue"``: equal shares of each global batch, drawn by the balanced
+    sampler (exactly the batches of ``DistributedSampler``), so that a lost rank's share can be dealt among the
+    survivors (:meth:`exclude`) and each survivor's gradient weighed for the samples of its step
+    (``M n_r / sum of the survivors' n``, ``M`` the ranks training now)."""
+
+    name = "none"
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy, interval=1, tolerance=1.0)
+        #: ``(first, end, lost)``: the batches drawn before the survivors' shares start, whose ``lost`` shares no one
+        #: trains (counted as each is trained), and the keys counted already
+        self._dropping: tuple[BatchKey, BatchKey, list[int]] | None = None
+        self._counted: set[BatchKey] = set()
+        self.dropped = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._dropping, self._counted, self.dropped = None, set(), 0
+
+    def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
+        if trainer.state.stage != RunningStage.TRAINING:
+            return None
+        try:
+            return super().training_loader(trainer, dataloader)
+        except ConfigurationError:
+            raise ConfigurationError(
+                "on_rank_loss='continue' deals a lost rank's share of each global batch among the survivors through "
+                "the training loader's sampler, which needs a plain torch DataLoader over a map-style dataset with "
+                "Lightning's DistributedSampler (Trainer(use_distributed_sampler=True), no sampler or batch_sampler of "
+                f"your own); got {type(dataloader).__name__} with sampler "
+                f"{type(getattr(dataloader, 'sampler', None)).__name__}"
+            ) from None
+
+    def _members(self) -> list[int]:
+        membership = self.strategy.rank_loss.membership
+        return list(membership.members) if membership is not None else list(range(self.strategy.world_size))
+
+    def _weight_at(self, key: BatchKey, mine: int, batch_samples: int) -> float:
+        """``M n_r / (the samples of the ranks training now)`` of the batch at ``key``."""
+        assert self.balancer is not None
+        members = self._members()
+        sizes = self.balancer.sizes(key, batch_samples)
+        return len(members) * mine / sum(sizes[r] for r in members)
+
+    def _count_dropped(self, key: BatchKey) -> int:
+        """The lost ranks' samples of the batch at ``key``, if it lies where no one trains them (once per key)."""
+        if self._dropping is None or self.balancer is None or key in self._counted:
+            return 0
+        first, end, lost = self._dropping
+        drawn = self.balancer.drawn.get(key)
+        if not first <= key < end or drawn is None:
+            return 0
+        self._counted.add(key)
+        sizes = self.balancer.sizes(key, drawn[1])
+        return sum(sizes[r] for r in lost)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        balancer = self.balancer
+        if balancer is None:
+            return
+        key = (trainer.current_epoch, batch_idx)
+        balancer.take_drawn((key[0], key[1] - 1))
+        current = balancer.drawn.get(key)
+        if current is None:
+            raise RuntimeError(
+                f"on_rank_loss='continue': batch {batch_idx} of epoch {key[0]} is not one this rank's balanced sampler "
+                "drew, so its share of the global batch is unknown: the training loop does not take its batches from "
+                "the loader the strategy set up (a training_step taking dataloader_iter, several training loaders)"
+            )
+        self.dropped += self._count_dropped(key)
+        self._weight = self._weight_at(key, *current)
+        self._batch, self._computed = key, None
+
+    def forward_started(self) -> None:
+        pass
+
+    def backward_done(self) -> None:
+        pass
+
+    def reweigh_in_flight(self) -> float:
+        if self._batch is None or self.balancer is None:
+            return 1.0
+        current = self.balancer.drawn.get(self._batch)
+        if current is None:
+            return 1.0
+        weight = self._weight_at(self._batch, *current)
+        factor, self._weight = weight / self._weight, weight
+        return factor
+
+    def exclude(self, lost: list[int], behind: bool) -> int:
+        balancer = self.balancer
+        strategy = self.strategy
+        assert balancer is not None
+        current = self._batch if self._batch is not None else (-1, -1)
+        # every member's batch in flight and latest batch drawn: the survivors' shares start after every member's
+        # latest drawn batch; the first batch no survivor trains with the lost rank is the most advanced in flight
+        mine = torch.tensor([*current, *balancer.latest_drawn, int(behind)], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(strategy.control_group))]
+        dist.all_gather(everyone, mine, group=strategy.control_group)
+        rows = [t.tolist() for t in everyone]
+        first = max((r[0], r[1]) for r in rows if not r[4]) if any(not r[4] for r in rows) else current
+        latest = max((r[2], r[3]) for r in rows)
+        per_epoch = balancer.batches_per_epoch
+        start = (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
+        balancer.exclude(lost, start)
+        self._dropping = (first, start, list(lost))
+        dropped = self._count_dropped(current) if not behind else 0
+        self.dropped += dropped
+        return dropped
+
+
+def make_batches(strategy: Any, balance: str, interval: Any, tolerance: Any, dealt: bool = False) -> EqualBatches:
+    """The object of the ``balance`` mode (options checked by the caller: ``balance``; here the others); ``dealt``:
+    equal shares drawn by the balanced sampler, to deal a lost rank's share (``on_rank_loss="continue"``)."""
     interval = check_count("balance_interval", interval, 1)
     tolerance = check_positive("balance_tolerance", tolerance)
     if balance == "throughput":
         return ThroughputBatches(strategy, interval, tolerance)
+    if dealt:
+        return DealtBatches(strategy)
     return EqualBatches()
 
 

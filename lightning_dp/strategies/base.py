@@ -38,7 +38,7 @@ from lightning_dp.comm.stats import SyncStats, fastest_run
 from lightning_dp.comm.transports import Transport
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.comm.transports.shards import any_rank
-from lightning_dp.comm.transports.shm import WAITS, SharedMemoryUnavailable
+from lightning_dp.comm.transports.shm import WAITS, NodeLayout, SharedMemoryUnavailable
 from lightning_dp.strategies.balance import BALANCE, CHECKPOINT_KEY, EqualBatches, make_batches
 from lightning_dp.strategies.codec_state import choose_codec, load_codec_state, with_codec_states
 from lightning_dp.strategies.inspection import nonfinite_gradient_error, refuse_sparse_gradients
@@ -130,7 +130,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.powersgd_warmup_steps = check_count("powersgd_warmup_steps", powersgd_warmup_steps, 0)
         self.balance = check_choice("balance", balance, BALANCE)
         #: the ``balance`` mode: which samples each rank trains and how its gradient counts
-        self.batches: EqualBatches = make_batches(self, self.balance, balance_interval, balance_tolerance)
+        self.batches: EqualBatches = make_batches(self, self.balance, balance_interval, balance_tolerance,
+                                                  dealt=self.rank_loss.name == "continue")  # fmt: skip
         self.reducer: BucketReducer | None = None
         self.transport: Transport | None = None
         self.codec = Codec()
@@ -143,6 +144,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self._synced_params: set[int] = set()
         #: undo what set-up changed in the precision plugin (run at teardown)
         self._restore_precision: list[Callable[[], None]] = []
+        self.rank_loss.check_options(self)
 
     # ------------------------------------------------------------------ model set-up
     @override
@@ -153,6 +155,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         if fitting:
             self.batches.reset()
             refuse_sparse_gradients(self.model, f"strategy {self.strategy_name!r}")
+            self.rank_loss.check_fit(self)
             self.full_gradients = self._needs_full_gradients(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -167,6 +170,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             self._setup_gradient_sync()
         self.setup_precision_plugin()
         if fitting:
+            self.rank_loss.setup_trainer(self, trainer)
             _optimizers_to_device(self.optimizers, self.root_device)
             if self._every_rank_steps and self._checks_finite_gradients():
                 self._restore_precision.append(wrap_closure_of(self.precision_plugin, self._raise_if_nonfinite))
@@ -252,6 +256,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """Synchronize one full gradient bucket (runs on the communication thread, in bucket order): averaged on
         its owners, and on every rank when every rank needs the averaged gradients."""
         assert self.transport is not None
+        self.rank_loss.save_gradients(bucket)
         self.codec.reduce(bucket, self.transport)
         if self.full_gradients:
             self.codec.share(bucket, self.transport)
@@ -319,7 +324,22 @@ class DataParallelStrategy(ProcessGroupStrategy):
     def _finish_gradient_sync(self) -> None:
         if self.reducer is None or not self.reducer.enabled:
             return
-        self.reducer.finish(copy_back=self._copies_back())
+        self.rank_loss.finish_gradient_sync(self, self.reducer, self._copies_back())
+
+    def rebuild_exchange(self) -> None:
+        """After the membership changed (``on_rank_loss="continue"``): the groups, the transport and the codec over
+        the ranks that train now, on the same buckets (collective over them)."""
+        membership = self.rank_loss.membership
+        assert membership is not None and self.reducer is not None
+        self.gradient_group = membership.group("gradients")
+        self._control_group = membership.group("control")
+        self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = self._make_transport(self._uses_shared_memory())
+        self.transport.bind(self.reducer.buckets)
+        self.codec = self._make_codec(self.transport, self.reducer.buckets)
+        self.codec.bind(self.reducer.buckets, self.transport)
 
     def _copies_back(self) -> bool:
         """Whether this rank takes the reduced gradients into ``param.grad`` right after backward."""
@@ -516,6 +536,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
     @override
     def teardown(self) -> None:
         self._close_gradient_sync()
+        self.rank_loss.close()
         for restore in self._restore_precision:
             restore()
         self._restore_precision = []

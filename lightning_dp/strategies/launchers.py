@@ -59,12 +59,17 @@ class ScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's ``popen`` launcher, handing the ranks it starts their launch (this process, rank 0, keeps it),
     with an observer that lets the surviving ranks report why they fail before it kills them."""
 
+    #: whether the job goes on when one of the ranks this launcher started dies (``on_rank_loss="continue"``): then
+    #: no observer kills the others
+    survives_rank_loss = False
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            GracefulObserver(main_pid=os.getpid(), child_processes=self.procs).start()
+            if not self.survives_rank_loss:
+                GracefulObserver(main_pid=os.getpid(), child_processes=self.procs).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 

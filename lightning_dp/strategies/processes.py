@@ -12,7 +12,7 @@ import atexit
 import os
 import subprocess
 from datetime import timedelta
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -51,6 +51,7 @@ from lightning_dp.strategies.launchers import (
     wait_for_exit,
 )
 from lightning_dp.strategies.options import check_backend_for_devices, check_choice, check_timeout
+from lightning_dp.strategies.rank_loss import DEFAULT_HEARTBEAT_SECONDS, StopOnRankLoss, make_rank_loss
 from lightning_dp.strategies.resume import resume_mid_epoch, stop_silencing
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -73,6 +74,14 @@ class ProcessGroupStrategy(DDPStrategy):
             local rank 0, an evaluation only rank 0 runs).
         start_method: how the extra processes are started: ``"popen"`` (re-run the script, like ``ddp``),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        on_rank_loss: what the job does when a training rank is lost (its process dies, its host is cut off):
+            ``"stop"`` (default): every rank stops with an error naming it; ``"continue"``: the survivors agree on
+            the new membership and go on without a restart (:mod:`~lightning_dp.strategies.rank_loss`,
+            ``docs/faults.md``).
+        heartbeat_timeout: with ``on_rank_loss="continue"``, seconds without a heartbeat after which a silent rank
+            is taken for lost (default 10); a process that dies is noticed at once.
+        max_lost_ranks: with ``on_rank_loss="continue"``, how many ranks the job may lose in all before it stops
+            (default: any number that leaves a strict majority of the ranks it started with).
     """
 
     strategy_name: ClassVar[str] = ""
@@ -87,8 +96,18 @@ class ProcessGroupStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        on_rank_loss: Literal["stop", "continue"] = "stop",
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_SECONDS,
+        max_lost_ranks: int | None = None,
     ) -> None:
         check_choice("start_method", start_method, START_METHODS)
+        #: the ``on_rank_loss`` mode, chosen once here
+        self.rank_loss: StopOnRankLoss = make_rank_loss(on_rank_loss, heartbeat_timeout, max_lost_ranks)
+        if self.rank_loss.name == "continue" and start_method != "popen":
+            raise ConfigurationError(
+                f"on_rank_loss='continue' needs start_method='popen' (got {start_method!r}): torch's multiprocessing "
+                "launcher ends every process when one dies"
+            )
         super().__init__(  # DDPStrategy's state for its inherited helpers; its DDP-wrapping paths are never taken
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -110,6 +129,7 @@ class ProcessGroupStrategy(DDPStrategy):
         self.node_layout: NodeLayout | None = None
         #: the prefix of every rendezvous key of this job (``None`` where another party created the default group)
         self.job_scope: str | None = None
+        self._control_group: dist.ProcessGroup | None = None
 
     @property
     def timeout(self) -> timedelta:
@@ -156,7 +176,11 @@ class ProcessGroupStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        """The epoch's order is that of every rank the job started with (a rank's loss re-deals the global batch
+        among the survivors, it does not change the order)."""
+        membership = self.rank_loss.membership
+        replicas = len(membership.original) if membership is not None else self.world_size
+        return {"num_replicas": replicas, "rank": self.global_rank}
 
     @property
     def ranks_on_this_node(self) -> int:
@@ -207,6 +231,7 @@ class ProcessGroupStrategy(DDPStrategy):
         self._check_world_size(self.num_nodes * self.num_processes)
         if self._start_method == "popen":
             self._launcher = ScriptLauncher(env, self.num_processes, self.num_nodes)
+            self._launcher.survives_rank_loss = self.rank_loss.name == "continue"
         else:
             self._launcher = ProcessLauncher(self, start_method=self._start_method)
 
@@ -286,9 +311,7 @@ class ProcessGroupStrategy(DDPStrategy):
             )
         # a later fit or test in this process reuses the group and scope an earlier one joined
         self.job_scope = _own_scope()
-        # every rank is a member of the new group (torch returns a sentinel only to non-members)
-        group = dist.new_group(backend=self._process_group_backend, timeout=timeout)
-        self.gradient_group = cast(dist.ProcessGroup, group)
+        self.gradient_group, self._control_group = self.rank_loss.form_groups(self)
         if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
             self._peers = PeerDirectory.build()
         self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
@@ -297,9 +320,33 @@ class ProcessGroupStrategy(DDPStrategy):
     @property
     def control_group(self) -> dist.ProcessGroup | None:
         """The group of the collectives the training loop itself runs between exchanges (rank 0's buffers, the
-        balancer's timings): the default group, as Lightning's, so that they never interleave with an exchange the
-        communication thread may be running on :attr:`gradient_group` (the servers' pull behind the forward)."""
-        return None
+        balancer's timings) and of Lightning's: the default group (``None``), or with ``on_rank_loss="continue"`` the
+        membership's group over the ranks that train now; never :attr:`gradient_group`, so that they never
+        interleave with an exchange the communication thread may be running there (the servers' pull behind the
+        forward)."""
+        return self._control_group
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """How many ranks train now (fewer than started after a loss, with ``on_rank_loss="continue"``)."""
+        membership = self.rank_loss.membership
+        return membership.size if membership is not None else super().world_size
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Whether this rank holds global rank 0's roles: rank 0, or after its loss the lowest rank training now."""
+        membership = self.rank_loss.membership
+        return membership.leader == self.global_rank if membership is not None else super().is_global_zero
+
+    def source_rank(self, src: int) -> int:
+        """Where a collective of Lightning's that names global rank ``src`` takes its value from: ``src``, or the
+        lowest rank training now if ``src`` was lost."""
+        membership = self.rank_loss.membership
+        if membership is None or src in membership.members:
+            return src
+        return membership.leader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -322,7 +369,7 @@ class ProcessGroupStrategy(DDPStrategy):
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
-                dist.barrier()
+                dist.barrier(group=self.control_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -330,13 +377,14 @@ class ProcessGroupStrategy(DDPStrategy):
             return obj
         container = [obj]
         with naming_lost_peer("Lightning's broadcast", directory=self._peers):
-            dist.broadcast_object_list(container, src)
+            dist.broadcast_object_list(container, self.source_rank(src), group=self.control_group)
         return container[0]
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Lightning's reduction of logged values and decisions, on the default group."""
+        """Lightning's reduction of logged values and decisions, on :attr:`control_group` unless ``group`` is given."""
         if isinstance(tensor, Tensor):
+            group = group if group is not None else self.control_group
             what = "Lightning's reduce (sync_dist logging or a collective decision)"
             with naming_lost_peer(what, group, self._peers):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -344,6 +392,7 @@ class ProcessGroupStrategy(DDPStrategy):
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        group = group if group is not None else self.control_group
         with naming_lost_peer("Lightning's all_gather", group, self._peers):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 

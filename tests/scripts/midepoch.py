@@ -50,6 +50,12 @@ parser.add_argument("--slow-rank", type=int, default=None, help="this rank sleep
 parser.add_argument("--slow-per-sample", type=float, default=0.0)
 parser.add_argument("--stall-at-step", type=int, default=None, help="--slow-rank sleeps --stall-seconds once, here")
 parser.add_argument("--stall-seconds", type=float, default=0.0)
+parser.add_argument("--on-rank-loss", default=None, help="strategy option on_rank_loss")
+parser.add_argument("--intra-node", default=None, help="strategy option intra_node")
+parser.add_argument("--heartbeat-timeout", type=float, default=None, help="strategy option heartbeat_timeout")
+parser.add_argument("--lose-rank", type=int, default=None,
+                    help="this rank SIGKILLs itself in the training step of --lose-at-step")  # fmt: skip
+parser.add_argument("--lose-at-step", type=int, default=None)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -88,6 +94,11 @@ class Model(L.LightningModule):
             if self.global_step == args.stall_at_step:
                 time.sleep(args.stall_seconds)
         self.current = index.tolist()
+        if args.lose_rank is not None and self.global_rank == args.lose_rank:
+            with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
+                seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
+            if self.global_step == args.lose_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -168,7 +179,14 @@ def newest_checkpoint() -> str | None:
 
 resume = newest_checkpoint() if args.resume_from == "newest" else args.resume_from
 strategy = args.strategy
-options = {"balance": args.balance, "balance_interval": args.balance_interval, "backup_workers": args.backup_workers}
+options = {
+    "balance": args.balance,
+    "balance_interval": args.balance_interval,
+    "backup_workers": args.backup_workers,
+    "on_rank_loss": args.on_rank_loss,
+    "intra_node": args.intra_node,
+    "heartbeat_timeout": args.heartbeat_timeout,
+}
 options = {k: v for k, v in options.items() if v is not None}
 if options:
     from lightning.pytorch.strategies import StrategyRegistry
@@ -201,5 +219,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "decisions": decisions, "late": model.late, "dropped_by_server": getattr(server, "dropped", None),
             "skipped": getattr(trainer.strategy, "skipped_steps", 0), "global_step": trainer.global_step,
             "monitor": (monitor.summary.late_gradients, monitor.summary.skipped_steps) if monitor else None,
-            "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k}},
+            "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k},
+            "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
+            "world_size": trainer.world_size},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip

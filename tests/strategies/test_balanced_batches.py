@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from tests.helpers.launch import run_script
+from tests.helpers.midepoch import replay
 from tests.helpers.replicas import close
 
 pytestmark = pytest.mark.multiprocess
@@ -55,41 +55,10 @@ def test_equal_speeds_train_todays_batches_bit_for_bit(tmp_path, uninterrupted, 
             assert torch.equal(got, want), (rank, epoch, batch)
 
 
-class _Reference(nn.Module):
-    """``tests/scripts/midepoch.py``'s model, data and optimizer in one process."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(SAMPLES, 6, generator=g)
-        self.y = torch.randn(SAMPLES, 2, generator=g)
-
-    def weights(self) -> torch.Tensor:
-        return torch.cat([p.detach().flatten() for p in self.parameters()])
-
-
 def _replay(ranks: list[dict], accumulate: int) -> list[torch.Tensor]:
-    """One process training the ranks' global batches (the union of what every rank trained at each batch) with
-    the script's optimizer, scheduler and accumulation; the weights after every batch."""
-    model = _Reference()
-    optimizer = torch.optim.SGD(model.net.parameters(), lr=0.05, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-    history = []
-    epoch_of = [epoch for epoch, _, _ in ranks[0]["history"]]
-    for j, epoch in enumerate(epoch_of):
-        if j and epoch != epoch_of[j - 1]:
-            scheduler.step()
-        batch = sorted(i for rank in ranks for i in rank["trained"][j])
-        loss = nn.functional.mse_loss(model.net(model.x[batch]), model.y[batch]) / accumulate
-        loss.backward()
-        last_of_epoch = j + 1 == len(epoch_of) or epoch_of[j + 1] != epoch
-        if (ranks[0]["history"][j][1] + 1) % accumulate == 0 or last_of_epoch:
-            optimizer.step()
-            optimizer.zero_grad()
-        history.append(model.weights())
-    return history
+    """One process training the ranks' global batches (the union of what every rank trained at each batch)."""
+    batches = [[i for rank in ranks for i in rank["trained"][j]] for j in range(len(ranks[0]["trained"]))]
+    return replay(batches, ranks[0]["history"], SAMPLES, accumulate)
 
 
 @pytest.mark.parametrize(

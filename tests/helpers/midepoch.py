@@ -1,0 +1,44 @@
+"""One process replaying what ``tests/scripts/midepoch.py``'s ranks trained: the reference of its tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Reference(nn.Module):
+    """``tests/scripts/midepoch.py``'s model and data (``samples`` of them) in one process."""
+
+    def __init__(self, samples: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(samples, 6, generator=g)
+        self.y = torch.randn(samples, 2, generator=g)
+
+    def weights(self) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in self.parameters()])
+
+
+def replay(batches: list[list[int]], history: list[tuple], samples: int, accumulate: int = 1) -> list[torch.Tensor]:
+    """One process training ``batches[j]`` (the samples of the job's ``j``-th global batch) with the script's
+    optimizer, scheduler and accumulation; ``history``: a rank's ``(epoch, batch index, ...)`` of each batch. The
+    weights after every batch."""
+    model = Reference(samples)
+    optimizer = torch.optim.SGD(model.net.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    weights = []
+    epoch_of = [entry[0] for entry in history]
+    for j, epoch in enumerate(epoch_of):
+        if j and epoch != epoch_of[j - 1]:
+            scheduler.step()
+        batch = sorted(batches[j])
+        loss = nn.functional.mse_loss(model.net(model.x[batch]), model.y[batch]) / accumulate
+        loss.backward()
+        last_of_epoch = j + 1 == len(epoch_of) or epoch_of[j + 1] != epoch
+        if (history[j][1] + 1) % accumulate == 0 or last_of_epoch:
+            optimizer.step()
+            optimizer.zero_grad()
+        weights.append(model.weights())
+    return weights

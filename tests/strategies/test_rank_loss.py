@@ -1,0 +1,92 @@
+"""``on_rank_loss="continue"``: the survivors of a killed rank go on without a restart; from the loss on every
+step is one process's step on the samples the survivors trained, the replicas stay bit-identical, and the global
+batch is whole again once the lost rank's share is dealt among the survivors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import run_script
+from tests.helpers.midepoch import replay
+from tests.helpers.replicas import close
+
+pytestmark = pytest.mark.multiprocess
+
+DEVICES, BATCH, SAMPLES, EPOCHS = 3, 4, 72, 2
+GLOBAL_BATCH = DEVICES * BATCH
+LOST, LOST_AT = 2, 4  # rank 2 is SIGKILLed in the training step of global step 4, its step in flight
+
+
+def _seen(path: Path) -> dict[int, list[int]]:
+    """What the lost rank trained at each step until it died (its own record)."""
+    seen = {}
+    for line in path.read_text().splitlines():
+        step, *indices = map(int, line.split())
+        seen[step] = indices
+    return seen
+
+
+@pytest.fixture(scope="module")
+def ring_loss(tmp_path_factory) -> tuple[list[dict], dict[int, list[int]]]:
+    out = tmp_path_factory.mktemp("ring-loss")
+    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
+               "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+               "--intra-node", "ring", "--heartbeat-timeout", "2", "--lose-rank", str(LOST), "--lose-at-step",
+               str(LOST_AT), "--out", str(out), timeout=180)  # fmt: skip
+    assert not (out / f"rank{LOST}.pt").exists()
+    return [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST], _seen(out / f"seen-rank{LOST}.txt")
+
+
+def test_the_survivors_agree_on_the_loss_and_finish(ring_loss):
+    survivors, seen = ring_loss
+    metrics = survivors[0]["rank_loss"]
+    agreed = ("lost_ranks", "loss_causes", "loss_steps", "dropped_samples", "redone_steps", "caught_up_steps")
+    assert all({k: s["rank_loss"][k] for k in agreed} == {k: metrics[k] for k in agreed} for s in survivors)
+    assert metrics["lost_ranks"] == [LOST] and metrics["loss_causes"] == ["closed"], metrics
+    # every survivor committed step LOST_AT - 1 with the lost rank; the step in flight ran again over the survivors
+    assert metrics["loss_steps"] == [LOST_AT - 1] and metrics["redone_steps"] == 1, metrics
+    assert max(seen) == LOST_AT and len(metrics["recovery_seconds"]) == 1 and metrics["recovery_seconds"][0] < 2.0
+    steps = EPOCHS * SAMPLES // GLOBAL_BATCH
+    for s in survivors:
+        assert len(s["history"]) == steps and s["global_step"] == steps
+
+
+def test_the_global_batch_is_dealt_among_the_survivors_and_every_sample_is_trained_or_counted(ring_loss):
+    survivors, seen = ring_loss
+    steps = len(survivors[0]["trained"])
+    sizes = [[len(s["trained"][j]) for s in survivors] for j in range(steps)]
+    assert all(row == [BATCH] * len(survivors) for row in sizes[: LOST_AT + 1]), sizes  # before, and in flight
+    # once dealt, the survivors' shares make up the whole global batch, evenly
+    dealt = [j for j in range(steps) if sum(sizes[j]) == GLOBAL_BATCH]
+    assert dealt and dealt[0] <= LOST_AT + 2 and dealt == list(range(dealt[0], steps)), sizes
+    assert all(max(sizes[j]) - min(sizes[j]) <= 1 for j in dealt), sizes
+    # what no one trained: the lost rank's share of the step in flight and of any batch drawn before the deal
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    dropped = 0
+    for epoch in range(EPOCHS):
+        trained = [i for j in range(epoch * per_epoch, (epoch + 1) * per_epoch) for s in survivors
+                   for i in s["trained"][j]]  # fmt: skip
+        trained += [i for j, indices in seen.items() if j < LOST_AT and j // per_epoch == epoch for i in indices]
+        assert len(trained) == len(set(trained)), f"epoch {epoch}: a sample trained twice"
+        missing = set(range(SAMPLES)) - set(trained)
+        if epoch == 0:
+            assert set(seen[LOST_AT]) <= missing  # the lost rank's samples of its step in flight
+        dropped += len(missing)
+    assert dropped == GLOBAL_BATCH * steps - sum(map(sum, sizes)) - BATCH * LOST_AT
+    assert all(s["rank_loss"]["dropped_samples"] == dropped for s in survivors) and dropped >= BATCH
+
+
+def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(ring_loss):
+    survivors, seen = ring_loss
+    steps = len(survivors[0]["trained"])
+    batches = [[i for s in survivors for i in s["trained"][j]] + (seen[j] if j < LOST_AT else [])
+               for j in range(steps)]  # fmt: skip
+    reference = replay(batches, survivors[0]["history"], SAMPLES)
+    for j, want in enumerate(reference):
+        got = survivors[0]["history"][j][2]
+        for other in survivors[1:]:
+            assert torch.equal(got, other["history"][j][2]), f"the replicas differ after batch {j}"
+        close(got, want, f"after batch {j}")
