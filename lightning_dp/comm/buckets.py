@@ -412,10 +412,19 @@ class BucketReducer:
         if copy_back:
             self.copy_back()
 
-    def drain(self) -> None:
-        """Wait until the communication thread has ended every exchange submitted so far (after a failed
-        :meth:`finish`: one still running when it raised ends with its own error, which is dropped here)."""
+    def abandon(self) -> None:
+        """Give up this round (its exchanges failed, or must not complete): cancel what has not started, wait until
+        the communication thread has ended what has (with its own error, dropped here), and reset the buckets as
+        :meth:`finish` does, their contents left as the exchanges left them."""
+        for future in self._futures:
+            future.cancel()
         self._executor.submit(lambda: None).result()
+        self._futures.clear()
+        self._next_launch = 0
+        self._fresh = False
+        for bucket in self.buckets:
+            bucket.reset()
+        self._learn_accumulations()
 
     def resend(self, copy_back: bool = True) -> None:
         """Exchange every bucket again as it holds now (its contents restored after a failed :meth:`finish`), and

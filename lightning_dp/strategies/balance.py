@@ -64,10 +64,13 @@ class EqualBatches:
         """The loss whose gradients this rank contributes for the current batch."""
         return loss
 
-    def exclude(self, lost: list[int], behind: bool) -> int:
-        """Deal the ``lost`` ranks' shares among the ranks that train now (collective over them, after a loss);
-        returns how many samples of the step in flight no survivor trains. ``behind``: this rank is one step behind
-        the others (its step in flight is theirs before)."""
+    def exchange_committed(self) -> None:
+        """The gradient exchange of the batch being trained was committed (``on_rank_loss="continue"``)."""
+
+    def exclude(self, lost: list[int]) -> int:
+        """Deal the ``lost`` ranks' shares among the ranks that train now (collective over them, after a loss, every
+        member having committed the same exchanges); returns how many samples of the batch in flight no one
+        trains."""
         raise NotImplementedError(f"balance={self.name!r} cannot deal a lost rank's share")
 
     def reweigh_in_flight(self) -> float:
@@ -231,10 +234,11 @@ class DealtBatches(ThroughputBatches):
         self._dropping: tuple[BatchKey, BatchKey, list[int]] | None = None
         self._counted: set[BatchKey] = set()
         self.dropped = 0
+        self._committed_key: BatchKey = (-1, -1)
 
     def reset(self) -> None:
         super().reset()
-        self._dropping, self._counted, self.dropped = None, set(), 0
+        self._dropping, self._counted, self.dropped, self._committed_key = None, set(), 0, (-1, -1)
 
     def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         if trainer.state.stage != RunningStage.TRAINING:
@@ -306,24 +310,26 @@ class DealtBatches(ThroughputBatches):
         factor, self._weight = weight / self._weight, weight
         return factor
 
-    def exclude(self, lost: list[int], behind: bool) -> int:
+    def exchange_committed(self) -> None:
+        self._committed_key = self._batch if self._batch is not None else (-1, -1)
+
+    def exclude(self, lost: list[int]) -> int:
         balancer = self.balancer
         strategy = self.strategy
         assert balancer is not None
-        current = self._batch if self._batch is not None else (-1, -1)
-        # every member's batch in flight and latest batch drawn: the survivors' shares start after every member's
-        # latest drawn batch; the first batch no survivor trains with the lost rank is the most advanced in flight
-        mine = torch.tensor([*current, *balancer.latest_drawn, int(behind)], dtype=torch.int64)
+        # the survivors' shares start after every member's latest drawn batch; the batches after the last one whose
+        # exchange was committed, up to there, train without the lost ranks' samples
+        mine = torch.tensor([*self._committed_key, *balancer.latest_drawn], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(strategy.control_group))]
         dist.all_gather(everyone, mine, group=strategy.control_group)
         rows = [t.tolist() for t in everyone]
-        first = max((r[0], r[1]) for r in rows if not r[4]) if any(not r[4] for r in rows) else current
+        committed = max((r[0], r[1]) for r in rows)
         latest = max((r[2], r[3]) for r in rows)
         per_epoch = balancer.batches_per_epoch
         start = (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
         balancer.exclude(lost, start)
-        self._dropping = (first, start, list(lost))
-        dropped = self._count_dropped(current) if not behind else 0
+        self._dropping = ((committed[0], committed[1] + 1), start, list(lost))
+        dropped = self._count_dropped(self._batch) if self._batch is not None else 0
         self.dropped += dropped
         return dropped
 

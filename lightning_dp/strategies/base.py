@@ -288,7 +288,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             assert self.model is not None
             buffers = list(self.model.buffers())
             if buffers:
-                broadcast_tensors(buffers, src=0, group=self.control_group)
+                self.rank_loss.broadcast_buffers(self, buffers)
         self.batches.forward_started()
         return super().training_step(*args, **kwargs)
 

@@ -369,32 +369,36 @@ class ProcessGroupStrategy(DDPStrategy):
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
-                dist.barrier(group=self.control_group)
+                self.rank_loss.collective(self, lambda group: dist.barrier(group=group))
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
-        container = [obj]
         with naming_lost_peer("Lightning's broadcast", directory=self._peers):
-            dist.broadcast_object_list(container, self.source_rank(src), group=self.control_group)
-        return container[0]
+            return self.rank_loss.broadcast_object(self, obj, self.source_rank(src))
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         """Lightning's reduction of logged values and decisions, on :attr:`control_group` unless ``group`` is given."""
-        if isinstance(tensor, Tensor):
-            group = group if group is not None else self.control_group
-            what = "Lightning's reduce (sync_dist logging or a collective decision)"
-            with naming_lost_peer(what, group, self._peers):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        what = "Lightning's reduce (sync_dist logging or a collective decision)"
+        with naming_lost_peer(what, group, self._peers):
+            if group is not None:
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+            # on a copy: an attempt a lost rank interrupts may leave partial sums in the tensor it reduced
+            return self.rank_loss.collective(
+                self, lambda g: _sync_ddp_if_available(tensor.clone(), g, reduce_op=reduce_op)
+            )
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        group = group if group is not None else self.control_group
         with naming_lost_peer("Lightning's all_gather", group, self._peers):
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+            if group is not None:
+                return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+            gather = super().all_gather
+            return self.rank_loss.collective(self, lambda g: gather(tensor, group=g, sync_grads=sync_grads))
 
     # ------------------------------------------------------------------ registration
     @classmethod

@@ -20,11 +20,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
@@ -47,8 +46,14 @@ if TYPE_CHECKING:
     from lightning_dp.strategies.base import DataParallelStrategy
     from lightning_dp.strategies.processes import ProcessGroupStrategy
 
+T = TypeVar("T")
+
 #: values of the ``on_rank_loss`` option
 ON_RANK_LOSS = ("stop", "continue")
+#: the kinds of sync point: the gradient exchange, a collective of the loop's or of Lightning's on the control group
+EXCHANGE, COLLECTIVE = "exchange", "collective"
+#: :meth:`ContinueOnRankLoss._recover`'s answer where this rank's sync point runs again over the survivors
+_REDO = object()
 #: the default ``heartbeat_timeout``: long enough for a loaded machine's scheduler, short enough to matter
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 
@@ -87,6 +92,20 @@ class StopOnRankLoss:
         """Complete the step's gradient exchange."""
         reducer.finish(copy_back=copy_back)
 
+    def collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
+        """Run ``run(group)``, a collective of the training loop or of Lightning's, on the control group."""
+        return run(strategy.control_group)
+
+    def broadcast_object(self, strategy: ProcessGroupStrategy, obj: T, src: int) -> T:
+        """Global rank ``src``'s ``obj`` on every rank (Lightning's broadcast; collective)."""
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=strategy.control_group)
+        return container[0]
+
+    def broadcast_buffers(self, strategy: ProcessGroupStrategy, buffers: list[Tensor]) -> None:
+        """Overwrite ``buffers`` with global rank 0's (before a training step; collective)."""
+        broadcast_tensors(buffers, src=0, group=strategy.control_group)
+
     def metrics(self) -> dict[str, Any]:
         """What the run lost (for ``CommMonitor`` and the app's metrics)."""
         return {}
@@ -111,8 +130,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.heartbeat_timeout = heartbeat_timeout
         self.max_lost = max_lost
         self.membership: Membership | None = None
-        #: exchanges committed so far in this fit (the step counter the survivors agree on)
-        self.committed = -1
+        #: exchanges committed so far in this fit
+        self.committed = 0
+        #: sync points (exchanges and collectives) this rank completed in this fit, and the last one's outcome
+        self.position = 0
+        self._last: tuple[str, Any] = (COLLECTIVE, None)
         self._saved: dict[int, Tensor] = {}
         self._saved_this_round: set[int] = set()
         #: samples of global batches no survivor trained (the lost ranks' shares of steps in flight or drawn)
@@ -122,6 +144,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.redone_steps = 0
         self.caught_up_steps = 0
         self.recovery_seconds: list[float] = []
+        #: the exchanges committed by the most advanced survivor when each loss was agreed
+        self.loss_steps: list[int] = []
         self._losses: list[Loss] = []
 
     # ------------------------------------------------------------------ set-up
@@ -194,13 +218,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
 
     def setup_trainer(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
         # Lightning's SIGTERM broadcast before every step (and its signal handler's) run on the default group, which
-        # a lost rank leaves broken: the same broadcast runs over the ranks training now
+        # a lost rank leaves broken: the flag is combined over the ranks training now instead
         self._undo = [
-            replace_step_sigterm_broadcast(trainer, lambda: _broadcast_sigterm(strategy, trainer)),
+            replace_step_sigterm_broadcast(trainer, lambda: _stop_if_terminated(strategy, trainer)),
             replace_sigterm_notifier(trainer),
         ]
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ sync points: the exchange and collectives
     def save_gradients(self, bucket: GradientBucket) -> None:
         saved = self._saved.get(bucket.index)
         if saved is None:
@@ -209,37 +233,87 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._saved_this_round.add(bucket.index)
 
     def finish_gradient_sync(self, strategy: DataParallelStrategy, reducer: BucketReducer, copy_back: bool) -> None:
-        membership = self.membership
-        assert membership is not None
-        resend = False
+        exchange = reducer.finish
         while True:
             try:
-                membership.check()
-                if resend:
-                    reducer.resend(copy_back=copy_back)
-                else:
-                    reducer.finish(copy_back=copy_back)
-                membership.commit(self.committed + 1)
-            except Exception as error:  # noqa: BLE001 - the membership says what it means
-                change = membership.interpret(error)
-                if change is error:
-                    raise
-                if not isinstance(change, MembershipChange):
-                    raise change from error
-                reducer.drain()
-                behind = self._recover(strategy)
-                if behind:
-                    for p in reducer.params:  # this step's update is the donor's, taken already
+                self._run_point(lambda: exchange(copy_back))  # noqa: B023 - run at once
+            except MembershipChange:
+                reducer.abandon()
+                outcome = self._recover(strategy, EXCHANGE)
+                if outcome is not _REDO:  # the step's update is the donor's, taken already: this rank's is skipped
+                    for p in reducer.params:
                         p.grad = None
                     self._saved_this_round.clear()
+                    self.caught_up_steps += 1
+                    self._exchange_done(strategy)
                     return
                 self._restore(reducer, strategy)
-                resend = True
+                exchange = reducer.resend
                 self.redone_steps += 1
                 continue
-            self.committed += 1
             self._saved_this_round.clear()
+            self._exchange_done(strategy)
             return
+
+    def collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
+        while True:
+            try:
+                return self._run_point(lambda: run(strategy.control_group), keep=True)
+            except MembershipChange:
+                outcome = self._recover(cast("DataParallelStrategy", strategy), COLLECTIVE)
+                if outcome is not _REDO:
+                    return cast(T, outcome)
+
+    def broadcast_object(self, strategy: ProcessGroupStrategy, obj: T, src: int) -> T:
+        # an all-gather, not a broadcast: no rank completes it before every rank has reached it (see _recover)
+        def run(group: dist.ProcessGroup | None) -> T:
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, obj if strategy.global_rank == src else None, group=group)
+            return cast(T, everyone[dist.get_group_rank(group, src)] if group is not None else everyone[src])
+
+        return self.collective(strategy, run)
+
+    def broadcast_buffers(self, strategy: ProcessGroupStrategy, buffers: list[Tensor]) -> None:
+        source = strategy.source_rank(0)
+
+        def run(group: dist.ProcessGroup | None) -> list[Tensor]:
+            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers]) if buffers else torch.empty(0)
+            everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(everyone, flat, group=group)
+            return [everyone[dist.get_group_rank(group, source) if group is not None else source]]
+
+        (values,) = self.collective(strategy, run)
+        offset = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(values[offset : offset + b.numel()].view_as(b).to(b.dtype))
+                offset += b.numel()
+
+    def _run_point(self, run: Callable[[], T], keep: bool = False) -> T:
+        """Run the next sync point and commit it on the membership (its result kept for a member one point behind
+        when ``keep``); a change of membership (now, or behind a transport error) raises :class:`MembershipChange`.
+        """
+        membership = self.membership
+        assert membership is not None
+        point = self.position + 1
+        try:
+            membership.check()
+            result = run()
+            membership.commit(point)
+        except Exception as error:  # noqa: BLE001 - the membership says what it means
+            change = membership.interpret(error)
+            if isinstance(change, MembershipChange):
+                raise change from error
+            if change is error:
+                raise
+            raise change from error
+        self.position = point
+        self._last = (COLLECTIVE, result) if keep else (EXCHANGE, None)
+        return result
+
+    def _exchange_done(self, strategy: DataParallelStrategy) -> None:
+        self.committed += 1
+        strategy.batches.exchange_committed()
 
     def _restore(self, reducer: BucketReducer, strategy: DataParallelStrategy) -> None:
         """Put back this rank's own gradients into the buckets an abandoned exchange touched, weighed for the
@@ -252,47 +326,72 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 bucket.buffer[: bucket.grad_numel].mul_(factor)
         self._saved_this_round.clear()
 
-    def _recover(self, strategy: DataParallelStrategy) -> bool:
-        """Agree with the survivors, re-form the exchange over them, and bring every survivor to the last step any
-        of them committed. Returns whether this rank was behind (its own update of the step in flight must be
-        skipped)."""
+    def _recover(self, strategy: DataParallelStrategy, kind: str) -> Any:
+        """Agree with the survivors on the new membership, re-form the exchange over them, and bring every member to
+        the same sync point; this rank is at a point of ``kind``. Returns :data:`_REDO` where this rank's point must
+        run again over the survivors, else its outcome as a member that completed it had it (a collective's result;
+        for an exchange its update, taken with the weights and optimizer state).
+
+        A point completes on a rank only once every member has reached it, so after a loss every member has completed
+        the same points, or one more (its last messages arrived where others' did not): those one point behind take
+        that point's outcome from the lowest member that completed it."""
         membership = self.membership
         assert membership is not None
         started = time.monotonic()
         decision = membership.recover()
         strategy.rebuild_exchange()
-        latest = max(decision.committed.values())
-        behind = self._catch_up(strategy, decision, latest)
-        self.dropped_samples += strategy.batches.exclude(list(decision.lost), behind)
+        positions = decision.committed
+        latest = max(positions.values())
+        if min(positions.values()) < latest - 1:
+            raise RuntimeError(
+                f"after the loss of rank(s) {list(decision.lost)} the survivors stopped "
+                f"{latest - min(positions.values())} sync points apart ({positions}), which a collective outside the "
+                "strategy's (on the default group, or on a group of the module's own) can cause: the run cannot go on "
+                "exactly; restart it from its last checkpoint"
+            )
+        outcome: Any = _REDO
+        if any(p < latest for p in positions.values()):
+            outcome = self._take_from_donor(strategy, decision, latest, kind)
+        self.dropped_samples += strategy.batches.exclude(list(decision.lost))
         self.recovery_seconds.append(time.monotonic() - started)
+        self.loss_steps.append(self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0))
         lost = ", ".join(f"rank {loss.rank} ({loss.cause})" for loss in membership.losses[-len(decision.lost) :])
         rank_zero_warn(
-            f"strategy {strategy.strategy_name!r}: lost {lost}; the job goes on with ranks "
-            f"{list(decision.members)} from step {latest + 1} (on_rank_loss='continue')"
+            f"strategy {strategy.strategy_name!r}: lost {lost}; the job goes on with ranks {list(decision.members)} "
+            "(on_rank_loss='continue')"
         )
-        return behind
+        return outcome
 
-    def _catch_up(self, strategy: DataParallelStrategy, decision: Decision, latest: int) -> bool:
-        """Every member that committed fewer steps than ``latest`` takes the weights and optimizer state of the
-        lowest member that committed it (collective over the new gradient group)."""
-        if all(step == latest for step in decision.committed.values()):
-            return False
-        donor = min(r for r, step in decision.committed.items() if step == latest)
+    def _take_from_donor(self, strategy: DataParallelStrategy, decision: Decision, latest: int, kind: str) -> Any:
+        """The lowest member that completed sync point ``latest`` sends its outcome to the members one point behind
+        (collective over the new gradient group): a collective's result, or after an exchange its weights and
+        optimizer state. Returns this rank's outcome (:data:`_REDO` where it completed the point itself)."""
+        donor = min(r for r, p in decision.committed.items() if p == latest)
         group = strategy.gradient_group
         assert group is not None and strategy.model is not None
         donor_rank = dist.get_group_rank(group, donor)
-        broadcast_tensors([p.data for p in strategy.model.parameters()], src=donor_rank, group=group)
-        for optimizer in map(unwrap_optimizer, strategy.optimizers):
-            state = [optimizer.state_dict() if strategy.global_rank == donor else None]
-            dist.broadcast_object_list(state, group=group, group_src=donor_rank)
-            if self.committed < latest:
-                assert state[0] is not None
-                optimizer.load_state_dict(state[0])
-        behind = self.committed < latest
-        if behind:
-            self.committed = latest
-            self.caught_up_steps += 1
-        return behind
+        last: list[Any] = [self._last if strategy.global_rank == donor else None]
+        dist.broadcast_object_list(last, group=group, group_src=donor_rank)
+        done_kind, result = last[0]
+        behind = self.position < latest
+        if behind and done_kind != kind:
+            raise RuntimeError(
+                f"rank {strategy.global_rank} stopped at a {kind} where rank {donor} completed a {done_kind}: the "
+                "ranks do not run the same sync points in the same order (a collective called on some ranks only?)"
+            )
+        if done_kind == EXCHANGE:
+            broadcast_tensors([p.data for p in strategy.model.parameters()], src=donor_rank, group=group)
+            for optimizer in map(unwrap_optimizer, strategy.optimizers):
+                state = [optimizer.state_dict() if strategy.global_rank == donor else None]
+                dist.broadcast_object_list(state, group=group, group_src=donor_rank)
+                if behind:
+                    assert state[0] is not None
+                    optimizer.load_state_dict(state[0])
+        if not behind:
+            return _REDO
+        self.position = latest
+        self._last = (done_kind, result)
+        return result
 
     # ------------------------------------------------------------------ what the run lost
     @property
@@ -304,7 +403,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         return {
             "lost_ranks": [loss.rank for loss in self.losses],
             "loss_causes": [loss.cause for loss in self.losses],
-            "loss_steps": [loss.step for loss in self.losses],
+            "loss_steps": list(self.loss_steps),
             "recovery_seconds": list(self.recovery_seconds),
             "dropped_samples": self.dropped_samples,
             "redone_steps": self.redone_steps,
@@ -319,18 +418,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self.membership = None
 
 
-def _broadcast_sigterm(strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
-    """Lightning's broadcast of rank 0's SIGTERM flag before a step, over the ranks training now (from the lowest):
-    a terminated job stops on every rank at the same step."""
-    flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
-    group = strategy.control_group
-    try:
-        dist.broadcast(flag, group=group, group_src=0)
-    except Exception:  # noqa: BLE001 - as Lightning's: a failed broadcast (a rank just lost) is no signal
-        flag.zero_()
-    if flag.item() == 1:
-        with contextlib.suppress(Exception):
-            dist.barrier(group=group)
+def _stop_if_terminated(strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
+    """Before a step: whether any rank training now received SIGTERM (Lightning's broadcast of rank 0's flag, as a
+    collective every rank takes part in); then every rank stops at the same step."""
+
+    def combine(group: dist.ProcessGroup | None) -> int:
+        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return int(flag.item())
+
+    if strategy.rank_loss.collective(strategy, combine):
         raise SIGTERMException()
 
 

@@ -56,6 +56,10 @@ parser.add_argument("--heartbeat-timeout", type=float, default=None, help="strat
 parser.add_argument("--lose-rank", type=int, default=None,
                     help="this rank SIGKILLs itself in the training step of --lose-at-step")  # fmt: skip
 parser.add_argument("--lose-at-step", type=int, default=None)
+parser.add_argument("--lose-after-backward", action="store_true",
+                    help="--lose-rank dies after its backward (its exchange of the step complete) instead")  # fmt: skip
+parser.add_argument("--slow-commit-rank", type=int, default=None,
+                    help="this rank commits the exchange of --lose-at-step only once the lost rank died")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -97,9 +101,31 @@ class Model(L.LightningModule):
         if args.lose_rank is not None and self.global_rank == args.lose_rank:
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
-            if self.global_step == args.lose_at_step:
+            if self.global_step == args.lose_at_step and not args.lose_after_backward:
                 os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.mse_loss(self.net(x), y)
+
+    def on_after_backward(self):
+        if args.lose_after_backward and self.global_rank == args.lose_rank and self.global_step == args.lose_at_step:
+            (out / "lost").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_start(self):
+        strategy = self.trainer.strategy
+        if self.global_rank != args.slow_commit_rank:
+            return
+        finish = strategy.reducer.finish
+
+        def finish_late(*a, **k):
+            """The exchange of --lose-at-step completes here, but its commit waits until the lost rank has died."""
+            finish(*a, **k)
+            if strategy.rank_loss.committed == args.lose_at_step:
+                deadline = time.monotonic() + 10
+                while not (out / "lost").exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.5)
+
+        strategy.reducer.finish = finish_late
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.trained.append(self.current)

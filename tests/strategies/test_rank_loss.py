@@ -17,7 +17,14 @@ pytestmark = pytest.mark.multiprocess
 
 DEVICES, BATCH, SAMPLES, EPOCHS = 3, 4, 72, 2
 GLOBAL_BATCH = DEVICES * BATCH
-LOST, LOST_AT = 2, 4  # rank 2 is SIGKILLed in the training step of global step 4, its step in flight
+LOST, LOST_AT = 2, 4
+#: how rank LOST dies at step LOST_AT, and what each survivor then does:
+#: - "in flight": SIGKILLed in its training step: no one completes that step's exchange; every survivor exchanges
+#:   its gradients again over the survivors (the lost rank's samples of the step are dropped);
+#: - "one behind": SIGKILLed after its exchange completed everywhere, while rank 1 has not committed it yet: rank 0
+#:   committed the step with every rank's samples, rank 1 takes rank 0's weights and optimizer state instead of its
+#:   own update
+SCENARIOS = {"in flight": (), "one behind": ("--lose-after-backward", "--slow-commit-rank", "1")}
 
 
 def _seen(path: Path) -> dict[int, list[int]]:
@@ -29,33 +36,46 @@ def _seen(path: Path) -> dict[int, list[int]]:
     return seen
 
 
-@pytest.fixture(scope="module")
-def ring_loss(tmp_path_factory) -> tuple[list[dict], dict[int, list[int]]]:
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def ring_loss(request, tmp_path_factory) -> tuple[str, list[dict], dict[int, list[int]]]:
     out = tmp_path_factory.mktemp("ring-loss")
     run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
                "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
                "--intra-node", "ring", "--heartbeat-timeout", "2", "--lose-rank", str(LOST), "--lose-at-step",
-               str(LOST_AT), "--out", str(out), timeout=180)  # fmt: skip
+               str(LOST_AT), *SCENARIOS[request.param], "--out", str(out), timeout=180)  # fmt: skip
     assert not (out / f"rank{LOST}.pt").exists()
-    return [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST], _seen(out / f"seen-rank{LOST}.txt")
+    survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
+    return request.param, survivors, _seen(out / f"seen-rank{LOST}.txt")
+
+
+def _with_lost(survivors: list[dict]) -> int:
+    """How many steps trained the lost rank's samples too (the exchanges committed with it)."""
+    return survivors[0]["rank_loss"]["loss_steps"][0]
 
 
 def test_the_survivors_agree_on_the_loss_and_finish(ring_loss):
-    survivors, seen = ring_loss
+    scenario, survivors, seen = ring_loss
     metrics = survivors[0]["rank_loss"]
-    agreed = ("lost_ranks", "loss_causes", "loss_steps", "dropped_samples", "redone_steps", "caught_up_steps")
+    agreed = ("lost_ranks", "loss_causes", "loss_steps", "dropped_samples")
     assert all({k: s["rank_loss"][k] for k in agreed} == {k: metrics[k] for k in agreed} for s in survivors)
     assert metrics["lost_ranks"] == [LOST] and metrics["loss_causes"] == ["closed"], metrics
-    # every survivor committed step LOST_AT - 1 with the lost rank; the step in flight ran again over the survivors
-    assert metrics["loss_steps"] == [LOST_AT - 1] and metrics["redone_steps"] == 1, metrics
-    assert max(seen) == LOST_AT and len(metrics["recovery_seconds"]) == 1 and metrics["recovery_seconds"][0] < 2.0
+    assert max(seen) == LOST_AT
+    redone = [s["rank_loss"]["redone_steps"] for s in survivors]
+    caught_up = [s["rank_loss"]["caught_up_steps"] for s in survivors]
+    if scenario == "in flight":  # every survivor committed step LOST_AT - 1 with the lost rank, and redid LOST_AT
+        assert _with_lost(survivors) == LOST_AT and redone == [1, 1] and caught_up == [0, 0], metrics
+    else:  # rank 0 committed LOST_AT with it; rank 1 took rank 0's state for that step; nothing ran again
+        assert _with_lost(survivors) == LOST_AT + 1 and redone == [0, 0] and caught_up == [0, 1], metrics
+    for s in survivors:
+        assert len(s["rank_loss"]["recovery_seconds"]) == 1 and s["rank_loss"]["recovery_seconds"][0] < 2.0
     steps = EPOCHS * SAMPLES // GLOBAL_BATCH
     for s in survivors:
         assert len(s["history"]) == steps and s["global_step"] == steps
 
 
 def test_the_global_batch_is_dealt_among_the_survivors_and_every_sample_is_trained_or_counted(ring_loss):
-    survivors, seen = ring_loss
+    _, survivors, seen = ring_loss
+    with_lost = _with_lost(survivors)
     steps = len(survivors[0]["trained"])
     sizes = [[len(s["trained"][j]) for s in survivors] for j in range(steps)]
     assert all(row == [BATCH] * len(survivors) for row in sizes[: LOST_AT + 1]), sizes  # before, and in flight
@@ -69,20 +89,23 @@ def test_the_global_batch_is_dealt_among_the_survivors_and_every_sample_is_train
     for epoch in range(EPOCHS):
         trained = [i for j in range(epoch * per_epoch, (epoch + 1) * per_epoch) for s in survivors
                    for i in s["trained"][j]]  # fmt: skip
-        trained += [i for j, indices in seen.items() if j < LOST_AT and j // per_epoch == epoch for i in indices]
+        trained += [i for j, indices in seen.items() if j < with_lost and j // per_epoch == epoch for i in indices]
         assert len(trained) == len(set(trained)), f"epoch {epoch}: a sample trained twice"
         missing = set(range(SAMPLES)) - set(trained)
-        if epoch == 0:
-            assert set(seen[LOST_AT]) <= missing  # the lost rank's samples of its step in flight
+        if epoch == 0 and with_lost == LOST_AT:
+            assert set(seen[LOST_AT]) <= missing  # the lost rank's samples of the step in flight
         dropped += len(missing)
-    assert dropped == GLOBAL_BATCH * steps - sum(map(sum, sizes)) - BATCH * LOST_AT
-    assert all(s["rank_loss"]["dropped_samples"] == dropped for s in survivors) and dropped >= BATCH
+    assert dropped == GLOBAL_BATCH * steps - sum(map(sum, sizes)) - BATCH * with_lost
+    assert all(s["rank_loss"]["dropped_samples"] == dropped for s in survivors)
+    if with_lost == LOST_AT:
+        assert dropped >= BATCH
 
 
 def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(ring_loss):
-    survivors, seen = ring_loss
+    _, survivors, seen = ring_loss
     steps = len(survivors[0]["trained"])
-    batches = [[i for s in survivors for i in s["trained"][j]] + (seen[j] if j < LOST_AT else [])
+    with_lost = _with_lost(survivors)
+    batches = [[i for s in survivors for i in s["trained"][j]] + (seen[j] if j < with_lost else [])
                for j in range(steps)]  # fmt: skip
     reference = replay(batches, survivors[0]["history"], SAMPLES)
     for j, want in enumerate(reference):
