@@ -39,6 +39,8 @@ class CommSummary:
     #: with backup workers: this rank's gradients dropped as late, and the steps it skipped
     late_gradients: int = 0
     skipped_steps: int = 0
+    #: with ``on_rank_loss="continue"``: what the run lost (the strategy's ``rank_loss.metrics()``), where it lost any
+    rank_loss: dict[str, Any] | None = None
 
     def table(self) -> str:
         """The summary as a plain-text table."""
@@ -58,6 +60,14 @@ class CommSummary:
         if self.late_gradients or self.skipped_steps:
             lines.append(f"backup workers: {self.late_gradients} late gradients dropped, {self.skipped_steps} steps "
                          "skipped")  # fmt: skip
+        loss = self.rank_loss
+        if loss is not None:
+            for rank, cause, step, seconds in zip(loss["lost_ranks"], loss["loss_causes"], loss["loss_steps"],
+                                                  loss["recovery_seconds"]):  # fmt: skip
+                lines.append(
+                    f"lost rank {rank} ({cause}) after {step} steps; the survivors went on {seconds:.3f} s later"
+                )
+            lines.append(f"samples of global batches no survivor trained: {loss['dropped_samples']}")
         return "\n".join(lines)
 
 
@@ -238,6 +248,9 @@ class CommMonitor(Callback):
         summary.steps = self._steps
         summary.late_gradients = getattr(trainer.strategy, "late_gradients", 0)
         summary.skipped_steps = getattr(trainer.strategy, "skipped_steps", 0)
+        rank_loss = getattr(trainer.strategy, "rank_loss", None)
+        lost = rank_loss.metrics() if rank_loss is not None else {}
+        summary.rank_loss = lost if lost.get("lost_ranks") else None
         mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}
         summary.measured = {name: (mean[name] if timed or name.startswith("bytes") else None) for name in METRICS}
         backward = mean["backward"]

@@ -201,7 +201,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """What a shared-memory transport needs beyond the group and stats: which ranks share a node, the timeout, how
         a rank waits."""
         assert self._timeout is not None
-        return {"node_key": self.node_rank, "timeout": self._timeout.total_seconds(), "wait": self.shm_wait}
+        return {"node_key": self.node_rank, "timeout": self._timeout.total_seconds(), "wait": self.shm_wait,
+                "interrupt": self.rank_loss.interrupt}  # fmt: skip
 
     def _setup_gradient_sync(self) -> None:
         self._close_gradient_sync()

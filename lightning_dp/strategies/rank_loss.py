@@ -79,6 +79,11 @@ class StopOnRankLoss:
     def check_options(self, strategy: ProcessGroupStrategy) -> None:
         """Refuse options that cannot survive a loss (at construction)."""
 
+    @property
+    def interrupt(self) -> Callable[[], None] | None:
+        """What a shared-memory wait calls at every poll, to end it by raising (``None``: nothing)."""
+        return None
+
     def check_fit(self, strategy: DataParallelStrategy) -> None:
         """Refuse a model, optimizer or trainer setting that cannot survive a loss (at set-up)."""
 
@@ -157,7 +162,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "backup_workers": (getattr(strategy, "backup_workers", 0), 0),
             "compression": (getattr(strategy, "compression", "none"), "none"),
             "balance": (getattr(strategy, "balance", "none"), "none"),
-            "intra_node": (getattr(strategy, "intra_node", "ring"), "ring"),
         }
         for option, (value, needed) in unsupported.items():
             if value != needed:
@@ -175,6 +179,14 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"{name} needs process_group_backend='gloo': an NCCL communicator that lost a peer cannot be fenced "
                 "and rebuilt here (see docs/faults.md)"
             )
+
+    @property
+    def interrupt(self) -> Callable[[], None] | None:
+        return self._check_membership
+
+    def _check_membership(self) -> None:
+        if self.membership is not None:
+            self.membership.check()
 
     def form_groups(self, strategy: ProcessGroupStrategy) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
         backend = strategy.process_group_backend
@@ -203,6 +215,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
             raise ConfigurationError(
                 f"{name} needs automatic optimization: with manual optimization the step is the module's own, and a "
                 "loss inside it cannot be closed over the survivors"
+            )
+        if strategy._uses_shared_memory() and not strategy.single_node:
+            raise ConfigurationError(
+                f"{name} with intra_node='shm' runs on one machine only: across machines the hierarchical ring's "
+                "groups cannot be re-formed over the survivors yet; use intra_node='ring'"
             )
         if any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
             raise ConfigurationError(

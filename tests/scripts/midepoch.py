@@ -105,11 +105,6 @@ class Model(L.LightningModule):
                 os.kill(os.getpid(), signal.SIGKILL)
         return nn.functional.mse_loss(self.net(x), y)
 
-    def on_after_backward(self):
-        if args.lose_after_backward and self.global_rank == args.lose_rank and self.global_step == args.lose_at_step:
-            (out / "lost").touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def on_train_start(self):
         strategy = self.trainer.strategy
         if self.global_rank != args.slow_commit_rank:
@@ -153,6 +148,18 @@ class Model(L.LightningModule):
         # shuffle=True: Lightning replaces the sampler with its DistributedSampler(shuffle=True)
         return DataLoader(IndexedData(args.samples), batch_size=args.batch_size, shuffle=True,
                           num_workers=args.workers)  # fmt: skip
+
+
+class LoseAfterBackward(L.Callback):
+    """--lose-rank dies after its backward of --lose-at-step: that step's exchange is complete on every rank."""
+
+    reads_gradients = False
+    reads_weights = False
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_rank == args.lose_rank and trainer.global_step == args.lose_at_step:
+            (out / "lost").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def attempt() -> int:
@@ -220,7 +227,7 @@ if options:
     entry = StrategyRegistry[strategy]
     strategy = entry["strategy"](**{**entry["init_params"], **options})
 model = Model()
-monitor = CommMonitor(print_summary=False) if args.backup_workers else None
+monitor = CommMonitor(print_summary=False) if args.backup_workers or args.on_rank_loss else None
 trainer = L.Trainer(
     strategy=strategy,
     accelerator="cpu",
@@ -231,6 +238,7 @@ trainer = L.Trainer(
     callbacks=[
         ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}"),
         *([monitor] if monitor is not None else []),
+        *([LoseAfterBackward()] if args.lose_after_backward else []),
     ],  # fmt: skip
     enable_progress_bar=False,
     enable_model_summary=False,
@@ -245,6 +253,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "decisions": decisions, "late": model.late, "dropped_by_server": getattr(server, "dropped", None),
             "skipped": getattr(trainer.strategy, "skipped_steps", 0), "global_step": trainer.global_step,
             "monitor": (monitor.summary.late_gradients, monitor.summary.skipped_steps) if monitor else None,
+            "monitor_table": monitor.summary.table() if monitor else None,
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k},
             "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
             "world_size": trainer.world_size},

@@ -24,7 +24,13 @@ LOST, LOST_AT = 2, 4
 #: - "one behind": SIGKILLed after its exchange completed everywhere, while rank 1 has not committed it yet: rank 0
 #:   committed the step with every rank's samples, rank 1 takes rank 0's weights and optimizer state instead of its
 #:   own update
-SCENARIOS = {"in flight": (), "one behind": ("--lose-after-backward", "--slow-commit-rank", "1")}
+#: - "in flight, shared memory": as "in flight", the ranks exchanging through shared memory (the default on one
+#:   machine)
+SCENARIOS = {
+    "in flight": ("--intra-node", "ring"),
+    "one behind": ("--intra-node", "ring", "--lose-after-backward", "--slow-commit-rank", "1"),
+    "in flight, shared memory": (),
+}
 
 
 def _seen(path: Path) -> dict[int, list[int]]:
@@ -41,7 +47,7 @@ def ring_loss(request, tmp_path_factory) -> tuple[str, list[dict], dict[int, lis
     out = tmp_path_factory.mktemp("ring-loss")
     run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
                "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
-               "--intra-node", "ring", "--heartbeat-timeout", "2", "--lose-rank", str(LOST), "--lose-at-step",
+               "--heartbeat-timeout", "2", "--lose-rank", str(LOST), "--lose-at-step",
                str(LOST_AT), *SCENARIOS[request.param], "--out", str(out), timeout=180)  # fmt: skip
     assert not (out / f"rank{LOST}.pt").exists()
     survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
@@ -62,12 +68,15 @@ def test_the_survivors_agree_on_the_loss_and_finish(ring_loss):
     assert max(seen) == LOST_AT
     redone = [s["rank_loss"]["redone_steps"] for s in survivors]
     caught_up = [s["rank_loss"]["caught_up_steps"] for s in survivors]
-    if scenario == "in flight":  # every survivor committed step LOST_AT - 1 with the lost rank, and redid LOST_AT
+    if scenario.startswith(
+        "in flight"
+    ):  # every survivor committed step LOST_AT - 1 with the lost rank, and redid LOST_AT
         assert _with_lost(survivors) == LOST_AT and redone == [1, 1] and caught_up == [0, 0], metrics
     else:  # rank 0 committed LOST_AT with it; rank 1 took rank 0's state for that step; nothing ran again
         assert _with_lost(survivors) == LOST_AT + 1 and redone == [0, 0] and caught_up == [0, 1], metrics
     for s in survivors:
         assert len(s["rank_loss"]["recovery_seconds"]) == 1 and s["rank_loss"]["recovery_seconds"][0] < 2.0
+        assert f"lost rank {LOST} (closed) after {_with_lost(survivors)} steps" in s["monitor_table"]
     steps = EPOCHS * SAMPLES // GLOBAL_BATCH
     for s in survivors:
         assert len(s["history"]) == steps and s["global_step"] == steps

@@ -30,7 +30,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import NamedTuple, cast
 
@@ -101,7 +101,8 @@ class NodeProbe(NamedTuple):
 class HierarchicalAllReduce:
     """Reduce tensors of fixed slots (sizes in bytes, ``slot_bytes``) over ``group``: shared memory inside each
     node, a ring across nodes. Collective to construct; ``node_key`` says which ranks share a node (default: the
-    host name); ``wait``: how a rank waits for its peers (:data:`~.shm.WAITS`). Raises
+    host name); ``wait``: how a rank waits for its peers (:data:`~.shm.WAITS`); ``interrupt``: called while it waits,
+    to end the wait by raising (:attr:`~.shm.NodeSharedMemory.interrupt`). Raises
     :class:`~.shm.SharedMemoryUnavailable` on every rank when a node cannot share memory.
     """
 
@@ -113,13 +114,14 @@ class HierarchicalAllReduce:
         timeout: float = 300.0,
         stats: CommStats | None = None,
         wait: str = "auto",
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         self.group = group
         self.slot_bytes = list(slot_bytes)
         self.size = dist.get_world_size(group)
         self.layout = NodeLayout.gather(socket.gethostname() if node_key is None else node_key, group)
         check_uniform(self.layout)  # before any segment exists
-        self.memory = NodeSharedMemory(self.layout, slot_bytes, group, timeout, wait)
+        self.memory = NodeSharedMemory(self.layout, slot_bytes, group, timeout, wait, interrupt)
         self.cross_group = cross_node_groups(self.layout, group, timeout)
         self.cross_ring = Ring(self.cross_group) if self.cross_group is not None else None
         self.stats = stats if stats is not None else CommStats()

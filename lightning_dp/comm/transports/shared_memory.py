@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -22,7 +22,8 @@ class _SharedMemoryTransport(Transport):
     every bucket into this rank's input region there, so backward writes gradients straight into shared memory.
     ``bind`` is collective and raises :class:`~.shm.SharedMemoryUnavailable` on every rank when a
     node cannot share memory (the caller then picks a socket transport). ``node_key``: which ranks share a node
-    (equal keys; default the host name)."""
+    (equal keys; default the host name); ``interrupt``: called while a rank waits for its peers, to end the wait
+    by raising."""
 
     def __init__(
         self,
@@ -31,11 +32,13 @@ class _SharedMemoryTransport(Transport):
         node_key: object = None,
         timeout: float = 300.0,
         wait: str = "auto",
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(group, stats)
         self.node_key = node_key
         self.timeout = timeout
         self.wait = wait
+        self.interrupt = interrupt
         self._exchange: HierarchicalAllReduce | None = None
 
     @property
@@ -49,7 +52,7 @@ class _SharedMemoryTransport(Transport):
 
     def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         self._exchange = HierarchicalAllReduce(
-            [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats, self.wait
+            [b.nbytes for b in buckets], self.group, self.node_key, self.timeout, self.stats, self.wait, self.interrupt
         )
         if self._across_nodes is not None and self.exchange.layout.num_nodes > 1:
             raise ValueError(f"{type(self).__name__} runs on one node; use {self._across_nodes} across nodes")

@@ -27,7 +27,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +175,8 @@ class NodeSharedMemory:
     node. Collective over ``group``: every rank of the group constructs it (each node gets its own segment).
 
     Raises :class:`SharedMemoryUnavailable` on every rank when any node cannot share one, so all ranks can fall
-    back together. ``wait``: how a rank waits at the barrier (one of :data:`WAITS`).
+    back together. ``wait``: how a rank waits at the barrier (one of :data:`WAITS`); ``interrupt``: see
+    :attr:`interrupt`.
     """
 
     def __init__(
@@ -185,10 +186,14 @@ class NodeSharedMemory:
         group: dist.ProcessGroup | None = None,
         timeout: float = 300.0,
         wait: str = "auto",
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout
         self.group = group
         self.timeout = timeout
+        #: called while a rank waits for its peers (every poll): raises to end the wait (the job's membership
+        #: changes)
+        self.interrupt = interrupt
         spin_seconds(wait, layout.local_size, cores=1)  # an unknown ``wait`` fails here, before anything is shared
         #: seconds a waiting rank spins before it sleeps (0: it sleeps at once); decided in :meth:`_share`
         self.spin_seconds = 0.0
@@ -336,6 +341,8 @@ class NodeSharedMemory:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def _check_peers(self, deadline: float, peer: int) -> None:
+        if self.interrupt is not None:
+            self.interrupt()
         me = self._global_rank(self.local_rank)
         if self._watch_pids:
             dead = [r for r, pid in enumerate(self._pids) if r != self.local_rank and not process_alive(pid)]
