@@ -131,6 +131,12 @@ def patch_hydra_subprocess_command(command: Callable[[int], tuple[list[str], str
         module._hydra_subprocess_cmd = command  # type: ignore[attr-defined]
 
 
+def reset_evaluation_data(trainer: Any) -> None:
+    """Have the fit's validation loop set up its dataloaders again before it next runs (Lightning keeps them, and
+    their lengths, for the whole fit)."""
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+
+
 def replace_step_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> Callable[[], None]:
     """Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step
     (``_TrainingEpochLoop._broadcast_sigterm_tensor``, a collective on the default group), so every step of every rank

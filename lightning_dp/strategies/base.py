@@ -497,8 +497,12 @@ class DataParallelStrategy(ProcessGroupStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = trainer_of(self.lightning_module)
-        balanced = self.batches.training_loader(trainer, dataloader) if trainer is not None else None
-        return balanced if balanced is not None else super().process_dataloader(dataloader)
+        if trainer is None:
+            return super().process_dataloader(dataloader)
+        replaced = self.batches.training_loader(trainer, dataloader)
+        if replaced is None:
+            replaced = self.rank_loss.evaluation_loader(trainer, dataloader)
+        return replaced if replaced is not None else super().process_dataloader(dataloader)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -385,7 +385,7 @@ class ProcessGroupStrategy(DDPStrategy):
             return tensor
         what = "Lightning's reduce (sync_dist logging or a collective decision)"
         with naming_lost_peer(what, group, self._peers):
-            if group is not None:
+            if group is not None and group is not dist.group.WORLD:
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
             # on a copy: an attempt a lost rank interrupts may leave partial sums in the tensor it reduced
             return self.rank_loss.collective(
@@ -395,7 +395,7 @@ class ProcessGroupStrategy(DDPStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         with naming_lost_peer("Lightning's all_gather", group, self._peers):
-            if group is not None:
+            if group is not None and group is not dist.group.WORLD:  # (LightningModule.all_gather names WORLD)
                 return super().all_gather(tensor, group=group, sync_grads=sync_grads)
             gather = super().all_gather
             return self.rank_loss.collective(self, lambda g: gather(tensor, group=g, sync_grads=sync_grads))

@@ -20,20 +20,30 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import distributed_c10d
+from torch.utils.data import DistributedSampler
 
-from lightning_dp._lightning_compat import replace_sigterm_notifier, replace_step_sigterm_broadcast, unwrap_optimizer
+from lightning_dp._lightning_compat import (
+    _update_dataloader,
+    replace_sigterm_notifier,
+    replace_step_sigterm_broadcast,
+    reset_evaluation_data,
+    trainer_of,
+    unwrap_optimizer,
+)
 from lightning_dp.comm.cluster.rendezvous import local_address_towards
 from lightning_dp.comm.errors import ConfigurationError, MembershipChange
 from lightning_dp.comm.membership import Loss, Membership
@@ -89,6 +99,10 @@ class StopOnRankLoss:
 
     def setup_trainer(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
         """After the strategy's set-up of a fit."""
+
+    def evaluation_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
+        """The loader to use instead of an evaluation ``dataloader`` (``None``: keep it)."""
+        return None
 
     def save_gradients(self, bucket: GradientBucket) -> None:
         """``bucket`` is about to be exchanged (on the communication thread)."""
@@ -241,6 +255,14 @@ class ContinueOnRankLoss(StopOnRankLoss):
             replace_sigterm_notifier(trainer),
         ]
 
+    def evaluation_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
+        # validation and testing shard their data over the ranks that train now, not over those the job started with
+        sampler = getattr(dataloader, "sampler", None)
+        if trainer.state.stage == RunningStage.TRAINING or type(sampler) is not DistributedSampler:
+            return None
+        assert self.membership is not None
+        return _update_dataloader(dataloader, MembersSampler(sampler, self.membership), mode=trainer.state.stage)
+
     # ------------------------------------------------------------------ sync points: the exchange and collectives
     def save_gradients(self, bucket: GradientBucket) -> None:
         saved = self._saved.get(bucket.index)
@@ -370,6 +392,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if any(p < latest for p in positions.values()):
             outcome = self._take_from_donor(strategy, decision, latest, kind)
         self.dropped_samples += strategy.batches.exclude(list(decision.lost))
+        trainer = trainer_of(strategy.lightning_module)
+        if trainer is not None:
+            reset_evaluation_data(trainer)
         self.recovery_seconds.append(time.monotonic() - started)
         self.loss_steps.append(self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0))
         lost = ", ".join(f"rank {loss.rank} ({loss.cause})" for loss in membership.losses[-len(decision.lost) :])
@@ -433,6 +458,35 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self._losses = list(self.membership.losses)
             self.membership.close()
             self.membership = None
+
+
+class MembersSampler(DistributedSampler):
+    """An evaluation loader's ``DistributedSampler`` (``base``), sharded at each pass over the ranks that train now
+    (every sample evaluated once, as ``DistributedSampler`` does over all ranks)."""
+
+    def __init__(self, base: DistributedSampler, membership: Membership) -> None:
+        self.__dict__.update(vars(base))
+        self._membership = membership
+        self._place()
+
+    def _place(self) -> None:
+        members = self._membership.members
+        self.num_replicas = len(members)
+        self.rank = members.index(self._membership.rank)
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if self.drop_last and size % self.num_replicas:
+            self.num_samples = math.ceil((size - self.num_replicas) / self.num_replicas)
+        else:
+            self.num_samples = math.ceil(size / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[Any]:
+        self._place()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._place()
+        return self.num_samples
 
 
 def _stop_if_terminated(strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:

@@ -60,6 +60,9 @@ parser.add_argument("--lose-after-backward", action="store_true",
                     help="--lose-rank dies after its backward (its exchange of the step complete) instead")  # fmt: skip
 parser.add_argument("--slow-commit-rank", type=int, default=None,
                     help="this rank commits the exchange of --lose-at-step only once the lost rank died")  # fmt: skip
+parser.add_argument("--collectives", action="store_true",
+                    help="each step logs its loss with sync_dist and all-gathers the ranks training")  # fmt: skip
+parser.add_argument("--validate", action="store_true", help="validate each epoch, logging with sync_dist")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -90,6 +93,9 @@ class Model(L.LightningModule):
         self.current: list[int] | None = None
         self.late: list[bool] = []
         self.late_so_far = 0
+        self.gathered: list[list[int]] = []
+        self.world_sizes: list[int] = []
+        self.validated: list[tuple[int, list[int]]] = []
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
@@ -102,8 +108,14 @@ class Model(L.LightningModule):
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
             if self.global_step == args.lose_at_step and not args.lose_after_backward:
+                time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
                 os.kill(os.getpid(), signal.SIGKILL)
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if args.collectives:
+            self.log("train_loss", loss, sync_dist=True)
+            self.gathered.append(sorted(self.all_gather(torch.tensor(self.global_rank)).tolist()))
+            self.world_sizes.append(self.trainer.world_size)
+        return loss
 
     def on_train_start(self):
         strategy = self.trainer.strategy
@@ -160,6 +172,19 @@ class LoseAfterBackward(L.Callback):
         if trainer.global_rank == args.lose_rank and trainer.global_step == args.lose_at_step:
             (out / "lost").touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ValidatedModel(Model):
+    """The model validated each epoch (--validate), its loss logged with sync_dist."""
+
+    def validation_step(self, batch, batch_idx):
+        index, x, y = batch
+        if not self.trainer.sanity_checking:
+            self.validated.append((self.current_epoch, index.tolist()))
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return DataLoader(IndexedData(args.samples), batch_size=args.batch_size)
 
 
 def attempt() -> int:
@@ -226,7 +251,7 @@ if options:
 
     entry = StrategyRegistry[strategy]
     strategy = entry["strategy"](**{**entry["init_params"], **options})
-model = Model()
+model = ValidatedModel() if args.validate else Model()
 monitor = CommMonitor(print_summary=False) if args.backup_workers or args.on_rank_loss else None
 trainer = L.Trainer(
     strategy=strategy,
@@ -256,5 +281,6 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "monitor_table": monitor.summary.table() if monitor else None,
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k},
             "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
-            "world_size": trainer.world_size},
+            "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
+            "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip

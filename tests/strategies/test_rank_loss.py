@@ -4,6 +4,7 @@ batch is whole again once the lost rank's share is dealt among the survivors."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,17 @@ LOST, LOST_AT = 2, 4
 #:   its gradients again over the survivors (the lost rank's samples of the step are dropped);
 #: - "one behind": SIGKILLed after its exchange completed everywhere, while rank 1 has not committed it yet: rank 0
 #:   committed the step with every rank's samples, rank 1 takes rank 0's weights and optimizer state instead of its
-#:   own update
-#: - "in flight, shared memory": as "in flight", the ranks exchanging through shared memory (the default on one
-#:   machine)
+#:   own update;
+#: - "in flight, shared memory, collectives": as "in flight", the ranks exchanging through shared memory (the default
+#:   on one machine) and the training step logging with sync_dist and all-gathering, which meets the loss first: the
+#:   step trains over the survivors from its collective on, nothing runs again
+#: The last two also validate every epoch (after the loss).
 SCENARIOS = {
     "in flight": ("--intra-node", "ring"),
-    "one behind": ("--intra-node", "ring", "--lose-after-backward", "--slow-commit-rank", "1"),
-    "in flight, shared memory": (),
-}
+    "one behind": ("--intra-node", "ring", "--lose-after-backward", "--slow-commit-rank", "1", "--collectives",
+                   "--validate"),
+    "in flight, shared memory, collectives": ("--collectives", "--validate"),
+}  # fmt: skip
 
 
 def _seen(path: Path) -> dict[int, list[int]]:
@@ -68,10 +72,10 @@ def test_the_survivors_agree_on_the_loss_and_finish(ring_loss):
     assert max(seen) == LOST_AT
     redone = [s["rank_loss"]["redone_steps"] for s in survivors]
     caught_up = [s["rank_loss"]["caught_up_steps"] for s in survivors]
-    if scenario.startswith(
-        "in flight"
-    ):  # every survivor committed step LOST_AT - 1 with the lost rank, and redid LOST_AT
+    if scenario == "in flight":  # every survivor committed LOST_AT steps with the lost rank, then redid one
         assert _with_lost(survivors) == LOST_AT and redone == [1, 1] and caught_up == [0, 0], metrics
+    elif scenario.startswith("in flight"):  # the all-gather met the loss: that step trained without it, once
+        assert _with_lost(survivors) == LOST_AT and redone == [0, 0] and caught_up == [0, 0], metrics
     else:  # rank 0 committed LOST_AT with it; rank 1 took rank 0's state for that step; nothing ran again
         assert _with_lost(survivors) == LOST_AT + 1 and redone == [0, 0] and caught_up == [0, 1], metrics
     for s in survivors:
@@ -108,6 +112,23 @@ def test_the_global_batch_is_dealt_among_the_survivors_and_every_sample_is_train
     assert all(s["rank_loss"]["dropped_samples"] == dropped for s in survivors)
     if with_lost == LOST_AT:
         assert dropped >= BATCH
+
+
+def test_lightning_collectives_and_validation_run_over_the_survivors(ring_loss):
+    scenario, survivors, _ = ring_loss
+    if "--collectives" not in SCENARIOS[scenario]:
+        pytest.skip("this scenario runs no collectives of its own")
+    with_lost = _with_lost(survivors)
+    everyone, left = list(range(DEVICES)), [r for r in range(DEVICES) if r != LOST]
+    for s in survivors:  # all_gather inside the training step, and the world size the trainer reports
+        assert s["gathered"] == [everyone if j < with_lost else left for j in range(len(s["gathered"]))]
+        assert s["world_sizes"] == [DEVICES if j < with_lost else DEVICES - 1 for j in range(len(s["world_sizes"]))]
+    # each epoch's validation (both after the loss) evaluates every sample once, over the survivors
+    for epoch in range(EPOCHS):
+        seen = [i for s in survivors for e, indices in s["validated"] if e == epoch for i in indices]
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}"
+    losses = [s["val_loss"] for s in survivors]
+    assert losses[0] == losses[1] and math.isfinite(losses[0])  # sync_dist: one value on every rank
 
 
 def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(ring_loss):

@@ -108,8 +108,9 @@ class SharedMemoryServerTransport(_SharedMemoryTransport):
         node_key: object = None,
         timeout: float = 300.0,
         wait: str = "auto",
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(group, stats, node_key, timeout, wait)
+        super().__init__(group, stats, node_key, timeout, wait, interrupt)
         self.server = server
 
     @property
