@@ -235,16 +235,25 @@ class DealtBatches(ThroughputBatches):
         self._counted: set[BatchKey] = set()
         self.dropped = 0
         self._committed_key: BatchKey = (-1, -1)
+        #: ranks lost before the training loader (and its balancer) existed
+        self._lost_early: list[int] = []
 
     def reset(self) -> None:
         super().reset()
         self._dropping, self._counted, self.dropped, self._committed_key = None, set(), 0, (-1, -1)
+        self._lost_early = []
 
     def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         if trainer.state.stage != RunningStage.TRAINING:
             return None
         try:
-            return super().training_loader(trainer, dataloader)
+            loader = super().training_loader(trainer, dataloader)
+            if self._lost_early and self.balancer is not None:
+                self.balancer.exclude(
+                    self._lost_early, (self.balancer.latest_drawn[0], self.balancer.latest_drawn[1] + 1)
+                )
+                self._lost_early = []
+            return loader
         except ConfigurationError:
             raise ConfigurationError(
                 "on_rank_loss='continue' deals a lost rank's share of each global batch among the survivors through "
@@ -282,7 +291,6 @@ class DealtBatches(ThroughputBatches):
         if balancer is None:
             return
         key = (trainer.current_epoch, batch_idx)
-        balancer.take_drawn((key[0], key[1] - 1))
         current = balancer.drawn.get(key)
         if current is None:
             raise RuntimeError(
@@ -312,11 +320,15 @@ class DealtBatches(ThroughputBatches):
 
     def exchange_committed(self) -> None:
         self._committed_key = self._batch if self._batch is not None else (-1, -1)
+        if self.balancer is not None:  # the batches up to here trained: their shares are no longer needed
+            self.balancer.take_drawn(self._committed_key)
 
     def exclude(self, lost: list[int]) -> int:
         balancer = self.balancer
         strategy = self.strategy
-        assert balancer is not None
+        if balancer is None:  # no training loader yet (a loss at set-up, in the sanity check): dealt when it comes
+            self._lost_early += lost
+            return 0
         # the survivors' shares start after every member's latest drawn batch; the batches after the last one whose
         # exchange was committed, up to there, train without the lost ranks' samples
         mine = torch.tensor([*self._committed_key, *balancer.latest_drawn], dtype=torch.int64)
@@ -329,7 +341,8 @@ class DealtBatches(ThroughputBatches):
         start = (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
         balancer.exclude(lost, start)
         self._dropping = ((committed[0], committed[1] + 1), start, list(lost))
-        dropped = self._count_dropped(self._batch) if self._batch is not None else 0
+        # the batches of the exchange in flight trained so far (several where gradients accumulate)
+        dropped = sum(self._count_dropped(key) for key in sorted(balancer.drawn) if self._batch and key <= self._batch)
         self.dropped += dropped
         return dropped
 

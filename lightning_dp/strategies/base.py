@@ -331,13 +331,16 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """After the membership changed (``on_rank_loss="continue"``): the groups, the transport and the codec over
         the ranks that train now, on the same buckets (collective over them)."""
         membership = self.rank_loss.membership
-        assert membership is not None and self.reducer is not None
+        assert membership is not None
         self.gradient_group = membership.group("gradients")
         self._control_group = membership.group("control")
         self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
+        if self.reducer is None:  # lost before (or after) a fit's exchange was set up
+            return
+        shared = self.transport.shared_memory if self.transport is not None else self._uses_shared_memory()
         if self.transport is not None:
             self.transport.close()
-        self.transport = self._make_transport(self._uses_shared_memory())
+        self.transport = self._make_transport(shared)
         self.transport.bind(self.reducer.buckets)
         self.codec = self._make_codec(self.transport, self.reducer.buckets)
         self.codec.bind(self.reducer.buckets, self.transport)

@@ -178,8 +178,8 @@ class ProcessGroupStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The epoch's order is that of every rank the job started with (a rank's loss re-deals the global batch
         among the survivors, it does not change the order)."""
-        membership = self.rank_loss.membership
-        replicas = len(membership.original) if membership is not None else self.world_size
+        started = self.rank_loss.started
+        replicas = len(started) if started is not None else self.world_size
         return {"num_replicas": replicas, "rank": self.global_rank}
 
     @property
@@ -275,6 +275,7 @@ class ProcessGroupStrategy(DDPStrategy):
         they get :data:`EXIT_GRACE_SECONDS` to fail on their own and report why (a peer's error is often the same
         one), then they are killed."""
         super().on_exception(exception)
+        self.rank_loss.on_exception()
         processes = getattr(self._launcher, "procs", [])
         wait_for_exit(processes, EXIT_GRACE_SECONDS)
         for process in processes:
@@ -330,23 +331,21 @@ class ProcessGroupStrategy(DDPStrategy):
     @override
     def world_size(self) -> int:
         """How many ranks train now (fewer than started after a loss, with ``on_rank_loss="continue"``)."""
-        membership = self.rank_loss.membership
-        return membership.size if membership is not None else super().world_size
+        members = self.rank_loss.members
+        return len(members) if members is not None else super().world_size
 
     @property
     @override
     def is_global_zero(self) -> bool:
         """Whether this rank holds global rank 0's roles: rank 0, or after its loss the lowest rank training now."""
-        membership = self.rank_loss.membership
-        return membership.leader == self.global_rank if membership is not None else super().is_global_zero
+        members = self.rank_loss.members
+        return members[0] == self.global_rank if members is not None else super().is_global_zero
 
     def source_rank(self, src: int) -> int:
         """Where a collective of Lightning's that names global rank ``src`` takes its value from: ``src``, or the
         lowest rank training now if ``src`` was lost."""
-        membership = self.rank_loss.membership
-        if membership is None or src in membership.members:
-            return src
-        return membership.leader
+        members = self.rank_loss.members
+        return src if members is None or src in members else members[0]
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

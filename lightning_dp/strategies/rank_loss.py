@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import distributed_c10d
 from torch.utils.data import DistributedSampler
@@ -94,6 +95,19 @@ class StopOnRankLoss:
         """What a shared-memory wait calls at every poll, to end it by raising (``None``: nothing)."""
         return None
 
+    @property
+    def members(self) -> tuple[int, ...] | None:
+        """The global ranks training now (``None``: all of them, not tracked)."""
+        return None
+
+    @property
+    def started(self) -> tuple[int, ...] | None:
+        """The global ranks the fit started with (``None``: not tracked)."""
+        return None
+
+    def on_exception(self) -> None:
+        """The run fails on this rank (before teardown)."""
+
     def check_fit(self, strategy: DataParallelStrategy) -> None:
         """Refuse a model, optimizer or trainer setting that cannot survive a loss (at set-up)."""
 
@@ -149,6 +163,14 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.heartbeat_timeout = heartbeat_timeout
         self.max_lost = max_lost
         self.membership: Membership | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fit starts: nothing of an earlier one carries over."""
+        #: the ranks training now, kept after the fit ends (``None`` before a fit)
+        self._members: tuple[int, ...] | None = None
+        self._started: tuple[int, ...] | None = None
+        self._batches: Any = None
         #: exchanges committed so far in this fit
         self.committed = 0
         #: sync points (exchanges and collectives) this rank completed in this fit, and the last one's outcome
@@ -156,14 +178,12 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._last: tuple[str, Any] = (COLLECTIVE, None)
         self._saved: dict[int, Tensor] = {}
         self._saved_this_round: set[int] = set()
-        #: samples of global batches no survivor trained (the lost ranks' shares of steps in flight or drawn)
-        self.dropped_samples = 0
         #: steps whose exchange ran again over the survivors, and steps whose own update this rank skipped to take a
         #: survivor's state instead
         self.redone_steps = 0
         self.caught_up_steps = 0
+        #: per lost rank: the seconds from the change to the survivors going on, and the exchanges committed with it
         self.recovery_seconds: list[float] = []
-        #: the exchanges committed by the most advanced survivor when each loss was agreed
         self.loss_steps: list[int] = []
         self._losses: list[Loss] = []
 
@@ -215,11 +235,25 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if max_lost >= world:
             max_lost = world - 1
         scope = f"{strategy.job_scope or 'lightning_dp/external'}/membership/{_next_membership()}"
+        self._reset()
         self.membership = Membership(
             strategy.global_rank, list(range(world)), distributed_c10d._get_default_store(), scope,
             _group_address(env.main_address), self.heartbeat_timeout, max_lost, backend, strategy.timeout,
         )  # fmt: skip
+        self._members = self._started = self.membership.members
         return self.membership.group("gradients"), self.membership.group("control")
+
+    @property
+    def members(self) -> tuple[int, ...] | None:
+        return self.membership.members if self.membership is not None else self._members
+
+    @property
+    def started(self) -> tuple[int, ...] | None:
+        return self._started
+
+    def on_exception(self) -> None:
+        if self.membership is not None:  # the others see this rank lost, not finished
+            self._close(farewell=False)
 
     def check_fit(self, strategy: DataParallelStrategy) -> None:
         module = strategy.lightning_module
@@ -248,6 +282,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 )
 
     def setup_trainer(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
+        self._batches = strategy.batches
         # Lightning's SIGTERM broadcast before every step (and its signal handler's) run on the default group, which
         # a lost rank leaves broken: the flag is combined over the ranks training now instead
         self._undo = [
@@ -278,7 +313,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 self._run_point(lambda: exchange(copy_back))  # noqa: B023 - run at once
             except MembershipChange:
                 reducer.abandon()
-                outcome = self._recover(strategy, EXCHANGE)
+                outcome, factor = self._recover(strategy, EXCHANGE)
                 if outcome is not _REDO:  # the step's update is the donor's, taken already: this rank's is skipped
                     for p in reducer.params:
                         p.grad = None
@@ -286,7 +321,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     self.caught_up_steps += 1
                     self._exchange_done(strategy)
                     return
-                self._restore(reducer, strategy)
+                self._restore(reducer, factor)
                 exchange = reducer.resend
                 self.redone_steps += 1
                 continue
@@ -295,11 +330,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return
 
     def collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
+        if self.membership is None:  # after the fit (a checkpoint saved later): over the last members, as they are
+            return run(strategy.control_group)
         while True:
             try:
                 return self._run_point(lambda: run(strategy.control_group), keep=True)
             except MembershipChange:
-                outcome = self._recover(cast("DataParallelStrategy", strategy), COLLECTIVE)
+                outcome, _ = self._recover(cast("DataParallelStrategy", strategy), COLLECTIVE)
                 if outcome is not _REDO:
                     return cast(T, outcome)
 
@@ -354,10 +391,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.committed += 1
         strategy.batches.exchange_committed()
 
-    def _restore(self, reducer: BucketReducer, strategy: DataParallelStrategy) -> None:
-        """Put back this rank's own gradients into the buckets an abandoned exchange touched, weighed for the
-        survivors."""
-        factor = strategy.batches.reweigh_in_flight()
+    def _restore(self, reducer: BucketReducer, factor: float) -> None:
+        """Put back this rank's own gradients into the buckets an abandoned exchange touched, times ``factor`` (their
+        weight among the survivors over the weight they were computed with)."""
         for bucket in reducer.buckets:
             if bucket.index in self._saved_this_round:
                 bucket.buffer.copy_(self._saved[bucket.index])
@@ -365,20 +401,53 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 bucket.buffer[: bucket.grad_numel].mul_(factor)
         self._saved_this_round.clear()
 
-    def _recover(self, strategy: DataParallelStrategy, kind: str) -> Any:
+    def _recover(self, strategy: DataParallelStrategy, kind: str) -> tuple[Any, float]:
         """Agree with the survivors on the new membership, re-form the exchange over them, and bring every member to
-        the same sync point; this rank is at a point of ``kind``. Returns :data:`_REDO` where this rank's point must
-        run again over the survivors, else its outcome as a member that completed it had it (a collective's result;
-        for an exchange its update, taken with the weights and optimizer state).
+        the same sync point; this rank is at a point of ``kind``. Returns the outcome (:data:`_REDO` where this rank's
+        point must run again over the survivors, else its outcome as a member that completed it had it: a
+        collective's result; for an exchange its update, taken with the weights and optimizer state) and the factor
+        from the weight of the batch in flight's gradient to its weight among the survivors.
 
         A point completes on a rank only once every member has reached it, so after a loss every member has completed
         the same points, or one more (its last messages arrived where others' did not): those one point behind take
-        that point's outcome from the lowest member that completed it."""
+        that point's outcome from the lowest member that completed it. Another loss during all this starts it
+        again."""
         membership = self.membership
         assert membership is not None
         started = time.monotonic()
-        decision = membership.recover()
-        strategy.rebuild_exchange()
+        while True:
+            try:
+                decision = membership.recover()
+                strategy.rebuild_exchange()
+                outcome = self._align(strategy, decision, kind)
+                strategy.batches.exclude(list(decision.lost))
+                break
+            except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
+                change = membership.interpret(error)
+                if not isinstance(change, MembershipChange):
+                    if change is error:
+                        raise
+                    raise change from error
+        factor = strategy.batches.reweigh_in_flight()
+        trainer = trainer_of(strategy.lightning_module)
+        if trainer is not None:
+            reset_evaluation_data(trainer)
+        self._members = membership.members
+        if membership.leader == strategy.global_rank:  # global rank 0's roles: logging, checkpoints, the progress bar
+            rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        lost = [loss for loss in membership.losses if loss.generation == decision.generation]
+        seconds = time.monotonic() - started
+        committed = self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0)
+        self.recovery_seconds += [seconds] * len(lost)
+        self.loss_steps += [committed] * len(lost)
+        rank_zero_warn(
+            f"strategy {strategy.strategy_name!r}: lost {', '.join(f'rank {x.rank} ({x.cause})' for x in lost)}; the "
+            f"job goes on with ranks {list(decision.members)} (on_rank_loss='continue')"
+        )
+        return outcome, factor
+
+    def _align(self, strategy: DataParallelStrategy, decision: Decision, kind: str) -> Any:
+        """Bring every member to the same sync point (see :meth:`_recover`); this rank's outcome."""
         positions = decision.committed
         latest = max(positions.values())
         if min(positions.values()) < latest - 1:
@@ -388,21 +457,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 "strategy's (on the default group, or on a group of the module's own) can cause: the run cannot go on "
                 "exactly; restart it from its last checkpoint"
             )
-        outcome: Any = _REDO
-        if any(p < latest for p in positions.values()):
-            outcome = self._take_from_donor(strategy, decision, latest, kind)
-        self.dropped_samples += strategy.batches.exclude(list(decision.lost))
-        trainer = trainer_of(strategy.lightning_module)
-        if trainer is not None:
-            reset_evaluation_data(trainer)
-        self.recovery_seconds.append(time.monotonic() - started)
-        self.loss_steps.append(self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0))
-        lost = ", ".join(f"rank {loss.rank} ({loss.cause})" for loss in membership.losses[-len(decision.lost) :])
-        rank_zero_warn(
-            f"strategy {strategy.strategy_name!r}: lost {lost}; the job goes on with ranks {list(decision.members)} "
-            "(on_rank_loss='continue')"
-        )
-        return outcome
+        if all(p == latest for p in positions.values()):
+            return _REDO
+        return self._take_from_donor(strategy, decision, latest, kind)
 
     def _take_from_donor(self, strategy: DataParallelStrategy, decision: Decision, latest: int, kind: str) -> Any:
         """The lowest member that completed sync point ``latest`` sends its outcome to the members one point behind
@@ -421,18 +478,25 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"rank {strategy.global_rank} stopped at a {kind} where rank {donor} completed a {done_kind}: the "
                 "ranks do not run the same sync points in the same order (a collective called on some ranks only?)"
             )
-        if done_kind == EXCHANGE:
-            broadcast_tensors([p.data for p in strategy.model.parameters()], src=donor_rank, group=group)
-            for optimizer in map(unwrap_optimizer, strategy.optimizers):
-                state = [optimizer.state_dict() if strategy.global_rank == donor else None]
-                dist.broadcast_object_list(state, group=group, group_src=donor_rank)
-                if behind:
-                    assert state[0] is not None
-                    optimizer.load_state_dict(state[0])
+        if done_kind == EXCHANGE:  # everything arrives before anything is applied: a loss meanwhile changes nothing
+            params = [p.data for p in strategy.model.parameters()]
+            weights = [p.clone() for p in params]
+            broadcast_tensors(weights, src=donor_rank, group=group)
+            states: list[Any] = [[unwrap_optimizer(o).state_dict() for o in strategy.optimizers]
+                                 if strategy.global_rank == donor else None]  # fmt: skip
+            dist.broadcast_object_list(states, group=group, group_src=donor_rank)
+            if behind:
+                with torch.no_grad():
+                    for p, w in zip(params, weights):
+                        p.copy_(w)
+                for optimizer, state in zip(map(unwrap_optimizer, strategy.optimizers), states[0]):
+                    optimizer.load_state_dict(state)
         if not behind:
             return _REDO
         self.position = latest
         self._last = (done_kind, result)
+        assert self.membership is not None
+        self.membership.agreement.committed = latest  # what this rank reports if another loss follows
         return result
 
     # ------------------------------------------------------------------ what the run lost
@@ -447,16 +511,19 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "loss_causes": [loss.cause for loss in self.losses],
             "loss_steps": list(self.loss_steps),
             "recovery_seconds": list(self.recovery_seconds),
-            "dropped_samples": self.dropped_samples,
+            "dropped_samples": getattr(self._batches, "dropped", 0),
             "redone_steps": self.redone_steps,
             "caught_up_steps": self.caught_up_steps,
         }
 
     def close(self) -> None:
+        self._close(farewell=True)
+
+    def _close(self, farewell: bool) -> None:
         super().close()
         if self.membership is not None:
             self._losses = list(self.membership.losses)
-            self.membership.close()
+            self.membership.close(farewell)
             self.membership = None
 
 

@@ -237,7 +237,8 @@ def test_survivors_go_on_through_kills_and_stops_and_a_side_without_majority_sto
     fenced = results[4]
     assert fenced is not None and fenced["end"] == "FencedError", fenced
     assert "declared lost" in fenced["message"]
-    assert [s for s, *_ in fenced["sums"]] == list(range(15))  # it took no step after it was stopped
+    # it took no step after it was stopped (stopped at step 15 of the others, it may not have completed step 14)
+    assert [s for s, *_ in fenced["sums"]] == list(range(len(fenced["sums"]))) and len(fenced["sums"]) in (14, 15)
 
     everyone, after_0, after_4 = 15.0, 14.0, 9.0
     for rank in (1, 2):

@@ -92,7 +92,8 @@ def quorum_problem(members: list[int], original: int, max_lost: int, lost: list[
 class Agreement:
     """The agreement state of rank ``rank`` (see the module docstring). ``send(peer, message)`` queues a message on
     the control plane; ``serve_store()`` starts a store for the next generation's groups on this rank and returns
-    its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when a change begins here."""
+    its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when a change begins here, and
+    ``on_adopt(decision)`` when this rank adopts a decision (both under the agreement's lock: keep them short)."""
 
     def __init__(
         self,
@@ -104,6 +105,7 @@ class Agreement:
         send: Send,
         serve_store: Callable[[], tuple[str, int]],
         on_change: Callable[[], None],
+        on_adopt: Callable[[Decision], None] = lambda decision: None,
     ) -> None:
         self.rank = rank
         self.generation = 0
@@ -115,10 +117,12 @@ class Agreement:
         self._send = send
         self._serve_store = serve_store
         self._on_change = on_change
+        self._on_adopt = on_adopt
         self._cond = threading.Condition()
         #: the generation whose process groups the training side uses (see :meth:`activate`)
         self.active = 0
-        self.committed = -1
+        #: the progress this rank reports (the caller's count of what it completed, see :meth:`commit`)
+        self.committed = 0
         self._changing_since: float | None = None
         self._suspected: dict[int, str] = {}
         self._reported_to: int | None = None
@@ -175,9 +179,9 @@ class Agreement:
     def suspect(self, peer: int, cause: str, direct: bool) -> None:
         """This rank suspects ``peer`` (``direct``), or heard that another rank does."""
         with self._cond:
-            if peer == self.rank:
+            if peer == self.rank or peer not in self.members:  # a rank already left out: no new change
                 return
-            if direct and peer in self.members:
+            if direct:
                 self._suspected.setdefault(peer, cause)
             self._begin()
             self._progress()
@@ -278,6 +282,7 @@ class Agreement:
             return
         self.generation = decision.generation
         self.members = decision.members
+        self._on_adopt(decision)
         self._suspected.clear()
         self._reports.clear()
         self._reported_to = None
@@ -298,7 +303,12 @@ class Agreement:
         kind = message.get("t")
         if kind == "decision" and generation == self.generation + 1:
             self._begin()
-            self._adopt(Decision.from_message(message))
+            decision = Decision.from_message(message)
+            # passed on to every other member: if the leader died while sending it, no member is left without it
+            for peer in decision.members:
+                if peer not in (self.rank, message.get("from")):
+                    self._send(peer, decision.message())
+            self._adopt(decision)
         elif kind == "report" and generation == self.generation:
             self._reports[int(message["rank"])] = message
             self._begin()

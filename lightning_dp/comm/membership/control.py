@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -109,6 +110,7 @@ class ControlPlane:
         self._selector = selectors.DefaultSelector()
         self._waker_read, self._waker_write = socket.socketpair()
         self._waker_read.setblocking(False)
+        self._waker_write.setblocking(False)
         self._selector.register(self._waker_read, selectors.EVENT_READ, None)
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
@@ -127,7 +129,7 @@ class ControlPlane:
         store.set(f"{scope}/control/{rank}", f"{address}:{port}")
         deadline = time.monotonic() + timeout
         for peer in sorted(r for r in self._expected if r < rank):
-            store.wait([f"{scope}/control/{peer}"], dist.constants.default_pg_timeout)
+            store.wait([f"{scope}/control/{peer}"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
             host_port = store.get(f"{scope}/control/{peer}").decode()
             self._dial(peer, host_port, deadline)
         with self._connected:
@@ -297,13 +299,13 @@ class ControlPlane:
             self._wake()
             self._refuse_later(state, why)
 
-    def close(self) -> None:
-        """Say goodbye to every peer (so that none takes this rank for lost), stop the thread and close every
-        connection."""
+    def close(self, farewell: bool = True) -> None:
+        """Stop the thread and close every connection; with ``farewell`` first say goodbye to every peer, so that
+        none takes this rank for lost (it finished), else they see it lost (it failed)."""
         with self._lock:
             if self._closing:
                 return
-            peers = list(self._peers)
+            peers = list(self._peers) if farewell else []
         for peer in peers:
             self.send(peer, {"t": "bye"})
         deadline = time.monotonic() + 1.0

@@ -111,7 +111,8 @@ class Membership:
         self.generation = 0
         #: every rank the job went on without, in order
         self.losses: list[Loss] = []
-        self._store = store
+        self._store: dist.Store | None = store
+        self._store_at: tuple[str, int] = ("", 0)
         self._store_prefix = f"{scope}/gen0"
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._connections: list[int] = []
@@ -123,7 +124,8 @@ class Membership:
                                     timeout=timeout.total_seconds())  # fmt: skip
         self.agreement = Agreement(rank, list(self.original), len(self.original), max_lost,
                                    timeout=max(10.0, 3 * heartbeat_timeout), send=self.control.send,
-                                   serve_store=self._serve_store, on_change=self._on_change)  # fmt: skip
+                                   serve_store=self._serve_store, on_change=self._on_change,
+                                   on_adopt=self._on_adopt)  # fmt: skip
         self.control.attach(self.agreement)
 
     # ------------------------------------------------------------------ the current generation
@@ -150,10 +152,14 @@ class Membership:
         if found is not None:
             return found
         self.check()
-        generation, members, store = self.generation, self.members, dist.PrefixStore(self._store_prefix, self._store)
+        with self._lock:
+            generation, members, prefix, address = self.generation, self.members, self._store_prefix, self._store_at
         group_name = f"{self.scope}/gen{generation}/{name}"
 
         def create() -> dist.ProcessGroup:
+            if self._store is None:  # the generation's leader serves it; a follower connects on first use
+                self._store = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.timeout)
+            store = dist.PrefixStore(prefix, self._store)
             return form_group(members, self.rank, store, group_name, self.backend, self.timeout)
 
         group, connections = self._interruptible(
@@ -162,8 +168,8 @@ class Membership:
         with self._lock:
             self._groups[name] = group
             self._connections.extend(connections)
-            stale = self.generation != generation or self.agreement.changing
-        if stale:  # a change began while the group formed: fence it with the others
+            moved_on = self.generation != generation
+        if moved_on or self.agreement.changing:  # a change began while the group formed: fence it with the others
             fence(connections)
             self.check()
         return group
@@ -227,21 +233,14 @@ class Membership:
         decision = self.agreement.wait()
         began = self._change_began if self._change_began is not None else time.monotonic()
         lost = set(self.members) - set(decision.members)
-        named = ", ".join(f"rank {r} ({decision.causes.get(r, 'lost')})" for r in sorted(lost))
-        self.control.retire(lost, f"declared lost in generation {decision.generation}: {named}")
-        self.control.clear(set(decision.members))
-        host, port = decision.store
-        if decision.members[0] == self.rank:
-            store = self._served_stores[-1]
-        else:
-            store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
         with self._lock:
             self._old_groups.extend(self._groups.values())
             self._groups = {}
             self._connections = []
             self.members = decision.members
             self.generation = decision.generation
-            self._store = store
+            self._store = self._served_stores[-1] if decision.members[0] == self.rank else None
+            self._store_at = decision.store
             self._store_prefix = f"{self.scope}/gen{decision.generation}"
             self._change_began = None
         self.agreement.activate(decision.generation)
@@ -252,6 +251,14 @@ class Membership:
         log.warning("rank %d: the job goes on with ranks %s (generation %d) without rank(s) %s",
                     self.rank, list(decision.members), decision.generation, sorted(lost))  # fmt: skip
         return decision
+
+    def _on_adopt(self, decision: Decision) -> None:
+        """A decision is adopted (on the control plane's thread): the ranks it leaves out are told so and dropped at
+        once, so that nothing they send counts and a late suspicion of them starts no new change."""
+        lost = set(decision.lost)
+        named = ", ".join(f"rank {r} ({decision.causes.get(r, 'lost')})" for r in sorted(lost))
+        self.control.retire(lost, f"declared lost in generation {decision.generation}: {named}")
+        self.control.clear(set(decision.members))
 
     def _on_change(self) -> None:
         """A change began (on the control plane's thread): fence this generation's groups at once."""
@@ -267,6 +274,7 @@ class Membership:
         self._served_stores = [*self._served_stores[-1:], store]
         return self.host, int(store.port)
 
-    def close(self) -> None:
-        """Leave: the control plane closes (the others see this rank go)."""
-        self.control.close()
+    def close(self, farewell: bool = True) -> None:
+        """Leave: the control plane closes. With ``farewell`` the others are told this rank finished (no loss);
+        without, they see it go as a lost rank (it failed)."""
+        self.control.close(farewell)
