@@ -386,9 +386,9 @@ class ProcessGroupStrategy(DDPStrategy):
         with naming_lost_peer(what, group, self._peers):
             if group is not None and group is not dist.group.WORLD:
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            # on a copy: an attempt a lost rank interrupts may leave partial sums in the tensor it reduced
+            reducible = self.rank_loss.reducible
             return self.rank_loss.collective(
-                self, lambda g: _sync_ddp_if_available(tensor.clone(), g, reduce_op=reduce_op)
+                self, lambda g: _sync_ddp_if_available(reducible(tensor), g, reduce_op=reduce_op)
             )
 
     @override

@@ -129,6 +129,10 @@ class StopOnRankLoss:
         """Run ``run(group)``, a collective of the training loop or of Lightning's, on the control group."""
         return run(strategy.control_group)
 
+    def reducible(self, tensor: Tensor) -> Tensor:
+        """The tensor an in-place collective may overwrite: the caller's own."""
+        return tensor
+
     def broadcast_object(self, strategy: ProcessGroupStrategy, obj: T, src: int) -> T:
         """Global rank ``src``'s ``obj`` on every rank (Lightning's broadcast; collective)."""
         container = [obj]
@@ -339,6 +343,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 outcome, _ = self._recover(cast("DataParallelStrategy", strategy), COLLECTIVE)
                 if outcome is not _REDO:
                     return cast(T, outcome)
+
+    def reducible(self, tensor: Tensor) -> Tensor:
+        # a copy: an attempt a lost rank interrupts may leave partial sums in what it reduced, and it runs again
+        return tensor.clone()
 
     def broadcast_object(self, strategy: ProcessGroupStrategy, obj: T, src: int) -> T:
         # an all-gather, not a broadcast: no rank completes it before every rank has reached it (see _recover)
