@@ -422,13 +422,17 @@ class ContinueOnRankLoss(StopOnRankLoss):
         again."""
         membership = self.membership
         assert membership is not None
-        started = time.monotonic()
+        started, before = time.monotonic(), membership.generation
+        outcome: Any = _REDO  # a catch-up taken in a pass that another loss interrupted still counts
         while True:
             try:
                 decision = membership.recover()
                 strategy.rebuild_exchange()
-                outcome = self._align(strategy, decision, kind)
-                strategy.batches.exclude(list(decision.lost))
+                aligned = self._align(strategy, decision, kind)
+                if aligned is not _REDO:
+                    outcome = aligned
+                lost = [loss for loss in membership.losses if loss.generation > before]
+                strategy.batches.exclude([loss.rank for loss in lost])  # (a rank already dealt out again: no change)
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
                 change = membership.interpret(error)
@@ -443,7 +447,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._members = membership.members
         if membership.leader == strategy.global_rank:  # global rank 0's roles: logging, checkpoints, the progress bar
             rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
-        lost = [loss for loss in membership.losses if loss.generation == decision.generation]
         seconds = time.monotonic() - started
         committed = self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0)
         self.recovery_seconds += [seconds] * len(lost)

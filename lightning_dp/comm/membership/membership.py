@@ -157,10 +157,15 @@ class Membership:
         group_name = f"{self.scope}/gen{generation}/{name}"
 
         def create() -> dist.ProcessGroup:
-            if self._store is None:  # the generation's leader serves it; a follower connects on first use
-                self._store = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.timeout)
-            store = dist.PrefixStore(prefix, self._store)
-            return form_group(members, self.rank, store, group_name, self.backend, self.timeout)
+            with self._lock:
+                base = self._store if self.generation == generation else None
+            if base is None:  # the generation's leader serves it; a follower connects on first use
+                base = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.timeout)
+                with self._lock:
+                    if self.generation == generation:  # (a formation abandoned for a newer generation keeps out)
+                        self._store = base
+            return form_group(members, self.rank, dist.PrefixStore(prefix, base), group_name, self.backend,
+                              self.timeout)  # fmt: skip
 
         group, connections = self._interruptible(
             lambda: connections_opened_by(create, exclude=self.control.descriptors()), f"forming group {name!r}"
