@@ -140,12 +140,6 @@ class ControlPlane:
                 )
 
     # ------------------------------------------------------------------ connections
-    @property
-    def endpoint(self) -> tuple[str, int]:
-        """The address and port this rank's control plane listens on."""
-        address, port = self._listener.getsockname()[:2]
-        return str(address), int(port)
-
     def descriptors(self) -> set[int]:
         """The file descriptors of this control plane's sockets (never fenced with a process group's)."""
         with self._lock:

@@ -53,7 +53,8 @@ class Loss:
     cause: str
     #: the generation that left it out
     generation: int
-    #: the last step every survivor had seen it take part in (the highest step any survivor committed)
+    #: the progress the job had when it went on without it: the highest count any survivor had committed (see
+    #: :meth:`Membership.commit`; under a strategy, sync points rather than optimizer steps)
     step: int
     #: seconds from the first suspicion on this rank to the new generation's groups being ready here
     recovery_seconds: float
@@ -129,11 +130,6 @@ class Membership:
         self.control.attach(self.agreement)
 
     # ------------------------------------------------------------------ the current generation
-    @property
-    def group_rank(self) -> int:
-        """This rank's rank in the current generation's groups."""
-        return self.members.index(self.rank)
-
     @property
     def size(self) -> int:
         """How many ranks train now."""
