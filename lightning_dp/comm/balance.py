@@ -255,7 +255,9 @@ class BalancedBatchSampler(Sampler[list[int]]):
     is ``base``'s.
 
     ``skip``: batches of epoch ``skip_epoch`` already trained (an exact mid-epoch resume); the first iteration
-    starts after them if it is of that epoch."""
+    starts after them if it is of that epoch. ``global_batch`` and ``order_ranks`` (a job resumed on another number
+    of ranks, keeping its global batch and its epochs' order): global batches of ``global_batch`` indices instead of
+    ``N b``, from the epoch as ``DistributedSampler`` pads it for ``order_ranks`` replicas instead of ``N``."""
 
     def __init__(
         self,
@@ -266,6 +268,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         rank: int,
         skip: int = 0,
         skip_epoch: int = 0,
+        global_batch: int | None = None,
+        order_ranks: int | None = None,
     ) -> None:
         self.sampler = base
         self.batch_size = batch_size
@@ -275,6 +279,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.num_replicas = base.num_replicas
         self.skip = skip
         self.skip_epoch = skip_epoch
+        self.global_batch = global_batch if global_batch is not None else batch_size * base.num_replicas
+        self.order_ranks = order_ranks if order_ranks is not None else base.num_replicas
 
     @property
     def epoch(self) -> int:
@@ -284,9 +290,17 @@ class BalancedBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
+    def _total_size(self) -> int:
+        """The epoch's indices for all ranks: ``DistributedSampler``'s ``total_size`` with ``order_ranks``
+        replicas."""
+        size, ranks = len(self.sampler.dataset), self.order_ranks  # type: ignore[arg-type]
+        if self.sampler.drop_last and size % ranks:
+            return math.ceil((size - ranks) / ranks) * ranks
+        return math.ceil(size / ranks) * ranks
+
     def __len__(self) -> int:
-        per_rank = self.sampler.num_samples
-        return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+        total = self._total_size()
+        return total // self.global_batch if self.drop_last else math.ceil(total / self.global_batch)
 
     def _epoch_order(self) -> list[int]:
         """The epoch's indices for every rank, in the order of the global batches: position ``i N + r`` holds rank
@@ -294,13 +308,14 @@ class BalancedBatchSampler(Sampler[list[int]]):
         list before it takes every ``N``-th index for a rank: its own iteration with one replica over the ``N``
         replicas' total."""
         whole = copy.copy(self.sampler)
-        whole.num_replicas, whole.rank, whole.num_samples = 1, 0, self.sampler.total_size
+        whole.num_replicas, whole.rank = 1, 0
+        whole.num_samples = whole.total_size = self._total_size()
         whole.set_epoch(self.epoch)
         return list(whole)
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self._epoch_order()
-        full = self.batch_size * self.num_replicas
+        full = self.global_batch
         start = self.skip if self.epoch == self.skip_epoch else 0
         self.skip = 0  # the next iteration, this epoch again or a later one, is whole
         for j in range(start, len(self)):

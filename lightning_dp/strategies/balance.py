@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
@@ -37,6 +37,8 @@ from lightning_dp.strategies.resume import _silence_not_resumable, batches_alrea
 BALANCE = ("none", "throughput")
 #: where a full checkpoint keeps the schedule of shares
 CHECKPOINT_KEY = "lightning_dp_batch_shares"
+#: the entry of a checkpoint written after a loss of ranks: its global batch and the ranks that order each epoch
+KEPT_KEY = "kept_global_batch"
 
 
 class EqualBatches:
@@ -84,6 +86,7 @@ class EqualBatches:
 
     def load_state_dict(self, state: dict | None) -> None:
         """Take what a checkpoint kept."""
+        _refuse_to_keep(state, self.name)
 
 
 class ThroughputBatches(EqualBatches):
@@ -131,7 +134,7 @@ class ThroughputBatches(EqualBatches):
             )
         assert isinstance(sampler, DistributedSampler) and isinstance(batch_sampler, BatchSampler)
         strategy = self.strategy
-        global_batch = batch_sampler.batch_size * self._started_ranks()
+        global_batch, order_ranks = self._global_batch(batch_sampler.batch_size)
         # a loader draws up to workers x prefetch_factor batches ahead, and Lightning's fetcher one more
         ahead = dataloader.num_workers * (dataloader.prefetch_factor or 0) if dataloader.num_workers else 0
         if self.balancer is None or self.balancer.global_batch != global_batch:
@@ -148,13 +151,19 @@ class ThroughputBatches(EqualBatches):
         if done >= _parse_num_batches(RunningStage.TRAINING, len(batch_sampler), trainer.limit_train_batches):
             done = 0  # the epoch was complete: the next one starts from its beginning
         balanced = BalancedBatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last, self.balancer,
-                                        strategy.global_rank, skip=done, skip_epoch=trainer.current_epoch)  # fmt: skip
+                                        strategy.global_rank, skip=done, skip_epoch=trainer.current_epoch,
+                                        global_batch=global_batch, order_ranks=order_ranks)  # fmt: skip
         self.balancer.batches_per_epoch = len(balanced)
         balanced.set_epoch(trainer.current_epoch)
         if done:
             _silence_not_resumable()
             rank_zero_info(f"resuming mid-epoch: the balanced sampler skips the {done} batches already trained")
         return _with_batch_sampler(dataloader, balanced)
+
+    def _global_batch(self, batch_size: int) -> tuple[int, int]:
+        """The samples of a global batch, and the ranks whose ``DistributedSampler`` pads each epoch's order: those
+        the run started with."""
+        return batch_size * self._started_ranks(), self._started_ranks()
 
     def _started_ranks(self) -> int:
         """The ranks the job started with (the shares are theirs; a lost rank's is 0)."""
@@ -211,7 +220,7 @@ class ThroughputBatches(EqualBatches):
         return self.balancer.state_dict() if self.balancer is not None else self._saved
 
     def load_state_dict(self, state: dict | None) -> None:
-        if state is None:
+        if state is None or _refuse_to_keep(state, self.name):
             return
         self._saved = state
         if self.balancer is not None:
@@ -235,23 +244,57 @@ class DealtBatches(ThroughputBatches):
         self._counted: set[BatchKey] = set()
         self.dropped = 0
         self._committed_key: BatchKey = (-1, -1)
-        #: ranks lost before the training loader (and its balancer) existed
-        self._lost_early: list[int] = []
+        #: ranks lost before the training loader (and its balancer) existed, and the batch their shares end at
+        self._lost_early: list[tuple[list[int], BatchKey]] = []
+        #: ``(global batch, order ranks)`` kept from a checkpoint written after a loss (``None``: Lightning's)
+        self._kept: tuple[int, int] | None = None
 
     def reset(self) -> None:
         super().reset()
         self._dropping, self._counted, self.dropped, self._committed_key = None, set(), 0, (-1, -1)
-        self._lost_early = []
+        self._lost_early, self._kept = [], None
+
+    def _global_batch(self, batch_size: int) -> tuple[int, int]:
+        if self._kept is None:
+            return super()._global_batch(batch_size)
+        global_batch, order_ranks = self._kept
+        if global_batch < self._started_ranks():
+            raise ConfigurationError(
+                f"on_rank_loss='continue': the checkpoint's global batch of {global_batch} samples cannot be dealt "
+                f"over the {self._started_ranks()} ranks of this run (each needs one)"
+            )
+        return global_batch, order_ranks
+
+    def state_dict(self) -> dict | None:
+        """After a loss (or in a run that resumed one): the global batch and the ranks that order each epoch, so
+        that a resumed run trains the same global batches on any number of ranks; else nothing (a resumed run's
+        global batch is its batch size times its ranks, as under ``ddp``)."""
+        balancer = self.balancer
+        if balancer is None:
+            return {KEPT_KEY: list(self._kept)} if self._kept is not None else None
+        if self._kept is None and all(balancer.shares):
+            return None
+        return {KEPT_KEY: list(self._kept or (balancer.global_batch, balancer.num_ranks))}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None or KEPT_KEY not in state:  # (shares of balance='throughput': this run's are equal)
+            return
+        global_batch, order_ranks = (int(n) for n in state[KEPT_KEY])
+        self._kept = (global_batch, order_ranks)
+        self.balancer = None  # made again for this global batch by the training loader
+        rank_zero_info(
+            f"on_rank_loss='continue': the checkpoint was written after a loss of ranks; the resumed run keeps its "
+            f"global batch of {global_batch} samples, dealt over the ranks that train now"
+        )
 
     def training_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         if trainer.state.stage != RunningStage.TRAINING:
             return None
         try:
             loader = super().training_loader(trainer, dataloader)
-            if self._lost_early and self.balancer is not None:
-                self.balancer.exclude(
-                    self._lost_early, (self.balancer.latest_drawn[0], self.balancer.latest_drawn[1] + 1)
-                )
+            if self.balancer is not None:
+                for lost, start in self._lost_early:  # (the new sampler has drawn nothing yet)
+                    self.balancer.exclude(lost, start)
                 self._lost_early = []
             return loader
         except ConfigurationError:
@@ -326,25 +369,42 @@ class DealtBatches(ThroughputBatches):
     def exclude(self, lost: list[int]) -> int:
         balancer = self.balancer
         strategy = self.strategy
-        if balancer is None:  # no training loader yet (a loss at set-up, in the sanity check): dealt when it comes
-            self._lost_early += lost
-            return 0
         # the survivors' shares start after every member's latest drawn batch; the batches after the last one whose
-        # exchange was committed, up to there, train without the lost ranks' samples
-        mine = torch.tensor([*self._committed_key, *balancer.latest_drawn], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(strategy.control_group))]
-        dist.all_gather(everyone, mine, group=strategy.control_group)
+        # exchange was committed, up to there, train without the lost ranks' samples. Collective on every member,
+        # those without a training loader yet (it comes after a loss at set-up, or in the sanity check) included.
+        if balancer is not None:
+            mine = [*self._committed_key, *balancer.latest_drawn, balancer.batches_per_epoch or 0]
+        else:
+            mine = [-1, -1, -1, -1, 0]
+        everyone = [torch.empty(5, dtype=torch.int64) for _ in range(dist.get_world_size(strategy.control_group))]
+        dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64), group=strategy.control_group)
         rows = [t.tolist() for t in everyone]
         committed = max((r[0], r[1]) for r in rows)
         latest = max((r[2], r[3]) for r in rows)
-        per_epoch = balancer.batches_per_epoch
+        per_epoch = max(r[4] for r in rows)
         start = (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
+        if balancer is None:
+            self._lost_early.append((list(lost), start))
+            return 0
         balancer.exclude(lost, start)
         self._dropping = ((committed[0], committed[1] + 1), start, list(lost))
         # the batches of the exchange in flight trained so far (several where gradients accumulate)
         dropped = sum(self._count_dropped(key) for key in sorted(balancer.drawn) if self._batch and key <= self._batch)
         self.dropped += dropped
         return dropped
+
+
+def _refuse_to_keep(state: dict | None, balance: str) -> bool:
+    """Whether ``state`` is the kept global batch of a job that lost ranks, which ``balance`` cannot keep (then
+    say so: the resumed run's global batch is its batch size times its ranks)."""
+    if state is None or KEPT_KEY not in state:
+        return False
+    rank_zero_warn(
+        f"the checkpoint was written after a loss of ranks, with a global batch of {state[KEPT_KEY][0]} samples; "
+        f"with balance={balance!r} and on_rank_loss='stop' this run's global batch is its batch size times its "
+        "ranks instead. Resume with on_rank_loss='continue' (balance='none') to keep it."
+    )
+    return True
 
 
 def make_batches(strategy: Any, balance: str, interval: Any, tolerance: Any, dealt: bool = False) -> EqualBatches:

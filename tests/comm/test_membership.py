@@ -116,6 +116,26 @@ def test_a_leader_lost_during_the_agreement_is_replaced_by_the_next_lowest_rank(
 
 
 @pytest.mark.unit
+def test_a_leader_lost_after_it_sent_its_decision_is_suspected_at_once_in_the_next_generation():
+    net = _Network(5)
+    net.lose(2)
+    while net.agreements[0].generation == 0:  # up to rank 0's decision, queued but not yet delivered
+        sender, peer, message = net.queue.popleft()
+        message["from"] = sender
+        net.agreements[peer].receive(message)
+    for r in (1, 3, 4):  # rank 0 dies now: its connections close before its decision reaches anyone
+        net.agreements[r].suspect(0, "closed", True)
+    net.pump()  # the decision still arrives (it was on the wire)
+    net.dead.add(0)
+    net.pump()
+    for r in (1, 3, 4):
+        first = net.outcome(r)
+        assert isinstance(first, Decision) and first.generation in (1, 2), (r, first)
+        latest = first if first.generation == 2 else net.outcome(r)
+        assert isinstance(latest, Decision) and latest.members == (1, 3, 4) and latest.lost == (0,), (r, latest)
+
+
+@pytest.mark.unit
 def test_a_cut_link_leaves_out_one_end_and_the_rest_go_on():
     net = _Network(4)
     net.cut.add(frozenset((0, 3)))

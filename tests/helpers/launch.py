@@ -60,13 +60,15 @@ atexit.register(WARM.close)
 
 
 def run_script(
-    script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True
-) -> subprocess.CompletedProcess:
+    script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True,
+    deaths_expected: bool = False,
+) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout. With
     ``LIGHTNING_DP_TEST_NODES=N`` in ``env``, start ``N`` processes, each a single-device node (``NODE_RANK``).
 
-    With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way.
-    """
+    With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way, and every
+    process's exit code in ``.codes``. ``deaths_expected``: a process that exits non-zero gives the others no
+    shorter time to finish (a test that kills one)."""
     full_env = {**launch_env(), **(env or {})}
     command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
     nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
@@ -76,14 +78,17 @@ def run_script(
                  "NODE_RANK": str(node), "LOCAL_RANK": "0"} for node in range(nodes)]  # fmt: skip
     else:
         envs = [full_env]
-    codes, outputs, timed_out = run_processes(command, envs, timeout)
+    codes, outputs, timed_out = run_processes(command, envs, timeout, failure_grace=None if deaths_expected else
+                                              FAILURE_GRACE_SECONDS)  # fmt: skip
     out = _joined(outputs)
     if timed_out:
         raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
     returncode = next((code for code in codes if code), 0)
     if check and returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited with {returncode}:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, returncode, out, None)
+    completed = subprocess.CompletedProcess(command, returncode, out, None)
+    completed.codes = codes  # type: ignore[attr-defined]
+    return completed
 
 
 #: how long the other processes of a launch may take to fail on their own once one has failed (their errors tell
@@ -92,12 +97,13 @@ FAILURE_GRACE_SECONDS = 10.0
 
 
 def run_processes(
-    command: list[str], envs: list[dict], timeout: float, cwd: Path = REPO
-) -> tuple[list[int], list[str], bool]:
+    command: list[str], envs: list[dict], timeout: float, cwd: Path = REPO,
+    failure_grace: float | None = FAILURE_GRACE_SECONDS,
+) -> tuple[list[int], list[str], bool]:  # fmt: skip
     """Run ``command`` once per environment in ``envs`` (each in a session of its own, output to a file, not a
     pipe that could fill; started by :data:`WARM`) and wait for all: ``(exit codes, outputs, timed out)``. Once one
-    exits non-zero the others get :data:`FAILURE_GRACE_SECONDS`; at ``timeout`` all are killed, and nothing is left
-    running either way."""
+    exits non-zero the others get ``failure_grace`` seconds (``None``: no less than ``timeout``); at ``timeout`` all
+    are killed, and nothing is left running either way."""
     logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]
     procs: list[subprocess.Popen | WarmProcess] = []
     deadline = time.monotonic() + timeout
@@ -110,8 +116,8 @@ def run_processes(
             if time.monotonic() > deadline:
                 timed_out = True
                 break
-            if any(p.returncode for p in procs):
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_SECONDS)
+            if failure_grace is not None and any(p.returncode for p in procs):
+                deadline = min(deadline, time.monotonic() + failure_grace)
             time.sleep(0.05)
     finally:
         for proc in procs:

@@ -28,6 +28,13 @@ from lightning_dp import CommMonitor
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
 parser.add_argument("--devices", default="2")
+parser.add_argument(
+    "--num-nodes",
+    type=int,
+    default=1,
+    help="with LIGHTNING_DP_TEST_NODES: that many single-device "
+    "nodes, each process started by the test (Lightning's general cluster environment)",
+)
 parser.add_argument("--max-epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=4)
 parser.add_argument("--samples", type=int, default=64)
@@ -257,6 +264,7 @@ trainer = L.Trainer(
     strategy=strategy,
     accelerator="cpu",
     devices=args.devices if args.devices == "auto" else int(args.devices),
+    num_nodes=args.num_nodes,
     max_epochs=args.max_epochs,
     accumulate_grad_batches=args.accumulate,
     logger=False,

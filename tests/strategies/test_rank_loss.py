@@ -5,6 +5,7 @@ batch is whole again once the lost rank's share is dealt among the survivors."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.multiprocess
 
 DEVICES, BATCH, SAMPLES, EPOCHS = 3, 4, 72, 2
 GLOBAL_BATCH = DEVICES * BATCH
-LOST, LOST_AT = 2, 4
-#: how rank LOST dies at step LOST_AT, and what each survivor then does:
+LOST_AT = 4
+#: how a rank dies at step LOST_AT (rank 2 unless named), and what each survivor then does:
 #: - "in flight": SIGKILLed in its training step: no one completes that step's exchange; every survivor exchanges
 #:   its gradients again over the survivors (the lost rank's samples of the step are dropped);
 #: - "one behind": SIGKILLed after its exchange completed everywhere, while rank 1 has not committed it yet: rank 0
@@ -27,18 +28,38 @@ LOST, LOST_AT = 2, 4
 #:   own update;
 #: - "in flight, shared memory, collectives": as "in flight", the ranks exchanging through shared memory (the default
 #:   on one machine) and the training step logging with sync_dist and all-gathering, which meets the loss first: the
-#:   step trains over the survivors from its collective on, nothing runs again
-#: The last two also validate every epoch (after the loss).
+#:   step trains over the survivors from its collective on, nothing runs again;
+#: - "rank 0 in flight, one process per host": as "in flight", losing global rank 0, each rank started on its own as
+#:   a single-device node (Lightning's general cluster environment): its roles (the store, checkpoints, logging) move
+#:   to rank 1.
+#: The second and third also validate every epoch (after the loss).
 SCENARIOS = {
     "in flight": ("--intra-node", "ring"),
     "one behind": ("--intra-node", "ring", "--lose-after-backward", "--slow-commit-rank", "1", "--collectives",
                    "--validate"),
     "in flight, shared memory, collectives": ("--collectives", "--validate"),
+    "rank 0 in flight, one process per host": ("--intra-node", "ring", "--collectives"),
 }  # fmt: skip
+LOST = {"rank 0 in flight, one process per host": 0}
+PER_HOST = {"rank 0 in flight, one process per host"}
+
+
+@dataclass
+class Run:
+    scenario: str
+    lost: int
+    out: Path
+    #: the survivors' records, in rank order
+    survivors: list[dict]
+    #: what the lost rank trained at each step until it died
+    seen: dict[int, list[int]]
+
+    @property
+    def left(self) -> list[int]:
+        return [r for r in range(DEVICES) if r != self.lost]
 
 
 def _seen(path: Path) -> dict[int, list[int]]:
-    """What the lost rank trained at each step until it died (its own record)."""
     seen = {}
     for line in path.read_text().splitlines():
         step, *indices = map(int, line.split())
@@ -46,16 +67,35 @@ def _seen(path: Path) -> dict[int, list[int]]:
     return seen
 
 
+_runs: dict[str, Run] = {}
+
+
+def _launch(scenario: str, tmp_path_factory) -> Run:
+    """The scenario's job, run once per session."""
+    if scenario not in _runs:
+        out = tmp_path_factory.mktemp("ring-loss")
+        lost = LOST.get(scenario, 2)
+        per_host = scenario in PER_HOST
+        result = run_script(
+            "midepoch", "--strategy", "ring_allreduce", "--devices", "1" if per_host else str(DEVICES),
+            "--num-nodes", str(DEVICES) if per_host else "1",
+            "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
+            "continue", "--heartbeat-timeout", "2", "--lose-rank", str(lost), "--lose-at-step", str(LOST_AT),
+            *SCENARIOS[scenario], "--out", str(out), timeout=180, check=not per_host, deaths_expected=per_host,
+            env={"LIGHTNING_DP_TEST_NODES": str(DEVICES)} if per_host else None,
+        )  # fmt: skip
+        if per_host:  # the lost process was killed; every other one finished
+            want = [-9 if r == lost else 0 for r in range(DEVICES)]
+            assert result.codes == want, result.stdout[-5000:]
+        assert not (out / f"rank{lost}.pt").exists()
+        survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
+        _runs[scenario] = Run(scenario, lost, out, survivors, _seen(out / f"seen-rank{lost}.txt"))
+    return _runs[scenario]
+
+
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def ring_loss(request, tmp_path_factory) -> tuple[str, list[dict], dict[int, list[int]]]:
-    out = tmp_path_factory.mktemp("ring-loss")
-    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
-               "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
-               "--heartbeat-timeout", "2", "--lose-rank", str(LOST), "--lose-at-step",
-               str(LOST_AT), *SCENARIOS[request.param], "--out", str(out), timeout=180)  # fmt: skip
-    assert not (out / f"rank{LOST}.pt").exists()
-    survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
-    return request.param, survivors, _seen(out / f"seen-rank{LOST}.txt")
+def ring_loss(request, tmp_path_factory) -> Run:
+    return _launch(request.param, tmp_path_factory)
 
 
 def _with_lost(survivors: list[dict]) -> int:
@@ -64,30 +104,32 @@ def _with_lost(survivors: list[dict]) -> int:
 
 
 def test_the_survivors_agree_on_the_loss_and_finish(ring_loss):
-    scenario, survivors, seen = ring_loss
+    scenario, survivors, seen = ring_loss.scenario, ring_loss.survivors, ring_loss.seen
     metrics = survivors[0]["rank_loss"]
     agreed = ("lost_ranks", "loss_causes", "loss_steps", "dropped_samples")
     assert all({k: s["rank_loss"][k] for k in agreed} == {k: metrics[k] for k in agreed} for s in survivors)
-    assert metrics["lost_ranks"] == [LOST] and metrics["loss_causes"] == ["closed"], metrics
+    assert metrics["lost_ranks"] == [ring_loss.lost] and metrics["loss_causes"] == ["closed"], metrics
     assert max(seen) == LOST_AT
     redone = [s["rank_loss"]["redone_steps"] for s in survivors]
     caught_up = [s["rank_loss"]["caught_up_steps"] for s in survivors]
-    if scenario == "in flight":  # every survivor committed LOST_AT steps with the lost rank, then redid one
+    collectives = "--collectives" in SCENARIOS[scenario]
+    if "in flight" in scenario and not collectives:  # every survivor committed LOST_AT steps with the lost rank,
+        # then redid one
         assert _with_lost(survivors) == LOST_AT and redone == [1, 1] and caught_up == [0, 0], metrics
-    elif scenario.startswith("in flight"):  # the all-gather met the loss: that step trained without it, once
+    elif "in flight" in scenario:  # the all-gather met the loss: that step trained without it, once
         assert _with_lost(survivors) == LOST_AT and redone == [0, 0] and caught_up == [0, 0], metrics
     else:  # rank 0 committed LOST_AT with it; rank 1 took rank 0's state for that step; nothing ran again
         assert _with_lost(survivors) == LOST_AT + 1 and redone == [0, 0] and caught_up == [0, 1], metrics
     for s in survivors:
         assert len(s["rank_loss"]["recovery_seconds"]) == 1 and s["rank_loss"]["recovery_seconds"][0] < 2.0
-        assert f"lost rank {LOST} (closed) after {_with_lost(survivors)} steps" in s["monitor_table"]
+        assert f"lost rank {ring_loss.lost} (closed) after {_with_lost(survivors)} steps" in s["monitor_table"]
     steps = EPOCHS * SAMPLES // GLOBAL_BATCH
     for s in survivors:
         assert len(s["history"]) == steps and s["global_step"] == steps
 
 
 def test_the_global_batch_is_dealt_among_the_survivors_and_every_sample_is_trained_or_counted(ring_loss):
-    _, survivors, seen = ring_loss
+    survivors, seen = ring_loss.survivors, ring_loss.seen
     with_lost = _with_lost(survivors)
     steps = len(survivors[0]["trained"])
     sizes = [[len(s["trained"][j]) for s in survivors] for j in range(steps)]
@@ -115,15 +157,18 @@ def test_the_global_batch_is_dealt_among_the_survivors_and_every_sample_is_train
 
 
 def test_lightning_collectives_and_validation_run_over_the_survivors(ring_loss):
-    scenario, survivors, _ = ring_loss
-    if "--collectives" not in SCENARIOS[scenario]:  # this scenario's step runs none of its own
+    options, survivors = SCENARIOS[ring_loss.scenario], ring_loss.survivors
+    if "--collectives" not in options:  # this scenario's step runs none of its own
         assert all(not s["gathered"] and not s["validated"] for s in survivors)
         return
     with_lost = _with_lost(survivors)
-    everyone, left = list(range(DEVICES)), [r for r in range(DEVICES) if r != LOST]
+    everyone, left = list(range(DEVICES)), ring_loss.left
     for s in survivors:  # all_gather inside the training step, and the world size the trainer reports
         assert s["gathered"] == [everyone if j < with_lost else left for j in range(len(s["gathered"]))]
         assert s["world_sizes"] == [DEVICES if j < with_lost else DEVICES - 1 for j in range(len(s["world_sizes"]))]
+    if "--validate" not in options:
+        assert all(not s["validated"] for s in survivors)
+        return
     # each epoch's validation (both after the loss) evaluates every sample once, over the survivors
     for epoch in range(EPOCHS):
         seen = [i for s in survivors for e, indices in s["validated"] if e == epoch for i in indices]
@@ -132,15 +177,58 @@ def test_lightning_collectives_and_validation_run_over_the_survivors(ring_loss):
     assert losses[0] == losses[1] and math.isfinite(losses[0])  # sync_dist: one value on every rank
 
 
-def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(ring_loss):
-    _, survivors, seen = ring_loss
-    steps = len(survivors[0]["trained"])
+def _reference(run: Run) -> list[torch.Tensor]:
+    """One process on the global batches the job trained: the weights after every batch."""
+    survivors, seen = run.survivors, run.seen
     with_lost = _with_lost(survivors)
     batches = [[i for s in survivors for i in s["trained"][j]] + (seen[j] if j < with_lost else [])
-               for j in range(steps)]  # fmt: skip
-    reference = replay(batches, survivors[0]["history"], SAMPLES)
+               for j in range(len(survivors[0]["trained"]))]  # fmt: skip
+    return replay(batches, survivors[0]["history"], SAMPLES)
+
+
+def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(ring_loss):
+    survivors = ring_loss.survivors
+    reference = _reference(ring_loss)
     for j, want in enumerate(reference):
         got = survivors[0]["history"][j][2]
         for other in survivors[1:]:
             assert torch.equal(got, other["history"][j][2]), f"the replicas differ after batch {j}"
         close(got, want, f"after batch {j}")
+
+
+#: a checkpoint the "in flight" job wrote after its loss, mid-epoch (3 of epoch 1's 6 batches trained)
+RESUME_STEP = 9
+
+
+@pytest.fixture(scope="module", params=["the survivors", "a full set of ranks"])
+def resumed(request, tmp_path_factory) -> tuple[Run, int, list[dict]]:
+    run = _launch("in flight", tmp_path_factory)
+    devices = DEVICES - 1 if request.param == "the survivors" else DEVICES
+    out = tmp_path_factory.mktemp("ring-loss-resumed")
+    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(devices), "--samples", str(SAMPLES),
+               "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+               "--intra-node", "ring", "--resume-from", str(run.out / "ckpt" / f"step={RESUME_STEP}.ckpt"),
+               "--out", str(out), timeout=180)  # fmt: skip
+    return run, devices, [torch.load(out / f"rank{r}.pt") for r in range(devices)]
+
+
+def test_a_checkpoint_written_after_a_loss_resumes_exactly_with_the_survivors_or_a_full_set(resumed):
+    run, devices, ranks = resumed
+    steps = EPOCHS * SAMPLES // GLOBAL_BATCH
+    after = range(RESUME_STEP, steps)
+    for r in ranks:
+        assert r["global_step"] == steps and len(r["trained"]) == len(after)
+        assert r["rank_loss"]["lost_ranks"] == [] and r["world_size"] == devices
+    # the global batch of the job, dealt over the ranks of the resumed run: the same samples at every step
+    for k, j in enumerate(after):
+        want = sorted(i for s in run.survivors for i in s["trained"][j])
+        assert len(want) == GLOBAL_BATCH
+        assert sorted(i for r in ranks for i in r["trained"][k]) == want, f"batch {j}"
+        assert [len(r["trained"][k]) for r in ranks] == [GLOBAL_BATCH // devices] * devices
+    reference = _reference(run)
+    for k, j in enumerate(after):
+        got = ranks[0]["history"][k][2]
+        assert all(torch.equal(got, r["history"][k][2]) for r in ranks[1:]), f"the replicas differ after batch {j}"
+        if devices == DEVICES - 1:  # the same ranks as the job's survivors, the same ring: bit for bit
+            assert torch.equal(got, run.survivors[0]["history"][j][2]), f"after batch {j}"
+        close(got, reference[j], f"after batch {j}")

@@ -283,6 +283,9 @@ class Agreement:
         self.generation = decision.generation
         self.members = decision.members
         self._on_adopt(decision)
+        # a member this rank suspected already (its leader, lost after it sent the decision) stays suspected: the
+        # next change starts now, not after a heartbeat's silence
+        carried = {r: cause for r, cause in self._suspected.items() if r in decision.members}
         self._suspected.clear()
         self._reports.clear()
         self._reported_to = None
@@ -292,6 +295,11 @@ class Agreement:
         later, self._later = self._later, []
         for message in later:
             self._receive(message)
+        for peer, cause in carried.items():
+            if self._failure is None and peer in self.members:
+                self._suspected.setdefault(peer, cause)
+                self._begin()
+                self._progress()
 
     def _receive(self, message: dict[str, Any]) -> None:
         if self._failure is not None:
