@@ -42,3 +42,22 @@ def replay(batches: list[list[int]], history: list[tuple], samples: int, accumul
             optimizer.zero_grad()
         weights.append(model.weights())
     return weights
+
+
+def replay_loss(survivors: list[dict], seen: dict[int, list[int]], samples: int) -> list[torch.Tensor]:
+    """One process on the global batches a job that lost a rank trained: the survivors' samples of each batch and,
+    for the steps committed with the lost rank, what it trained (``seen``: its own record by step); the weights
+    after every batch."""
+    with_lost = survivors[0]["rank_loss"]["loss_steps"][0]
+    batches = [[i for s in survivors for i in s["trained"][j]] + (seen[j] if j < with_lost else [])
+               for j in range(len(survivors[0]["trained"]))]  # fmt: skip
+    return replay(batches, survivors[0]["history"], samples)
+
+
+def read_seen(path) -> dict[int, list[int]]:
+    """What a lost rank trained at each step until it died (``tests/scripts/midepoch.py``'s ``seen-rank<r>.txt``)."""
+    seen = {}
+    for line in path.read_text().splitlines():
+        step, *indices = map(int, line.split())
+        seen[step] = indices
+    return seen

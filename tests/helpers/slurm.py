@@ -1,9 +1,10 @@
 """A real single-host SLURM cluster for the tests: Debian's ``slurm-wlm`` and ``munge``, on loopback.
 
 :func:`slurm_cluster` starts ``munged`` (unless one runs), ``slurmctld`` and ``slurmd`` with a configuration of
-its own (one node, ``localhost``, as many CPUs as the machine has, ports picked free, 2 s between a stopped job's
-SIGTERM and SIGKILL, a requeued job eligible again after :data:`CRED_EXPIRE_S` and started within a second of it by
-the main scheduler) and stops them afterwards; clients find it through ``SLURM_CONF`` in the environment it yields.
+its own (one node, ``localhost``, as many CPUs as the machine has and at least :data:`TASKS`, ports picked free,
+2 s between a stopped job's SIGTERM and SIGKILL, a requeued job eligible again after :data:`CRED_EXPIRE_S` and
+started within a second of it by the main scheduler) and stops them afterwards; clients find it through
+``SLURM_CONF`` in the environment it yields.
 :func:`unavailable` says why it cannot run here (not root, packages missing), for a skip.
 """
 
@@ -35,6 +36,9 @@ def unavailable() -> str | None:
     return None
 
 
+#: the tasks a job may start on the one node, whatever the machine's cores (the node's CPUs as SLURM counts them)
+TASKS = 4
+
 #: the job step credential's lifetime, which is also how long a requeued job waits before it starts again (SLURM's
 #: default: 120 s); long enough for a step's launch on this one host, a second as SLURM sees it
 CRED_EXPIRE_S = 10
@@ -63,10 +67,11 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 KillWait=2
 SchedulerParameters=sched_interval=1
+SlurmdParameters=config_overrides
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={max(os.cpu_count() or 1, TASKS)} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import run_script
-from tests.helpers.midepoch import replay
+from tests.helpers.midepoch import read_seen, replay_loss
 from tests.helpers.replicas import close
 
 pytestmark = pytest.mark.multiprocess
@@ -59,14 +59,6 @@ class Run:
         return [r for r in range(DEVICES) if r != self.lost]
 
 
-def _seen(path: Path) -> dict[int, list[int]]:
-    seen = {}
-    for line in path.read_text().splitlines():
-        step, *indices = map(int, line.split())
-        seen[step] = indices
-    return seen
-
-
 _runs: dict[str, Run] = {}
 
 
@@ -89,7 +81,7 @@ def _launch(scenario: str, tmp_path_factory) -> Run:
             assert result.codes == want, result.stdout[-5000:]
         assert not (out / f"rank{lost}.pt").exists()
         survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
-        _runs[scenario] = Run(scenario, lost, out, survivors, _seen(out / f"seen-rank{lost}.txt"))
+        _runs[scenario] = Run(scenario, lost, out, survivors, read_seen(out / f"seen-rank{lost}.txt"))
     return _runs[scenario]
 
 
@@ -179,11 +171,7 @@ def test_lightning_collectives_and_validation_run_over_the_survivors(ring_loss):
 
 def _reference(run: Run) -> list[torch.Tensor]:
     """One process on the global batches the job trained: the weights after every batch."""
-    survivors, seen = run.survivors, run.seen
-    with_lost = _with_lost(survivors)
-    batches = [[i for s in survivors for i in s["trained"][j]] + (seen[j] if j < with_lost else [])
-               for j in range(len(survivors[0]["trained"]))]  # fmt: skip
-    return replay(batches, survivors[0]["history"], SAMPLES)
+    return replay_loss(run.survivors, run.seen, SAMPLES)
 
 
 def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(ring_loss):

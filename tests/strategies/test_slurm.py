@@ -1,7 +1,8 @@
 """A real single-host SLURM cluster (Debian's ``slurm-wlm`` and ``munge``, on loopback, started here and stopped
 after): every strategy as one ``srun`` job under Lightning's ``SLURMEnvironment``, the same weights as Lightning's
 own launch; a job requeued mid-epoch by ``examples/slurm/train.sbatch``'s trap, ending with the uninterrupted
-weights; the example app as one ``sbatch`` job (docs/clusters.md's script) with one run folder."""
+weights; the example app as one ``sbatch`` job (docs/clusters.md's script) with one run folder; global rank 0 of
+an ``srun`` job lost mid-step, the other tasks going on (``on_rank_loss="continue"``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 
 from tests.helpers import slurm
 from tests.helpers.launch import CLUSTER_VARIABLES, QUICK, REPO, subprocess_env
-from tests.helpers.replicas import assert_continues
+from tests.helpers.midepoch import read_seen, replay_loss
+from tests.helpers.replicas import assert_continues, close
 
 pytestmark = pytest.mark.multiprocess
 
@@ -132,3 +134,31 @@ def test_the_example_app_as_one_sbatch_job_writes_one_run_folder(cluster, tmp_pa
     assert metrics["world_size"] == 2 and metrics["strategy"] == "ShardedParameterServerStrategy"
     assert "2 ranks on 1 node(s), started by SLURMEnvironment" in (folder / "train.log").read_text()
     assert (folder / "checkpoints" / "last.ckpt").exists()  # what a requeued job resumes from (ckpt_path=last)
+
+
+def test_global_rank_0_of_an_srun_job_is_lost_and_the_other_tasks_go_on(cluster, tmp_path):
+    """``srun --kill-on-bad-exit=0`` leaves the other tasks running when one dies; under ``on_rank_loss="continue"``
+    they agree on the loss of global rank 0 (whose process served the rendezvous store), go on, and from the loss on
+    train what one process would on the same global batches, rank 1 writing the checkpoints."""
+    samples, batch, lost_at = 48, 4, 3
+    run = subprocess.run(["srun", "--nodes=1", "--ntasks-per-node=3", "--kill-on-bad-exit=0",
+                          "--job-name=lightning-dp-test", sys.executable, "-m", "tests.scripts.midepoch",
+                          "--strategy", "ring_allreduce", "--devices", "3", "--samples", str(samples), "--batch-size",
+                          str(batch), "--on-rank-loss", "continue", "--heartbeat-timeout", "2", "--intra-node",
+                          "ring", "--lose-rank", "0", "--lose-at-step", str(lost_at), "--out", str(tmp_path)],
+                         cwd=REPO, env=_env(cluster), capture_output=True, text=True, timeout=240)  # fmt: skip
+    output = (run.stdout + run.stderr)[-5000:]
+    assert run.returncode != 0 and "task 0: Killed" in output, output  # srun reports the lost task
+    assert not (tmp_path / "rank0.pt").exists()
+    survivors = [torch.load(tmp_path / f"rank{r}.pt") for r in (1, 2)]
+    steps = 2 * samples // (3 * batch)
+    for s in survivors:
+        assert s["global_step"] == steps and len(s["history"]) == steps, output
+        assert s["rank_loss"]["lost_ranks"] == [0] and s["rank_loss"]["loss_causes"] == ["closed"]
+        assert s["world_size"] == 2
+    reference = replay_loss(survivors, read_seen(tmp_path / "seen-rank0.txt"), samples)
+    for j, want in enumerate(reference):
+        assert torch.equal(survivors[0]["history"][j][2], survivors[1]["history"][j][2]), f"after batch {j}"
+        close(survivors[0]["history"][j][2], want, f"after batch {j}")
+    # rank 0's roles moved to rank 1: the checkpoints after the loss were written
+    assert (tmp_path / "ckpt" / "step=6.ckpt").exists()
