@@ -161,6 +161,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self.rank_loss.setup_stage(self, self.model)
         check_replicas_match(self.model, self.gradient_group)
         # every replica starts from rank 0's parameters and buffers
         broadcast_tensors(self._module_state(), src=0, group=self.gradient_group)

@@ -314,7 +314,7 @@ class ProcessGroupStrategy(DDPStrategy):
         self.job_scope = _own_scope()
         self.gradient_group, self._control_group = self.rank_loss.form_groups(self)
         if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
-            self._peers = PeerDirectory.build()
+            self._peers = PeerDirectory.build(self._control_group)
         self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
         self._check_world_size(self.world_size)
 

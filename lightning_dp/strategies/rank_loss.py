@@ -20,10 +20,12 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
@@ -36,6 +38,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.distributed import distributed_c10d
 from torch.utils.data import DistributedSampler
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_dp._lightning_compat import (
     _update_dataloader,
@@ -114,6 +118,9 @@ class StopOnRankLoss:
     def setup_trainer(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
         """After the strategy's set-up of a fit."""
 
+    def setup_stage(self, strategy: DataParallelStrategy, module: torch.nn.Module) -> None:
+        """At the strategy's set-up of every stage, its module on its device."""
+
     def evaluation_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         """The loader to use instead of an evaluation ``dataloader`` (``None``: keep it)."""
         return None
@@ -168,20 +175,24 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.max_lost = max_lost
         self.membership: Membership | None = None
         self._reset()
+        self._reset_counters()
 
     def _reset(self) -> None:
-        """A fit starts: nothing of an earlier one carries over."""
-        #: the ranks training now, kept after the fit ends (``None`` before a fit)
+        """A stage (fit, validate, test) starts: its sync points are counted from 0."""
+        #: the ranks training now, kept after the stage ends (``None`` before a stage)
         self._members: tuple[int, ...] | None = None
         self._started: tuple[int, ...] | None = None
-        self._batches: Any = None
-        #: exchanges committed so far in this fit
+        #: exchanges committed so far in this stage
         self.committed = 0
-        #: sync points (exchanges and collectives) this rank completed in this fit, and the last one's outcome
+        #: sync points (exchanges and collectives) this rank completed in this stage, and the last one's outcome
         self.position = 0
         self._last: tuple[str, Any] = (COLLECTIVE, None)
         self._saved: dict[int, Tensor] = {}
         self._saved_this_round: set[int] = set()
+
+    def _reset_counters(self) -> None:
+        """A fit starts: what an earlier one lost is no longer counted."""
+        self._batches: Any = None
         #: steps whose exchange ran again over the survivors, and steps whose own update this rank skipped to take a
         #: survivor's state instead
         self.redone_steps = 0
@@ -190,6 +201,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.recovery_seconds: list[float] = []
         self.loss_steps: list[int] = []
         self._losses: list[Loss] = []
+        #: the membership's losses before this fit (a membership lives from one stage to the next)
+        self._losses_before = len(self.membership.losses) if self.membership is not None else 0
 
     # ------------------------------------------------------------------ set-up
     def check_options(self, strategy: ProcessGroupStrategy) -> None:
@@ -238,13 +251,25 @@ class ContinueOnRankLoss(StopOnRankLoss):
         max_lost = self.max_lost if self.max_lost is not None else world
         if max_lost >= world:
             max_lost = world - 1
-        scope = f"{strategy.job_scope or 'lightning_dp/external'}/membership/{_next_membership()}"
+        job = strategy.job_scope or "lightning_dp/external"
         self._reset()
-        self.membership = Membership(
-            strategy.global_rank, list(range(world)), distributed_c10d._get_default_store(), scope,
-            _group_address(env.main_address), self.heartbeat_timeout, max_lost, backend, strategy.timeout,
-        )  # fmt: skip
-        self._members = self._started = self.membership.members
+        live = _live.get(job)
+        if live is not None:  # a later stage (a test after the fit, another fit): the ranks that train now
+            failure = live.agreement.failure
+            if failure is not None:
+                raise failure
+            live.agreement.committed = 0  # (every member starts counting its sync points again)
+            self.membership = live
+            if live.leader == strategy.global_rank:
+                rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        else:
+            self.membership = Membership(
+                strategy.global_rank, list(range(world)), distributed_c10d._get_default_store(),
+                f"{job}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
+                max_lost, backend, strategy.timeout,
+            )  # fmt: skip
+            _keep_live(job, self.membership)
+        self._members, self._started = self.membership.members, self.membership.original
         return self.membership.group("gradients"), self.membership.group("control")
 
     @property
@@ -260,6 +285,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self._close(farewell=False)
 
     def check_fit(self, strategy: DataParallelStrategy) -> None:
+        self._reset_counters()
         module = strategy.lightning_module
         assert module is not None
         name = f"strategy {strategy.strategy_name!r}: on_rank_loss='continue'"
@@ -289,10 +315,18 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._batches = strategy.batches
         # Lightning's SIGTERM broadcast before every step (and its signal handler's) run on the default group, which
         # a lost rank leaves broken: the flag is combined over the ranks training now instead
-        self._undo = [
+        self._undo += [
             replace_step_sigterm_broadcast(trainer, lambda: _stop_if_terminated(strategy, trainer)),
             replace_sigterm_notifier(trainer),
         ]
+
+    def setup_stage(self, strategy: DataParallelStrategy, module: torch.nn.Module) -> None:
+        # a torchmetrics metric syncs on the default group, which a lost rank leaves broken: it syncs over the ranks
+        # training now instead, as a sync point (unless it was given a group or a sync function of its own)
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.dist_sync_fn is None and metric.process_group is None:
+                metric.dist_sync_fn = partial(_gather_over_members, strategy)
+                self._undo.append(partial(setattr, metric, "dist_sync_fn", None))
 
     def evaluation_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
         # validation and testing shard their data over the ranks that train now, not over those the job started with
@@ -514,7 +548,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
     @property
     def losses(self) -> list[Loss]:
         """Every rank this fit went on without."""
-        return list(self.membership.losses) if self.membership is not None else self._losses
+        return list(self.membership.losses[self._losses_before :]) if self.membership is not None else self._losses
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -528,14 +562,19 @@ class ContinueOnRankLoss(StopOnRankLoss):
         }
 
     def close(self) -> None:
-        self._close(farewell=True)
-
-    def _close(self, farewell: bool) -> None:
+        """The stage's end: the membership stays (a later stage of this job uses it) until the process exits, when
+        this rank says goodbye."""
         super().close()
         if self.membership is not None:
-            self._losses = list(self.membership.losses)
-            self.membership.close(farewell)
+            self._losses = self.losses
             self.membership = None
+
+    def _close(self, farewell: bool) -> None:
+        membership = self.membership
+        self.close()
+        if membership is not None:
+            _drop_live(membership)
+            membership.close(farewell)
 
 
 class MembersSampler(DistributedSampler):
@@ -580,6 +619,16 @@ def _stop_if_terminated(strategy: DataParallelStrategy, trainer: pl.Trainer) -> 
         raise SIGTERMException()
 
 
+def _gather_over_members(strategy: DataParallelStrategy, result: Tensor, group: Any = None) -> list[Tensor]:
+    """torchmetrics' ``gather_all_tensors`` over the ranks training now, as a sync point of the strategy's."""
+    if group is not None:
+        return gather_all_tensors(result, group)
+    return strategy.rank_loss.collective(
+        cast("ProcessGroupStrategy", strategy),
+        lambda g: gather_all_tensors(result, g if g is not None else dist.group.WORLD),
+    )
+
+
 def make_rank_loss(on_rank_loss: Any, heartbeat_timeout: Any, max_lost_ranks: Any) -> StopOnRankLoss:
     """The object of the ``on_rank_loss`` mode, its options checked."""
     check_choice("on_rank_loss", on_rank_loss, ON_RANK_LOSS)
@@ -590,6 +639,30 @@ def make_rank_loss(on_rank_loss: Any, heartbeat_timeout: Any, max_lost_ranks: An
             raise ConfigurationError("max_lost_ranks applies to on_rank_loss='continue'; it is set with 'stop'")
         return StopOnRankLoss()
     return ContinueOnRankLoss(heartbeat, max_lost)
+
+
+#: the membership of each job this process takes part in, kept from one stage (fit, validate, test) to the next
+_live: dict[str, Membership] = {}
+_leaving_registered: list[bool] = []
+
+
+def _keep_live(job: str, membership: Membership) -> None:
+    if not _leaving_registered:
+        atexit.register(_leave_all)
+        _leaving_registered.append(True)
+    _live[job] = membership
+
+
+def _drop_live(membership: Membership) -> None:
+    for job in [job for job, live in _live.items() if live is membership]:
+        del _live[job]
+
+
+def _leave_all() -> None:
+    """The process exits: every membership says goodbye (the others see this rank finish, not get lost)."""
+    for membership in list(_live.values()):
+        membership.close(farewell=True)
+    _live.clear()
 
 
 _memberships = [0]

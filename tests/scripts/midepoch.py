@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torchmetrics
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -182,13 +183,20 @@ class LoseAfterBackward(L.Callback):
 
 
 class ValidatedModel(Model):
-    """The model validated each epoch (--validate), its loss logged with sync_dist."""
+    """The model validated each epoch (--validate), its loss logged with sync_dist, the samples it evaluated counted
+    by a torchmetrics metric (synced over the ranks at the epoch's end); validated once more after the fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_count = torchmetrics.SumMetric()
 
     def validation_step(self, batch, batch_idx):
         index, x, y = batch
-        if not self.trainer.sanity_checking:
+        if not self.trainer.sanity_checking and self.trainer.state.fn == "fit":
             self.validated.append((self.current_epoch, index.tolist()))
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        self.val_count.update(len(index))
+        self.log("val_count", self.val_count)
 
     def val_dataloader(self):
         return DataLoader(IndexedData(args.samples), batch_size=args.batch_size)
@@ -278,6 +286,9 @@ trainer = L.Trainer(
     plugins=[VariablesEnvironment()] if args.variables_environment else None,
 )
 trainer.fit(model, ckpt_path=resume)
+counted = [float(trainer.callback_metrics.get("val_count", float("nan")))]
+if args.validate:  # a later stage of the same job
+    counted.append(float(trainer.validate(model, verbose=False)[0]["val_count"]))
 weights = torch.cat([p.detach().flatten() for p in model.parameters()])
 balancer = getattr(getattr(trainer.strategy, "batches", None), "balancer", None)
 decisions = balancer.state_dict()["decisions"] if balancer is not None else None
@@ -290,5 +301,6 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k},
             "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
             "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
-            "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan")))},
+            "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+            "val_counted": counted},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip

@@ -167,6 +167,9 @@ def test_lightning_collectives_and_validation_run_over_the_survivors(ring_loss):
         assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}"
     losses = [s["val_loss"] for s in survivors]
     assert losses[0] == losses[1] and math.isfinite(losses[0])  # sync_dist: one value on every rank
+    # a torchmetrics metric syncs over the survivors, in the fit and in a validation after it (a later stage)
+    for s in survivors:
+        assert s["val_counted"] == [SAMPLES, SAMPLES], s["val_counted"]
 
 
 def _reference(run: Run) -> list[torch.Tensor]:

@@ -142,6 +142,12 @@ class Agreement:
     def _stale(self) -> bool:
         return self._changing_since is not None or self._failure is not None or self.generation != self.active
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the job cannot go on (the quorum lost, this rank fenced), once it is so."""
+        with self._cond:
+            return self._failure
+
     def commit(self, step: int) -> None:
         """Record that this rank has completed ``step`` (its exchange done, its update about to apply), or raise
         :class:`MembershipChange` if a change has begun: then the step does not count, on this rank, as committed."""

@@ -1,0 +1,241 @@
+"""A rank lost mid-epoch: what the survivors going on (``on_rank_loss="continue"``) costs, against today's path
+(torchrun restarts every process from the last checkpoint), in the same run.
+
+    python -m benchmarks.faults              # the example app, 4 ranks, ring_allreduce (about 10 minutes on 2 cores)
+    python -m benchmarks.faults --fault-step 35 --checkpoint-every 20
+
+Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
+128, 10 epochs of 10 steps), 4 ranks, ``strategy=ring_allreduce``, a checkpoint every ``--checkpoint-every`` steps.
+The fault: the named rank SIGKILLs itself as training step ``--fault-step`` starts (in the first attempt only). The
+paths:
+
+- **the strategy's launcher** (one machine; rank 0 started the others, so the rank lost is rank 2);
+- **one process per host**: 4 processes started apart (Lightning's general cluster environment), so global rank 0
+  is an ordinary rank and is the one lost;
+- **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
+  process restarts and resumes from the newest checkpoint.
+
+Each path runs once without the fault (its baseline) and once with it. Recovery: from the fault to the end of the
+first step every survivor completed after it (that step's own computation included); of which the agreement: from
+the change to the survivors going on (the strategy's ``rank_loss.metrics()``). Wall time lost: the run's seconds
+less its baseline's. Steps redone: trained again after the fault (torchrun: from the checkpoint to the fault; the
+survivors: the exchange in flight, run again over them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from benchmarks.report import save
+from tests.helpers.launch import kill_process_tree
+
+REPO = Path(__file__).resolve().parent.parent
+RANKS = 4
+#: the app's options every run shares
+APP = ["strategy=ring_allreduce", "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1",
+       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=csv"]  # fmt: skip
+
+
+class FaultClock(pl.Callback):
+    """Records when each training step ends on each rank (``<folder>/steps-rank<r>.txt``: attempt, step, time), and
+    makes rank ``rank`` SIGKILL itself as training step ``step`` starts in the first attempt (``<folder>/fault``: when).
+    Passed to the app as a Hydra callback (``+callbacks.fault=...``)."""
+
+    def __init__(self, folder: str, rank: int = -1, step: int = -1) -> None:
+        self.folder, self.rank, self.step = Path(folder), rank, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.strategy.global_rank == self.rank and _attempt() == 0:
+            (self.folder / "fault").write_text(f"{time.time()!r} {trainer.global_step}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with open(self.folder / f"steps-rank{trainer.strategy.global_rank}.txt", "a") as log:
+            log.write(f"{_attempt()} {trainer.global_step} {time.time()!r}\n")
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": str(REPO),
+            "PYTHONWARNINGS": "ignore"}  # fmt: skip
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Every process's exit code (``None``: killed, with its children, after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    codes: list[int | None] = []
+    for p in procs:
+        if p.poll() is None:
+            kill_process_tree(p.pid)
+            p.wait()
+            codes.append(None)
+        else:
+            codes.append(p.returncode)
+    return codes
+
+
+def run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One run of the app on ``path`` (with the fault or not): its measurements."""
+    folder = tmp / f"{path}-{'fault' if fault else 'clean'}"
+    folder.mkdir()
+    lost = 0 if path == "per_host" else 2
+    fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}"] if fault else []
+    overrides = [*APP, *args.app, f"+callbacks.model_checkpoint.every_n_train_steps={args.checkpoint_every}",
+                 f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
+                 f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
+    app = str(REPO / "examples" / "train.py")
+    logs = [open(folder / f"process{i}.log", "w") for i in range(RANKS if path == "per_host" else 1)]  # noqa: SIM115
+    start = time.perf_counter()
+    if path == "launcher":
+        command = [sys.executable, app, *overrides, f"trainer.devices={RANKS}", "strategy.on_rank_loss=continue"]
+        procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
+                                  start_new_session=True)]  # fmt: skip
+    elif path == "per_host":
+        port = str(_free_port())
+        command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
+                   "strategy.on_rank_loss=continue"]  # fmt: skip
+        procs = [subprocess.Popen(command, cwd=folder, stdout=logs[i], stderr=subprocess.STDOUT,
+                                  start_new_session=True,
+                                  env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                       "WORLD_SIZE": str(RANKS), "NODE_RANK": str(i), "LOCAL_RANK": "0"})
+                 for i in range(RANKS)]  # fmt: skip
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--max-restarts",
+                   "1", "--master-port", str(_free_port()), app, *overrides, f"trainer.devices={RANKS}",
+                   "strategy.on_rank_loss=stop", "ckpt_path=last"]  # fmt: skip
+        procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
+                                  start_new_session=True)]  # fmt: skip
+    codes = _wait(procs, args.run_timeout)
+    seconds = time.perf_counter() - start
+    for log in logs:
+        log.close()
+    metrics_file = folder / "run" / "metrics.json"
+    want = [-9 if fault and i == lost else 0 for i in range(len(procs))] if path == "per_host" else [0]
+    if codes != want or not metrics_file.exists():
+        tail = "".join((folder / f"process{i}.log").read_text()[-3000:] for i in range(len(procs)))
+        raise RuntimeError(f"{path} ({'fault' if fault else 'no fault'}): exit codes {codes}, expected {want}\n{tail}")
+    metrics = json.loads(metrics_file.read_text())
+    row: dict[str, Any] = {
+        "path": path, "fault": fault, "lost_rank": lost if fault else None, "seconds": seconds,
+        "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
+    }  # fmt: skip
+    if fault:
+        row.update(_recovery(folder, lost, args.fault_step))
+        loss = metrics.get("rank_loss") or {}
+        row["recovery_seconds_reported"] = (loss.get("recovery_seconds") or [None])[0]
+        row["dropped_samples"] = loss.get("dropped_samples")
+        if path != "torchrun":
+            row["steps_redone"] = loss.get("redone_steps", 0)
+    return row
+
+
+def _recovery(folder: Path, lost: int, fault_step: int) -> dict[str, Any]:
+    """From the step logs and the fault's time: the seconds from the fault to the end of the first step every
+    survivor completed after it, and (a restart) the steps trained again."""
+    fault_time = float((folder / "fault").read_text().split()[0])
+    first_after: list[float] = []
+    resumed_at: list[int] = []
+    for log in sorted(folder.glob("steps-rank*.txt")):
+        entries = [(int(a), int(s), float(t)) for a, s, t in (line.split() for line in log.read_text().splitlines())]
+        later = [e for e in entries if e[2] > fault_time]
+        if not later:
+            continue
+        first_after.append(later[0][2])
+        restarted = [s for a, s, _ in entries if a > 0]
+        if restarted:
+            resumed_at.append(min(restarted) - 1)
+    row: dict[str, Any] = {"recovery_seconds": max(first_after) - fault_time}
+    if resumed_at:
+        row["steps_redone"] = fault_step - min(resumed_at)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fault-step", type=int, default=35)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--paths", nargs="+", default=["launcher", "per_host", "torchrun"])
+    parser.add_argument("--app", nargs="*", default=[], help="more overrides of the app (e.g. trainer.max_epochs=4)")
+    parser.add_argument("--run-timeout", type=float, default=400.0)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lddp-faults-") as tmp:
+        for path in args.paths:
+            for fault in (False, True):
+                rows.append(run_path(path, fault, args, Path(tmp)))
+                print(rows[-1], flush=True)
+    for row in rows:
+        row["fault_step"], row["checkpoint_every"] = args.fault_step, args.checkpoint_every
+    save(args.out, "faults", rows, report_lines)
+
+
+PATHS = {
+    "launcher": "survivors go on (strategy's launcher)",
+    "per_host": "survivors go on (one process per host)",
+    "torchrun": "torchrun restarts from the checkpoint",
+}
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    """The table of ``rows`` (``Machine: ...`` first)."""
+    first = rows[0]
+    lines = [
+        f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the example app "
+        f"(digits, reference CNN, global batch 128), {RANKS} ranks, `ring_allreduce`, a checkpoint every "
+        f"{first['checkpoint_every']} steps, one rank SIGKILLed as step {first['fault_step']} starts.",
+        "",
+        "| path | rank lost | seconds (no fault) | seconds (fault) | wall time lost (s) | recovery (s) "
+        "| of which the agreement (s) | steps redone | samples dropped | test accuracy (no fault / fault) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    baselines = {r["path"]: r for r in rows if not r["fault"]}
+    for r in rows:
+        if not r["fault"]:
+            continue
+        base = baselines[r["path"]]
+        lost = "global 0" if r["lost_rank"] == 0 else str(r["lost_rank"])
+        dropped = r.get("dropped_samples")
+        reported = r.get("recovery_seconds_reported")
+        agreement = f"{reported:.2f}" if reported is not None else "-"
+        lines.append(
+            f"| {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
+            f"| {r['seconds'] - base['seconds']:.1f} | {r['recovery_seconds']:.2f} | {agreement} "
+            f"| {r.get('steps_redone', 0)} "
+            f"| {dropped if dropped is not None else '-'} | {_accuracy(base)} / {_accuracy(r)} |"
+        )
+    return lines
+
+
+def _accuracy(row: dict) -> str:
+    return f"{row['test_acc']:.3f}" if row.get("test_acc") is not None else "-"
+
+
+if __name__ == "__main__":
+    main()
