@@ -119,6 +119,34 @@ def _switch_binary(directory: str) -> str:
     return binary
 
 
+class SwitchedHosts(list):
+    """The namespaces of :func:`delayed_hosts`' hosts (a list of their names), whose links the switch can cut."""
+
+    def __init__(self, names: list[str], control: int) -> None:
+        super().__init__(names)
+        self._control = control
+
+    def _send(self, command: str, pairs: Sequence[tuple[int, int]]) -> None:
+        os.write(self._control, "".join(f"{command} {a} {b}\n" for a, b in pairs).encode())
+
+    def block(self, source: int, destination: int) -> None:
+        """Drop every packet from host ``source`` to host ``destination`` from now on (one way; silently)."""
+        self._send("block", [(source, destination)])
+
+    def cut(self, host: int) -> None:
+        """Cut host ``host``'s link: nothing reaches it or leaves it, and no one is told."""
+        self.partition([[host], [i for i in range(len(self)) if i != host]])
+
+    def partition(self, sides: Sequence[Sequence[int]]) -> None:
+        """Split the hosts into ``sides``: no packet crosses from one side to another, either way."""
+        self._send("block", [(a, b) for side in sides for other in sides if other is not side for a in side
+                             for b in other])  # fmt: skip
+
+    def heal(self) -> None:
+        """Every link carries packets again."""
+        self._send("unblock", [(a, b) for a in range(len(self)) for b in range(len(self)) if a != b])
+
+
 @contextmanager
 def delayed_hosts(
     n: int, rate_mbit: float, latency_ms: float, tcp: dict[str, str] | None = None, queue_ms: float = 200.0
@@ -126,13 +154,14 @@ def delayed_hosts(
     """``n`` hosts like :func:`emulated_hosts`, joined by a switch process (benchmarks/delay_switch.c, compiled
     with gcc) instead of a bridge: every link carries ``rate_mbit`` each way, a packet takes ``latency_ms`` one way
     from host to host (plus its time on the two links) and waits at most ``queue_ms`` for a link. Works without the
-    netem qdisc."""
+    netem qdisc. Yields the hosts as :class:`SwitchedHosts`: their links can be cut, one way or both, and mended."""
     import fcntl
     import struct
     import tempfile
 
     _remove_leftovers()
     created, fds = [], []
+    pipe: list[int] = []
     switch = None
     build = tempfile.TemporaryDirectory()
     try:
@@ -153,14 +182,19 @@ def delayed_hosts(
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             for key, value in (tcp or {}).items():
                 sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
-        args = [str(rate_mbit * 1e6 / 8), str(latency_ms / 1e3), str(queue_ms / 1e3), *map(str, fds)]
-        switch = subprocess.Popen([binary, *args], pass_fds=fds)
-        yield [host_ns(i) for i in range(n)]
+        control_read, control_write = os.pipe()
+        pipe = [control_read, control_write]
+        args = [str(rate_mbit * 1e6 / 8), str(latency_ms / 1e3), str(queue_ms / 1e3), str(control_read),
+                *map(str, fds)]  # fmt: skip
+        switch = subprocess.Popen([binary, *args], pass_fds=[*fds, control_read])
+        os.close(control_read)
+        pipe = [control_write]
+        yield SwitchedHosts([host_ns(i) for i in range(n)], control_write)
     finally:
         if switch is not None:
             switch.kill()
             switch.wait()
-        for fd in fds:
+        for fd in [*fds, *pipe]:
             os.close(fd)
         for ns in reversed(created):
             sh("ip", "netns", "del", ns, check=False)

@@ -64,6 +64,11 @@ parser.add_argument("--heartbeat-timeout", type=float, default=None, help="strat
 parser.add_argument("--lose-rank", type=int, default=None,
                     help="this rank SIGKILLs itself in the training step of --lose-at-step")  # fmt: skip
 parser.add_argument("--lose-at-step", type=int, default=None)
+parser.add_argument("--record-seen", action="store_true",
+                    help="every rank writes what it trains, step by step, to <out>/seen-rank<r>.txt")  # fmt: skip
+parser.add_argument("--mark-step", type=int, default=None,
+                    help="each rank touches <out>/at-step-<k>-rank<r> as its training step k starts")  # fmt: skip
+parser.add_argument("--step-seconds", type=float, default=0.0, help="every rank sleeps this long in every step")
 parser.add_argument("--lose-after-backward", action="store_true",
                     help="--lose-rank dies after its backward (its exchange of the step complete) instead")  # fmt: skip
 parser.add_argument("--slow-commit-rank", type=int, default=None,
@@ -104,6 +109,7 @@ class Model(L.LightningModule):
         self.gathered: list[list[int]] = []
         self.world_sizes: list[int] = []
         self.validated: list[tuple[int, list[int]]] = []
+        self.step_ends: list[float] = []
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
@@ -112,9 +118,13 @@ class Model(L.LightningModule):
             if self.global_step == args.stall_at_step:
                 time.sleep(args.stall_seconds)
         self.current = index.tolist()
-        if args.lose_rank is not None and self.global_rank == args.lose_rank:
+        if self.global_step == args.mark_step:
+            (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
+        time.sleep(args.step_seconds)
+        if args.record_seen or (args.lose_rank is not None and self.global_rank == args.lose_rank):
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
+        if args.lose_rank is not None and self.global_rank == args.lose_rank:
             if self.global_step == args.lose_at_step and not args.lose_after_backward:
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -143,6 +153,7 @@ class Model(L.LightningModule):
         strategy.reducer.finish = finish_late
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.step_ends.append(time.time())
         self.trained.append(self.current)
         self.current = None
         weights = torch.cat([p.detach().flatten() for p in self.parameters()])
@@ -302,5 +313,5 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
             "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-            "val_counted": counted},
+            "val_counted": counted, "step_ends": model.step_ends},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip

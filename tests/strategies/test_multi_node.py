@@ -1,22 +1,19 @@
 """A real multi-node run: one Lightning node per emulated host (network namespace), joined only through
 MASTER_ADDR / MASTER_PORT / NODE_RANK as on a cluster; then a link goes down mid-run."""
 
-import os
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.netns import IFNAME, SUBNET, emulated_hosts, node_ranks, server_command
-from tests.helpers.launch import BATCH, REPO, WARM, load_ranks, subprocess_env
+from tests.helpers.hosts import Node, finish, start_in_host, stop
+from tests.helpers.launch import BATCH, load_ranks, subprocess_env
 from tests.helpers.netns import skip_without_netns
 from tests.helpers.replicas import assert_identical_replicas
-from tests.helpers.warm import WarmProcess
 from tests.scripts.models import reference_training
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
@@ -25,54 +22,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.netns, skip_without_netns]
 FIT_STEPS = 4
 
 
-@dataclass
-class Node:
-    """A process started inside an emulated host, its output in the file ``log``."""
-
-    process: subprocess.Popen | WarmProcess
-    log: Path
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.returncode
-
-    def poll(self) -> int | None:
-        return self.process.poll()
-
-
-def start_in_host(host: str, argv: list[str], env: dict, log: Path) -> Node:
-    """``argv`` inside ``host``'s network namespace, as ``ip netns exec`` runs it (warm where it can be)."""
-    with log.open("w") as output:
-        return Node(WARM.start(argv, env, REPO, output, netns=host), log)
-
-
 def start_nodes(hosts, args, port, out: Path, devices=1) -> list[Node]:
     env = subprocess_env({"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(port)})
     env.pop("GLOO_SOCKET_IFNAME", None)  # the strategies find the interface towards MASTER_ADDR themselves
     fit = [sys.executable, "-m", "tests.scripts.fit", "--devices", str(devices), "--num-nodes", str(len(hosts)), *args]
     return [start_in_host(host, fit, {**env, **extra}, out / f"node{rank}.log")
             for rank, (host, extra) in enumerate(zip(hosts, node_ranks(len(hosts)), strict=True))]  # fmt: skip
-
-
-def finish(nodes: list[Node], timeout: float) -> list[str]:
-    """Wait for every node (``timeout`` seconds for all; raises ``TimeoutExpired`` past it, the nodes killed); the
-    nodes' outputs."""
-    deadline = time.monotonic() + timeout
-    try:
-        for node in nodes:
-            node.process.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        stop(nodes)
-    return [node.log.read_text() for node in nodes]
-
-
-def stop(nodes: list[Node]) -> str:
-    """Kill the nodes still running; the end of every node's output."""
-    for node in nodes:
-        if node.poll() is None:
-            os.killpg(node.process.pid, signal.SIGKILL)
-            node.process.wait()
-    return "\n".join(node.log.read_text()[-3000:] for node in nodes)
 
 
 @pytest.mark.parametrize("strategy", ["ring_allreduce", "parameter_server", "sharded_ps"])
