@@ -41,6 +41,10 @@ CHECKPOINT_KEY = "lightning_dp_batch_shares"
 KEPT_KEY = "kept_global_batch"
 
 
+class UnsupportedLoaderError(ConfigurationError):
+    """The training loader is not one whose batches the balanced sampler can draw."""
+
+
 class EqualBatches:
     """``balance="none"``: the batches are Lightning's, every rank's gradient counts alike."""
 
@@ -125,7 +129,7 @@ class ThroughputBatches(EqualBatches):
             or type(sampler) is not DistributedSampler
             or type(batch_sampler) is not BatchSampler
         ):
-            raise ConfigurationError(
+            raise UnsupportedLoaderError(
                 f"balance='throughput' resizes each rank's batches through the training loader's sampler, which needs "
                 "a plain torch DataLoader over a map-style dataset with Lightning's DistributedSampler "
                 "(Trainer(use_distributed_sampler=True), no sampler or batch_sampler of your own); got "
@@ -147,12 +151,13 @@ class ThroughputBatches(EqualBatches):
                     raise ConfigurationError(f"balance='throughput' cannot resume: {error}") from None
                 self._saved = None
         self.balancer.lag = ahead + 2
-        done = batches_already_trained(trainer)
-        if done >= _parse_num_batches(RunningStage.TRAINING, len(batch_sampler), trainer.limit_train_batches):
-            done = 0  # the epoch was complete: the next one starts from its beginning
         balanced = BalancedBatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last, self.balancer,
-                                        strategy.global_rank, skip=done, skip_epoch=trainer.current_epoch,
+                                        strategy.global_rank, skip_epoch=trainer.current_epoch,
                                         global_batch=global_batch, order_ranks=order_ranks)  # fmt: skip
+        done = batches_already_trained(trainer)
+        if done >= _parse_num_batches(RunningStage.TRAINING, len(balanced), trainer.limit_train_batches):
+            done = 0  # the epoch was complete: the next one starts from its beginning
+        balanced.skip = done
         self.balancer.batches_per_epoch = len(balanced)
         balanced.set_epoch(trainer.current_epoch)
         if done:
@@ -291,13 +296,20 @@ class DealtBatches(ThroughputBatches):
         if trainer.state.stage != RunningStage.TRAINING:
             return None
         try:
+            fresh = self.balancer is None
             loader = super().training_loader(trainer, dataloader)
+            membership = self.strategy.rank_loss.membership
+            if fresh and self.balancer is not None and membership is not None:
+                # ranks an earlier stage of the job lost (a fit after a fit that lost them): no share from the start
+                gone = sorted(set(membership.original) - set(membership.members))
+                if gone:
+                    self.balancer.exclude(gone, (-1, 0))
             if self.balancer is not None:
                 for lost, start in self._lost_early:  # (the new sampler has drawn nothing yet)
                     self.balancer.exclude(lost, start)
                 self._lost_early = []
             return loader
-        except ConfigurationError:
+        except UnsupportedLoaderError:
             raise ConfigurationError(
                 "on_rank_loss='continue' deals a lost rank's share of each global batch among the survivors through "
                 "the training loader's sampler, which needs a plain torch DataLoader over a map-style dataset with "

@@ -23,7 +23,9 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -174,6 +176,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.heartbeat_timeout = heartbeat_timeout
         self.max_lost = max_lost
         self.membership: Membership | None = None
+        #: the membership this strategy's stages used last (its first stage counts the losses from there)
+        self._attached: Membership | None = None
         self._reset()
         self._reset_counters()
 
@@ -251,26 +255,47 @@ class ContinueOnRankLoss(StopOnRankLoss):
         max_lost = self.max_lost if self.max_lost is not None else world
         if max_lost >= world:
             max_lost = world - 1
-        job = strategy.job_scope or "lightning_dp/external"
+        # one membership per job and default group, kept from one stage (fit, validate, test) to the next
+        scope = strategy.job_scope or "lightning_dp/external"
+        job = f"{scope}@{id(dist.group.WORLD)}"  # (this process's key only: the scope is what every rank shares)
         self._reset()
-        live = _live.get(job)
-        if live is not None:  # a later stage (a test after the fit, another fit): the ranks that train now
-            failure = live.agreement.failure
-            if failure is not None:
-                raise failure
-            live.agreement.committed = 0  # (every member starts counting its sync points again)
-            self.membership = live
-            if live.leader == strategy.global_rank:
-                rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
-        else:
-            self.membership = Membership(
+        membership = _live.get(job)
+        if membership is None:
+            membership = Membership(
                 strategy.global_rank, list(range(world)), distributed_c10d._get_default_store(),
-                f"{job}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
+                f"{scope}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
                 max_lost, backend, strategy.timeout,
             )  # fmt: skip
-            _keep_live(job, self.membership)
-        self._members, self._started = self.membership.members, self.membership.original
-        return self.membership.group("gradients"), self.membership.group("control")
+            _keep_live(job, membership)
+        if self._attached is not membership:  # this strategy's first stage: the losses before it are not its own
+            self._losses_before = len(membership.losses)
+            self._attached = membership
+        self.membership = membership
+        groups = self._stage_groups(strategy)
+        self._members, self._started = membership.members, membership.original
+        return groups
+
+    def _stage_groups(self, strategy: ProcessGroupStrategy) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """The groups of the ranks training now, for a stage that starts; a change under way (a rank lost between two
+        stages) is agreed on first. The stage's sync points count on from the last one committed."""
+        membership = self.membership
+        assert membership is not None
+        while True:
+            try:
+                if membership.agreement.changing:
+                    membership.recover()
+                groups = membership.group("gradients"), membership.group("control")
+                break
+            except Exception as error:  # noqa: BLE001 - the membership says what it means
+                change = membership.interpret(error)
+                if not isinstance(change, MembershipChange):
+                    if change is error:
+                        raise
+                    raise change from error
+        if membership.leader == strategy.global_rank:  # global rank 0's roles
+            rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        self.position = membership.agreement.committed
+        return groups
 
     @property
     def members(self) -> tuple[int, ...] | None:
@@ -325,7 +350,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         # training now instead, as a sync point (unless it was given a group or a sync function of its own)
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.dist_sync_fn is None and metric.process_group is None:
-                metric.dist_sync_fn = partial(_gather_over_members, strategy)
+                metric.dist_sync_fn = MembersGather(strategy)
                 self._undo.append(partial(setattr, metric, "dist_sync_fn", None))
 
     def evaluation_loader(self, trainer: pl.Trainer, dataloader: Any) -> Any | None:
@@ -619,14 +644,28 @@ def _stop_if_terminated(strategy: DataParallelStrategy, trainer: pl.Trainer) -> 
         raise SIGTERMException()
 
 
-def _gather_over_members(strategy: DataParallelStrategy, result: Tensor, group: Any = None) -> list[Tensor]:
-    """torchmetrics' ``gather_all_tensors`` over the ranks training now, as a sync point of the strategy's."""
-    if group is not None:
-        return gather_all_tensors(result, group)
-    return strategy.rank_loss.collective(
-        cast("ProcessGroupStrategy", strategy),
-        lambda g: gather_all_tensors(result, g if g is not None else dist.group.WORLD),
-    )
+class MembersGather:
+    """A torchmetrics metric's ``dist_sync_fn``: ``gather_all_tensors`` over the ranks training now, as a sync point
+    of the strategy's. It holds the strategy weakly; a copy of the metric shares it, a pickled one syncs as
+    torchmetrics does by default (``None``)."""
+
+    def __init__(self, strategy: DataParallelStrategy) -> None:
+        self._strategy = weakref.ref(strategy)
+
+    def __call__(self, result: Tensor, group: Any = None) -> list[Tensor]:
+        strategy = self._strategy()
+        if group is not None or strategy is None:
+            return gather_all_tensors(result, group)
+        return strategy.rank_loss.collective(
+            cast("ProcessGroupStrategy", strategy),
+            lambda g: gather_all_tensors(result, g if g is not None else dist.group.WORLD),
+        )
+
+    def __deepcopy__(self, memo: dict) -> MembersGather:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return type(None), ()
 
 
 def make_rank_loss(on_rank_loss: Any, heartbeat_timeout: Any, max_lost_ranks: Any) -> StopOnRankLoss:
@@ -647,9 +686,12 @@ _leaving_registered: list[bool] = []
 
 
 def _keep_live(job: str, membership: Membership) -> None:
+    """``membership`` is this process's for ``job``; one of an earlier job (a Hydra sweep's) leaves, finished."""
     if not _leaving_registered:
         atexit.register(_leave_all)
         _leaving_registered.append(True)
+    for earlier in [key for key in _live if key != job]:
+        _live.pop(earlier).close(farewell=True)
     _live[job] = membership
 
 
@@ -659,9 +701,11 @@ def _drop_live(membership: Membership) -> None:
 
 
 def _leave_all() -> None:
-    """The process exits: every membership says goodbye (the others see this rank finish, not get lost)."""
+    """The process exits: every membership leaves, saying goodbye (the others see this rank finish) unless the
+    process ends with an uncaught error (then they see it lost)."""
+    crashed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
     for membership in list(_live.values()):
-        membership.close(farewell=True)
+        membership.close(farewell=not crashed)
     _live.clear()
 
 

@@ -69,6 +69,9 @@ parser.add_argument("--record-seen", action="store_true",
 parser.add_argument("--mark-step", type=int, default=None,
                     help="each rank touches <out>/at-step-<k>-rank<r> as its training step k starts")  # fmt: skip
 parser.add_argument("--step-seconds", type=float, default=0.0, help="every rank sleeps this long in every step")
+parser.add_argument("--refit-epochs", type=int, default=None,
+                    help="after the fit, fit again this many epochs with a new Trainer and strategy (the same job); "
+                         "<out>/refit-rank<r>.pt: what that fit trained")  # fmt: skip
 parser.add_argument("--lose-after-backward", action="store_true",
                     help="--lose-rank dies after its backward (its exchange of the step complete) instead")  # fmt: skip
 parser.add_argument("--slow-commit-rank", type=int, default=None,
@@ -262,7 +265,6 @@ def newest_checkpoint() -> str | None:
 
 
 resume = newest_checkpoint() if args.resume_from == "newest" else args.resume_from
-strategy = args.strategy
 options = {
     "balance": args.balance,
     "balance_interval": args.balance_interval,
@@ -272,11 +274,18 @@ options = {
     "heartbeat_timeout": args.heartbeat_timeout,
 }
 options = {k: v for k, v in options.items() if v is not None}
-if options:
+
+
+def make_strategy():
+    if not options:
+        return args.strategy
     from lightning.pytorch.strategies import StrategyRegistry
 
-    entry = StrategyRegistry[strategy]
-    strategy = entry["strategy"](**{**entry["init_params"], **options})
+    entry = StrategyRegistry[args.strategy]
+    return entry["strategy"](**{**entry["init_params"], **options})
+
+
+strategy = make_strategy()
 model = ValidatedModel() if args.validate else Model()
 monitor = CommMonitor(print_summary=False) if args.backup_workers or args.on_rank_loss else None
 trainer = L.Trainer(
@@ -315,3 +324,19 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "val_counted": counted, "step_ends": model.step_ends},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip
+if args.refit_epochs:
+    first = len(model.trained)
+    again = L.Trainer(strategy=make_strategy(), accelerator="cpu", num_nodes=args.num_nodes,
+                      devices=args.devices if args.devices == "auto" else int(args.devices),
+                      max_epochs=args.refit_epochs, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    again.fit(model)
+    torch.save(
+        {
+            "trained": model.trained[first:],
+            "world_size": again.world_size,
+            "global_step": again.global_step,
+            "rank_loss": again.strategy.rank_loss.metrics(),
+        },
+        out / f"refit-rank{again.global_rank}.pt",
+    )

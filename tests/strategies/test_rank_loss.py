@@ -32,13 +32,14 @@ LOST_AT = 4
 #: - "rank 0 in flight, one process per host": as "in flight", losing global rank 0, each rank started on its own as
 #:   a single-device node (Lightning's general cluster environment): its roles (the store, checkpoints, logging) move
 #:   to rank 1.
-#: The second and third also validate every epoch (after the loss).
+#: The second and third also validate every epoch (after the loss); the last fits once more after the fit, with a new
+#: Trainer in the same job (the ranks lost in the first fit stay out from its first batch).
 SCENARIOS = {
     "in flight": ("--intra-node", "ring"),
     "one behind": ("--intra-node", "ring", "--lose-after-backward", "--slow-commit-rank", "1", "--collectives",
                    "--validate"),
     "in flight, shared memory, collectives": ("--collectives", "--validate"),
-    "rank 0 in flight, one process per host": ("--intra-node", "ring", "--collectives"),
+    "rank 0 in flight, one process per host": ("--intra-node", "ring", "--collectives", "--refit-epochs", "1"),
 }  # fmt: skip
 LOST = {"rank 0 in flight, one process per host": 0}
 PER_HOST = {"rank 0 in flight, one process per host"}
@@ -172,6 +173,19 @@ def test_lightning_collectives_and_validation_run_over_the_survivors(ring_loss):
         assert s["val_counted"] == [SAMPLES, SAMPLES], s["val_counted"]
 
 
+def test_a_later_fit_of_the_job_deals_the_global_batch_over_the_survivors_from_its_first_batch(tmp_path_factory):
+    run = _launch("rank 0 in flight, one process per host", tmp_path_factory)
+    refits = [torch.load(run.out / f"refit-rank{r}.pt") for r in run.left]
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for r in refits:
+        assert r["world_size"] == DEVICES - 1 and r["global_step"] == per_epoch and r["rank_loss"]["lost_ranks"] == []
+        assert len(r["trained"]) == per_epoch
+    sizes = [[len(r["trained"][j]) for r in refits] for j in range(per_epoch)]
+    assert sizes == [[GLOBAL_BATCH // 2] * 2] * per_epoch, sizes
+    trained = [i for r in refits for batch in r["trained"] for i in batch]
+    assert sorted(trained) == list(range(SAMPLES))
+
+
 def _reference(run: Run) -> list[torch.Tensor]:
     """One process on the global batches the job trained: the weights after every batch."""
     return replay_loss(run.survivors, run.seen, SAMPLES)
@@ -191,10 +205,10 @@ def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_i
 RESUME_STEP = 9
 
 
-@pytest.fixture(scope="module", params=["the survivors", "a full set of ranks"])
+@pytest.fixture(scope="module", params=["the survivors", "a full set of ranks", "more ranks than at the start"])
 def resumed(request, tmp_path_factory) -> tuple[Run, int, list[dict]]:
     run = _launch("in flight", tmp_path_factory)
-    devices = DEVICES - 1 if request.param == "the survivors" else DEVICES
+    devices = {"the survivors": DEVICES - 1, "a full set of ranks": DEVICES}.get(request.param, DEVICES + 1)
     out = tmp_path_factory.mktemp("ring-loss-resumed")
     run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(devices), "--samples", str(SAMPLES),
                "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",

@@ -30,6 +30,8 @@ from typing import Any
 from lightning_dp.comm.errors import FencedError, MembershipChange, QuorumLostError
 
 Send = Callable[[int, dict[str, Any]], bool]
+#: the cause of a suspicion where the peer's connection closed (it is gone, not only silent)
+CLOSED = "closed"
 
 
 @dataclass(frozen=True)
@@ -289,9 +291,9 @@ class Agreement:
         self.generation = decision.generation
         self.members = decision.members
         self._on_adopt(decision)
-        # a member this rank suspected already (its leader, lost after it sent the decision) stays suspected: the
-        # next change starts now, not after a heartbeat's silence
-        carried = {r: cause for r, cause in self._suspected.items() if r in decision.members}
+        # a member whose connection to this rank closed already (its leader, lost after it sent the decision) stays
+        # suspected: the next change starts now, not after a heartbeat's silence (a silence may have ended since)
+        carried = {r: cause for r, cause in self._suspected.items() if r in decision.members and cause == CLOSED}
         self._suspected.clear()
         self._reports.clear()
         self._reported_to = None
