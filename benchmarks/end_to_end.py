@@ -5,6 +5,8 @@ per rank, for every strategy against Lightning's ``ddp`` in the same run.
     python -m benchmarks.end_to_end --quick          # all models, N = 2, fewer steps
     python -m benchmarks.end_to_end --models comm_bound --strategies ddp ring_allreduce ring_allreduce@ring
     python -m benchmarks.end_to_end --pull           # the servers' pull overlapped and blocking, plain-SGD models
+    python -m benchmarks.end_to_end --models comm_bound reference_cnn --world-sizes 4 --name end_to_end_rank_loss \
+        --strategies ddp ring_allreduce ring_allreduce!continue   # what surviving a lost rank costs per step
     sudo python -m benchmarks.end_to_end --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
                                                      # one node per emulated host, rate-limited links
 
@@ -117,13 +119,15 @@ def build_strategy(spec: str, external_servers: bool = False, backend: str | Non
     """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME#K`` (``num_servers=K`` dedicated
     servers, started elsewhere with ``external_servers``), ``NAME@ring`` (``intra_node="ring"``),
     ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), ``NAME:blocking`` (a parameter server
-    with ``overlap_pull=False``: the weight pull at the end of the step), or ``ddp+HOOK`` (Lightning's
+    with ``overlap_pull=False``: the weight pull at the end of the step), ``NAME!MODE`` (``on_rank_loss=MODE``, e.g.
+    ``ring_allreduce!continue``), or ``ddp+HOOK`` (Lightning's
     ``ddp`` with one of torch's communication hooks, :data:`DDP_HOOKS`, registered on the DDP module at the start of
     training: Lightning registers hooks itself only on CUDA). ``backend``: every strategy's process-group backend
     (``ddp``'s included; default each one's own)."""
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import StrategyRegistry
 
+    spec, _, rank_loss = spec.partition("!")
     name, _, codec = spec.partition("+")
     if name == "ddp" and codec:
         if codec not in DDP_HOOKS:
@@ -173,6 +177,8 @@ def build_strategy(spec: str, external_servers: bool = False, backend: str | Non
         options["intra_node"] = intra_node
     if codec:
         options.update(compression=codec, powersgd_rank=POWERSGD_RANK, powersgd_warmup_steps=POWERSGD_START)
+    if rank_loss:
+        options["on_rank_loss"] = rank_loss
     if not options:
         return name, []
     entry = StrategyRegistry[name]

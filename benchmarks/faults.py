@@ -12,6 +12,9 @@ paths:
 - **the strategy's launcher** (one machine; rank 0 started the others, so the rank lost is rank 2);
 - **one process per host**: 4 processes started apart (Lightning's general cluster environment), so global rank 0
   is an ordinary rank and is the one lost;
+- **emulated hosts**: 4 hosts (network namespaces joined by the delay switch, 1 Gbit/s links), one process each;
+  the fault is not a kill but host 3's link cut silently (no reset reaches anyone), found by the heartbeat
+  (``heartbeat_timeout`` below); the cut host stops, a minority of one (needs root);
 - **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
   process restarts and resumes from the newest checkpoint.
 
@@ -28,18 +31,21 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
+from benchmarks.netns import SUBNET, delayed_hosts
 from benchmarks.report import save
 from tests.helpers.launch import kill_process_tree
 
@@ -52,14 +58,18 @@ APP = ["strategy=ring_allreduce", "callbacks.model_checkpoint.monitor=null", "ca
 
 class FaultClock(pl.Callback):
     """Records when each training step ends on each rank (``<folder>/steps-rank<r>.txt``: attempt, step, time), and
-    makes rank ``rank`` SIGKILL itself as training step ``step`` starts in the first attempt (``<folder>/fault``: when).
+    makes rank ``rank`` SIGKILL itself as training step ``step`` starts in the first attempt (``<folder>/fault``:
+    when), or (``cut``) only say it got there (``<folder>/at-fault``), for the benchmark to cut its link.
     Passed to the app as a Hydra callback (``+callbacks.fault=...``)."""
 
-    def __init__(self, folder: str, rank: int = -1, step: int = -1) -> None:
-        self.folder, self.rank, self.step = Path(folder), rank, step
+    def __init__(self, folder: str, rank: int = -1, step: int = -1, cut: bool = False) -> None:
+        self.folder, self.rank, self.step, self.cut = Path(folder), rank, step, cut
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.strategy.global_rank == self.rank and _attempt() == 0:
+            if self.cut:
+                (self.folder / "at-fault").touch()
+                return
             (self.folder / "fault").write_text(f"{time.time()!r} {trainer.global_step}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -84,11 +94,14 @@ def _env() -> dict[str, str]:
             "PYTHONWARNINGS": "ignore"}  # fmt: skip
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Every process's exit code (``None``: killed, with its children, after ``timeout`` seconds)."""
+def _wait(procs: list[subprocess.Popen], timeout: float, poll: Any = None) -> list[int | None]:
+    """Every process's exit code (``None``: killed, with its children, after ``timeout`` seconds); ``poll()`` runs
+    every few milliseconds meanwhile."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        if poll is not None:
+            poll()
+        time.sleep(0.005)
     codes: list[int | None] = []
     for p in procs:
         if p.poll() is None:
@@ -102,17 +115,41 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 
 def run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One run of the app on ``path`` (with the fault or not): its measurements."""
+    with ExitStack() as stack:
+        return _run_path(path, fault, args, tmp, stack)
+
+
+def _run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path, stack: ExitStack) -> dict[str, Any]:
     folder = tmp / f"{path}-{'fault' if fault else 'clean'}"
     folder.mkdir()
-    lost = 0 if path == "per_host" else 2
-    fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}"] if fault else []
+    lost = {"per_host": 0, "emulated": RANKS - 1}.get(path, 2)
+    fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
+                     f"+callbacks.fault.cut={path == 'emulated'}"] if fault else []  # fmt: skip
     overrides = [*APP, *args.app, f"+callbacks.model_checkpoint.every_n_train_steps={args.checkpoint_every}",
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
     app = str(REPO / "examples" / "train.py")
-    logs = [open(folder / f"process{i}.log", "w") for i in range(RANKS if path == "per_host" else 1)]  # noqa: SIM115
+    apart = path in ("per_host", "emulated")
+    logs = [open(folder / f"process{i}.log", "w") for i in range(RANKS if apart else 1)]  # noqa: SIM115
     start = time.perf_counter()
-    if path == "launcher":
+    poll = None
+    if path == "emulated":
+        hosts = stack.enter_context(delayed_hosts(RANKS, rate_mbit=1000, latency_ms=0.1))
+        command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
+                   "strategy.on_rank_loss=continue",
+                   f"strategy.heartbeat_timeout={args.heartbeat_timeout}"]  # fmt: skip
+        env = {**_env(), "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(RANKS),
+               "LOCAL_RANK": "0"}  # fmt: skip
+        procs = [subprocess.Popen(["ip", "netns", "exec", host, *command], cwd=folder, stdout=logs[i],
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**env, "NODE_RANK": str(i)})
+                 for i, host in enumerate(hosts)]  # fmt: skip
+
+        def poll() -> None:  # the lost rank reached the fault: cut its link
+            if (folder / "at-fault").exists() and not (folder / "fault").exists():
+                hosts.cut(lost)
+                (folder / "fault").write_text(f"{time.time()!r} {args.fault_step}\n")
+    elif path == "launcher":
         command = [sys.executable, app, *overrides, f"trainer.devices={RANKS}", "strategy.on_rank_loss=continue"]
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
@@ -131,12 +168,15 @@ def run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path) -> dic
                    "strategy.on_rank_loss=stop", "ckpt_path=last"]  # fmt: skip
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
-    codes = _wait(procs, args.run_timeout)
+    codes = _wait(procs, args.run_timeout, poll)
     seconds = time.perf_counter() - start
+    stack.close()
     for log in logs:
         log.close()
     metrics_file = folder / "run" / "metrics.json"
-    want = [-9 if fault and i == lost else 0 for i in range(len(procs))] if path == "per_host" else [0]
+    want = [-9 if fault and i == lost else 0 for i in range(len(procs))] if apart else [0]
+    if path == "emulated" and fault:  # the cut host stops on its own, a minority of one
+        want[lost] = 1
     if codes != want or not metrics_file.exists():
         tail = "".join((folder / f"process{i}.log").read_text()[-3000:] for i in range(len(procs)))
         raise RuntimeError(f"{path} ({'fault' if fault else 'no fault'}): exit codes {codes}, expected {want}\n{tail}")
@@ -180,7 +220,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault-step", type=int, default=35)
     parser.add_argument("--checkpoint-every", type=int, default=20)
-    parser.add_argument("--paths", nargs="+", default=["launcher", "per_host", "torchrun"])
+    parser.add_argument("--paths", nargs="+", default=["launcher", "per_host", "emulated", "torchrun"])
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the emulated hosts' heartbeat_timeout")
     parser.add_argument("--app", nargs="*", default=[], help="more overrides of the app (e.g. trainer.max_epochs=4)")
     parser.add_argument("--run-timeout", type=float, default=400.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -189,16 +230,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lddp-faults-") as tmp:
         for path in args.paths:
             for fault in (False, True):
-                rows.append(run_path(path, fault, args, Path(tmp)))
+                try:
+                    rows.append(run_path(path, fault, args, Path(tmp)))
+                except RuntimeError:
+                    kept = shutil.copytree(tmp, tempfile.mkdtemp(prefix="lddp-faults-failed-"), dirs_exist_ok=True)
+                    print(f"the runs' folders are kept in {kept}", file=sys.stderr)
+                    raise
                 print(rows[-1], flush=True)
     for row in rows:
         row["fault_step"], row["checkpoint_every"] = args.fault_step, args.checkpoint_every
+        if row["path"] == "emulated":
+            row["heartbeat_timeout"] = args.heartbeat_timeout
     save(args.out, "faults", rows, report_lines)
 
 
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
     "per_host": "survivors go on (one process per host)",
+    "emulated": "survivors go on (emulated hosts, link cut)",
     "torchrun": "torchrun restarts from the checkpoint",
 }
 
@@ -209,7 +258,8 @@ def report_lines(rows: list[dict]) -> list[str]:
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the example app "
         f"(digits, reference CNN, global batch 128), {RANKS} ranks, `ring_allreduce`, a checkpoint every "
-        f"{first['checkpoint_every']} steps, one rank SIGKILLed as step {first['fault_step']} starts.",
+        f"{first['checkpoint_every']} steps, one rank SIGKILLed (emulated hosts: its link cut) as step "
+        f"{first['fault_step']} starts.",
         "",
         "| path | rank lost | seconds (no fault) | seconds (fault) | wall time lost (s) | recovery (s) "
         "| of which the agreement (s) | steps redone | samples dropped | test accuracy (no fault / fault) |",
@@ -221,6 +271,8 @@ def report_lines(rows: list[dict]) -> list[str]:
             continue
         base = baselines[r["path"]]
         lost = "global 0" if r["lost_rank"] == 0 else str(r["lost_rank"])
+        if r["path"] == "emulated":
+            lost += f" (heartbeat_timeout={r['heartbeat_timeout']:g} s)"
         dropped = r.get("dropped_samples")
         reported = r.get("recovery_seconds_reported")
         agreement = f"{reported:.2f}" if reported is not None else "-"

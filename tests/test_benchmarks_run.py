@@ -137,6 +137,8 @@ def test_strategy_specs_of_the_benchmarks():
     assert (blocking.intra_node, blocking.overlap_pull) == ("ring", False)
     with pytest.raises(ValueError, match="':blocking'"):
         build_strategy("sharded_ps:lazy")
+    surviving, _ = build_strategy("ring_allreduce@ring!continue")
+    assert (surviving.intra_node, surviving.rank_loss.name) == ("ring", "continue")
 
 
 @pytest.mark.multiprocess

@@ -116,6 +116,8 @@ class ControlPlane:
         self._listener.setblocking(False)
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._closing = False
+        #: this rank is leaving (:meth:`close` began): a peer's connection ending now is no loss to report
+        self._leaving = False
         #: sockets to (un)register with the selector, which only the thread touches once it runs
         self._to_register: list[tuple[socket.socket, int]] = []
         self._to_unregister: list[socket.socket] = []
@@ -299,6 +301,7 @@ class ControlPlane:
         with self._lock:
             if self._closing:
                 return
+            self._leaving = True
             peers = list(self._peers) if farewell else []
         for peer in peers:
             self.send(peer, {"t": "bye"})
@@ -342,11 +345,19 @@ class ControlPlane:
             handler.suspect(peer, cause, direct)
 
     def _depart(self, state: _Peer) -> None:
-        """``state``'s rank leaves the job on purpose (it finished): its connection closing is no loss."""
+        """``state``'s rank leaves the job on purpose (it finished): its connection closing is no loss. What this
+        rank still had queued for it (its own goodbye, when both leave at once) is sent first, as far as the socket
+        takes it without waiting."""
         with self._lock:
             self._peers.pop(state.rank, None)
             self._expected.discard(state.rank)
+            pending = bytes(state.outbound)
         self._unregister(state.sock)
+        if pending:
+            try:
+                state.sock.send(pending)
+            except OSError:
+                pass
         state.sock.close()
 
     def _fenced(self, why: str) -> None:
@@ -449,7 +460,7 @@ class ControlPlane:
             log.info("control plane of rank %d: connection to rank %d ended: %s", self.rank, peer, error)
             self._unregister(state.sock)
             with self._lock:
-                suspected = peer in self._suspected or peer in self._retired
+                suspected = peer in self._suspected or peer in self._retired or self._leaving
             if not suspected:
                 self._suspect(peer, "closed")
 
