@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from lightning_dp.comm.errors import FencedError, MembershipChange, QuorumLostError
 from lightning_dp.comm.membership import Agreement, Decision, choose_members, quorum_problem
+from lightning_dp.comm.membership.control import ControlPlane
 from tests.helpers.distributed import run_distributed_allow_deaths
 
 
@@ -188,6 +189,54 @@ def test_more_losses_than_allowed_stop_every_survivor_naming_them():
         outcome = net.outcome(r)
         assert isinstance(outcome, QuorumLostError) and "max_lost_ranks=1" in str(outcome), outcome
         assert "[3, 4]" in str(outcome)
+
+
+class _Recorder:
+    """A control plane's handler that records what it is told."""
+
+    def __init__(self) -> None:
+        self.suspicions: list[tuple[int, str]] = []
+
+    def suspect(self, peer: int, cause: str, direct: bool) -> None:
+        self.suspicions.append((peer, cause))
+
+    def fenced(self, why: str) -> None:
+        pass
+
+    def receive(self, message: dict[str, Any]) -> None:
+        pass
+
+    def tick(self, now: float) -> None:
+        pass
+
+
+@pytest.mark.unit
+def test_ranks_that_finish_at_the_same_moment_take_no_one_for_lost():
+    """Every rank of a job says goodbye as it leaves; two leaving at once must not take each other's closing
+    connection for a loss (a rank still working would then start a change with no one left to agree)."""
+    for attempt in range(20):
+        master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        stores = [master, dist.TCPStore("127.0.0.1", master.port, is_master=False)]  # a connection per rank
+        planes: list[ControlPlane | None] = [None, None]
+
+        def start(rank: int, stores=stores, planes=planes, attempt=attempt) -> None:
+            planes[rank] = ControlPlane(rank, [0, 1], stores[rank], f"leave/{attempt}", "127.0.0.1", 5.0, timeout=20)
+
+        starters = [threading.Thread(target=start, args=(r,)) for r in (0, 1)]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        recorders = [_Recorder(), _Recorder()]
+        for plane, recorder in zip(planes, recorders, strict=True):
+            assert plane is not None
+            plane.attach(recorder)
+        closers = [threading.Thread(target=plane.close) for plane in planes if plane is not None]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join()
+        assert [r.suspicions for r in recorders] == [[], []], f"attempt {attempt}"
 
 
 # ---------------------------------------------------------------------------------------------------- processes
