@@ -84,10 +84,11 @@ int main(int argc, char **argv) {
         }
         if (ready <= 0) continue;
         if (polls[n].revents & (POLLIN | POLLHUP)) {
+            if (pending >= sizeof commands - 1) pending = 0; /* a line longer than the buffer: dropped */
             ssize_t got = read(control, commands + pending, sizeof commands - 1 - pending);
-            if (got <= 0) {
+            if (got == 0 || (got < 0 && errno != EINTR && errno != EAGAIN)) {
                 polls[n].fd = -1; /* the controller is gone: the links stay as they are */
-            } else {
+            } else if (got > 0) {
                 pending += (size_t)got;
                 commands[pending] = 0;
                 char *line = commands, *end;

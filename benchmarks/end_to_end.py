@@ -5,8 +5,9 @@ per rank, for every strategy against Lightning's ``ddp`` in the same run.
     python -m benchmarks.end_to_end --quick          # all models, N = 2, fewer steps
     python -m benchmarks.end_to_end --models comm_bound --strategies ddp ring_allreduce ring_allreduce@ring
     python -m benchmarks.end_to_end --pull           # the servers' pull overlapped and blocking, plain-SGD models
-    python -m benchmarks.end_to_end --models comm_bound reference_cnn --world-sizes 4 --name end_to_end_rank_loss \
-        --strategies ddp ring_allreduce ring_allreduce!continue   # what surviving a lost rank costs per step
+    python -m benchmarks.end_to_end --models comm_bound reference_cnn --world-sizes 4 --steps 60 \
+        --name end_to_end_rank_loss --strategies ddp ring_allreduce ring_allreduce~continue
+                                                     # what on_rank_loss="continue" costs per step
     sudo python -m benchmarks.end_to_end --emulated-hosts 3 --rate-mbit 1000 --models reference_cnn
                                                      # one node per emulated host, rate-limited links
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -119,15 +121,18 @@ def build_strategy(spec: str, external_servers: bool = False, backend: str | Non
     """``(strategy, callbacks)`` for a strategy spec: a registry name, ``NAME#K`` (``num_servers=K`` dedicated
     servers, started elsewhere with ``external_servers``), ``NAME@ring`` (``intra_node="ring"``),
     ``NAME+CODEC`` (``compression=CODEC``, e.g. ``ring_allreduce@ring+bf16``), ``NAME:blocking`` (a parameter server
-    with ``overlap_pull=False``: the weight pull at the end of the step), ``NAME!MODE`` (``on_rank_loss=MODE``, e.g.
-    ``ring_allreduce!continue``), or ``ddp+HOOK`` (Lightning's
+    with ``overlap_pull=False``: the weight pull at the end of the step), ``NAME~MODE`` (``on_rank_loss=MODE``,
+    anywhere after the name, e.g. ``ring_allreduce@ring~continue``), or ``ddp+HOOK`` (Lightning's
     ``ddp`` with one of torch's communication hooks, :data:`DDP_HOOKS`, registered on the DDP module at the start of
     training: Lightning registers hooks itself only on CUDA). ``backend``: every strategy's process-group backend
     (``ddp``'s included; default each one's own)."""
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import StrategyRegistry
 
-    spec, _, rank_loss = spec.partition("!")
+    rank_loss = ""
+    found = re.search(r"~(\w+)", spec)
+    if found:
+        rank_loss, spec = found[1], spec[: found.start()] + spec[found.end() :]
     name, _, codec = spec.partition("+")
     if name == "ddp" and codec:
         if codec not in DDP_HOOKS:

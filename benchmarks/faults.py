@@ -89,9 +89,25 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+    drop = (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GLOO_SOCKET_IFNAME",
+    )  # (the strategies find the interface towards MASTER_ADDR themselves)
     return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": str(REPO),
             "PYTHONWARNINGS": "ignore"}  # fmt: skip
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            kill_process_tree(p.pid)
+            p.wait()
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float, poll: Any = None) -> list[int | None]:
@@ -101,7 +117,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float, poll: Any = None) -> li
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if poll is not None:
             poll()
-        time.sleep(0.005)
+        time.sleep(0.005 if poll is not None else 0.05)
     codes: list[int | None] = []
     for p in procs:
         if p.poll() is None:
@@ -168,6 +184,7 @@ def _run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path, stack
                    "strategy.on_rank_loss=stop", "ckpt_path=last"]  # fmt: skip
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
+    stack.callback(_kill_all, procs)  # (a failure before they finish leaves none running)
     codes = _wait(procs, args.run_timeout, poll)
     seconds = time.perf_counter() - start
     stack.close()
@@ -220,19 +237,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault-step", type=int, default=35)
     parser.add_argument("--checkpoint-every", type=int, default=20)
-    parser.add_argument("--paths", nargs="+", default=["launcher", "per_host", "emulated", "torchrun"])
+    parser.add_argument("--paths", nargs="+", default=None,
+                        help="launcher, per_host, emulated (needs root: network namespaces), torchrun; default: all "
+                             "(emulated only as root)")  # fmt: skip
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the emulated hosts' heartbeat_timeout")
     parser.add_argument("--app", nargs="*", default=[], help="more overrides of the app (e.g. trainer.max_epochs=4)")
     parser.add_argument("--run-timeout", type=float, default=400.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
+    if args.paths is None:
+        args.paths = ["launcher", "per_host", *(["emulated"] if os.geteuid() == 0 else []), "torchrun"]
+        if "emulated" not in args.paths:
+            print("not root: the emulated hosts' path is left out (it builds network namespaces)", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(prefix="lddp-faults-") as tmp:
         for path in args.paths:
             for fault in (False, True):
                 try:
                     rows.append(run_path(path, fault, args, Path(tmp)))
-                except RuntimeError:
+                except Exception:
                     kept = shutil.copytree(tmp, tempfile.mkdtemp(prefix="lddp-faults-failed-"), dirs_exist_ok=True)
                     print(f"the runs' folders are kept in {kept}", file=sys.stderr)
                     raise

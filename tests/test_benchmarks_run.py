@@ -137,7 +137,7 @@ def test_strategy_specs_of_the_benchmarks():
     assert (blocking.intra_node, blocking.overlap_pull) == ("ring", False)
     with pytest.raises(ValueError, match="':blocking'"):
         build_strategy("sharded_ps:lazy")
-    surviving, _ = build_strategy("ring_allreduce@ring!continue")
+    surviving, _ = build_strategy("ring_allreduce~continue@ring")
     assert (surviving.intra_node, surviving.rank_loss.name) == ("ring", "continue")
 
 

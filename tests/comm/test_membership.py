@@ -212,31 +212,39 @@ class _Recorder:
 
 @pytest.mark.unit
 def test_ranks_that_finish_at_the_same_moment_take_no_one_for_lost():
-    """Every rank of a job says goodbye as it leaves; two leaving at once must not take each other's closing
-    connection for a loss (a rank still working would then start a change with no one left to agree)."""
-    for attempt in range(20):
+    """Ranks 0 and 1 leave at once, each saying goodbye, while rank 2 still works: neither takes the other's closing
+    connection for a loss, so none passes a suspicion on to rank 2 (which would then start a change with no one left
+    to agree), and rank 2 hears both leave as finished."""
+    for attempt in range(10):
         master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        stores = [master, dist.TCPStore("127.0.0.1", master.port, is_master=False)]  # a connection per rank
-        planes: list[ControlPlane | None] = [None, None]
+        stores = [master, *(dist.TCPStore("127.0.0.1", master.port, is_master=False) for _ in range(2))]
+        planes: list[ControlPlane | None] = [None, None, None]
 
         def start(rank: int, stores=stores, planes=planes, attempt=attempt) -> None:
-            planes[rank] = ControlPlane(rank, [0, 1], stores[rank], f"leave/{attempt}", "127.0.0.1", 5.0, timeout=20)
+            planes[rank] = ControlPlane(rank, [0, 1, 2], stores[rank], f"leave/{attempt}", "127.0.0.1", 5.0,
+                                        timeout=20)  # fmt: skip
 
-        starters = [threading.Thread(target=start, args=(r,)) for r in (0, 1)]
+        starters = [threading.Thread(target=start, args=(r,)) for r in range(3)]
         for t in starters:
             t.start()
         for t in starters:
             t.join()
-        recorders = [_Recorder(), _Recorder()]
+        recorders = [_Recorder() for _ in range(3)]
         for plane, recorder in zip(planes, recorders, strict=True):
             assert plane is not None
             plane.attach(recorder)
-        closers = [threading.Thread(target=plane.close) for plane in planes if plane is not None]
+        closers = [threading.Thread(target=plane.close) for plane in planes[:2] if plane is not None]
         for t in closers:
             t.start()
         for t in closers:
             t.join()
-        assert [r.suspicions for r in recorders] == [[], []], f"attempt {attempt}"
+        time.sleep(0.2)  # what rank 2 would hear of them has arrived
+        working = planes[2]
+        assert working is not None
+        assert [r.suspicions for r in recorders] == [[], [], []], f"attempt {attempt}"
+        # both left as finished: rank 2 keeps no connection to them (its own listener and waker pair only)
+        assert working.suspected == {} and len(working.descriptors()) == 3, f"attempt {attempt}"
+        working.close()
 
 
 # ---------------------------------------------------------------------------------------------------- processes
