@@ -32,7 +32,10 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
 from tests.scripts import placement
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 CASES = ("hooks", "add_group", "compiled", "reentrant", "fp16", "bf16", "syncbn", "resume")
 parser = argparse.ArgumentParser()
@@ -282,7 +285,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Lightning's ddp leaves the default gloo group up after fit, and a process that exits with it alive can abort
-    # in the interpreter's finalization ("terminate called without an active exception", pytorch/pytorch#190489)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

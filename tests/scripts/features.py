@@ -24,9 +24,12 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
 from lightning_dp.comm.cluster.sockets import tcp_sockets
 from tests.scripts import placement
 from tests.scripts.models import IN_FEATURES, RegressionModel, TwoOptimizerModel, flat_weights
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)

@@ -11,9 +11,12 @@ import lightning as L
 import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
 from lightning_dp.comm.cluster.sockets import tcp_sockets
 from tests.scripts import placement
 from tests.scripts.models import MODELS, flat_weights
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")

@@ -25,6 +25,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
 from lightning_dp import CommMonitor
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")

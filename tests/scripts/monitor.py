@@ -13,7 +13,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dp
 from lightning_dp import CommMonitor
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
 from tests.scripts.models import RegressionModel
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")

@@ -30,10 +30,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
 from lightning_dp.comm.weight_pull import OverlappedPull
 from lightning_dp.strategies.weight_hooks import CompleteWeightsBefore
 from tests.scripts import placement
 from tests.scripts.models import flat_weights
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)

@@ -7,6 +7,9 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_dp  # registers the strategies
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", required=True)

@@ -7,7 +7,10 @@ import lightning as L
 import torch
 
 import lightning_dp  # noqa: F401 - registers the strategies
+from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
 from tests.scripts.models import RegressionModel, flat_weights
+
+register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--strategy", default="ring_allreduce")
