@@ -196,7 +196,10 @@ def worker(args) -> None:
     from lightning.pytorch.callbacks import Callback
 
     import lightning_dp  # noqa: F401 - registers the strategies
+    from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
     from lightning_dp.demos import FakeDataModule
+
+    register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     shape, batch = MODELS[args.model]

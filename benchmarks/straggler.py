@@ -104,8 +104,10 @@ def worker(args) -> None:
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_dp.comm.cluster.rendezvous import register_close_at_exit
     from lightning_dp.demos import DigitsDataModule
 
+    register_close_at_exit()  # Lightning's ddp leaves its gloo group up: pytorch/pytorch#190489
     torch.set_num_threads(1)
     L.seed_everything(0, workers=True)
     staleness = None if args.staleness == "none" else int(args.staleness)
