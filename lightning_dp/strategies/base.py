@@ -262,6 +262,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.codec.reduce(bucket, self.transport)
         if self.full_gradients:
             self.codec.share(bucket, self.transport)
+        self._after_reduce(bucket)
+
+    def _after_reduce(self, bucket: GradientBucket) -> None:
+        """``bucket`` was exchanged (on the communication thread): what else travels with it."""
 
     @override
     def model_to_device(self) -> None:
@@ -328,14 +332,40 @@ class DataParallelStrategy(ProcessGroupStrategy):
             return
         self.rank_loss.finish_gradient_sync(self, self.reducer, self._copies_back())
 
+    def seal_exchange(self) -> None:
+        """The step's gradient exchange completed on this rank; what must also hold before it counts as complete
+        (inside its sync point, see :mod:`~lightning_dp.strategies.rank_loss`)."""
+
+    @property
+    def exchange_outcome_travels(self) -> bool:
+        """Whether a rank one sync point behind at the gradient exchange takes the outcome of a member that completed
+        it (its weights and optimizer state: every rank's update is the same), or holds its own part of it already
+        (the replicated servers: each one's shard arrived wherever any member completed the exchange)."""
+        return True
+
+    def point_completed(self, kind: str) -> None:
+        """A sync point of ``kind`` completed on this rank, or was taken from a survivor that completed it."""
+
+    def after_recovery(self, lost: list[int]) -> None:
+        """Every survivor agreed on the loss of the global ranks ``lost`` and stands at the same sync point (inside the
+        recovery: collective over the survivors)."""
+
     def rebuild_exchange(self) -> None:
         """After the membership changed (``on_rank_loss="continue"``): the groups, the transport and the codec over
         the ranks that train now, on the same buckets (collective over them)."""
+        self.rebuild_groups()
+        self.rebuild_transport()
+
+    def rebuild_groups(self) -> None:
+        """The gradient and control groups over the ranks that train now."""
         membership = self.rank_loss.membership
         assert membership is not None
         self.gradient_group = membership.group("gradients")
         self._control_group = membership.group("control")
         self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
+
+    def rebuild_transport(self) -> None:
+        """The transport over the current gradient group, bound to the same buckets."""
         if self.reducer is None:  # lost before (or after) a fit's exchange was set up
             return
         shared = self.transport.shared_memory if self.transport is not None else self._uses_shared_memory()

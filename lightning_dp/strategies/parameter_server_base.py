@@ -137,6 +137,7 @@ class ParameterServerBase(DataParallelStrategy):
                 f"compression={self.compression!r} needs staleness=0: with staleness={self.staleness!r} each "
                 "worker's gradient travels alone and is not compressed; use compression='none'"
             )
+        self.rank_loss.check_options(self)  # (again: the servers' options are known now)
         #: the consistency model's step, chosen once here
         self.engine: StepEngine = self._make_engine()
 
@@ -168,6 +169,8 @@ class ParameterServerBase(DataParallelStrategy):
         """Why the weight pull cannot overlap the next forward in this run (``None``: it can), at set-up."""
         if not self.overlap_pull:
             return "overlap_pull=False"
+        if self.rank_loss.name == "continue":
+            return "on_rank_loss='continue': a loss during the pull is closed within its step"
         module = self.lightning_module
         assert module is not None
         if not module.automatic_optimization:
@@ -238,6 +241,32 @@ class ParameterServerBase(DataParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self.engine.setup_trainer(trainer)
+
+    # ------------------------------------------------------------------ a lost rank (on_rank_loss="continue")
+    @override
+    def _after_reduce(self, bucket: GradientBucket) -> None:
+        self.engine.after_reduce(bucket)
+
+    @override
+    def seal_exchange(self) -> None:
+        self.engine.seal_exchange()
+
+    @property
+    @override
+    def exchange_outcome_travels(self) -> bool:
+        return self.engine.exchange_outcome_travels
+
+    @override
+    def point_completed(self, kind: str) -> None:
+        self.engine.point_completed(kind)
+
+    @override
+    def rebuild_exchange(self) -> None:
+        self.engine.rebuild_exchange()
+
+    @override
+    def after_recovery(self, lost: list[int]) -> None:
+        self.engine.after_recovery(lost)
 
     @override
     def _synchronized_buckets(self) -> list[GradientBucket]:

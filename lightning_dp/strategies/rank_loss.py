@@ -67,10 +67,13 @@ T = TypeVar("T")
 
 #: values of the ``on_rank_loss`` option
 ON_RANK_LOSS = ("stop", "continue")
-#: the kinds of sync point: the gradient exchange, a collective of the loop's or of Lightning's on the control group
-EXCHANGE, COLLECTIVE = "exchange", "collective"
+#: the kinds of sync point: the gradient exchange, a collective of the loop's or of Lightning's on the control group,
+#: the servers' weight pull
+EXCHANGE, COLLECTIVE, PULL = "exchange", "collective", "pull"
 #: :meth:`ContinueOnRankLoss._recover`'s answer where this rank's sync point runs again over the survivors
 _REDO = object()
+#: the strategies that survive a loss
+SURVIVING = ("ring_allreduce", "sharded_ps")
 #: the default ``heartbeat_timeout``: long enough for a loaded machine's scheduler, short enough to matter
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 
@@ -137,6 +140,10 @@ class StopOnRankLoss:
     def collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
         """Run ``run(group)``, a collective of the training loop or of Lightning's, on the control group."""
         return run(strategy.control_group)
+
+    def weight_pull(self, strategy: DataParallelStrategy, pull: Callable[[], None]) -> None:
+        """Run ``pull``, the servers' weight pull of a step."""
+        pull()
 
     def reducible(self, tensor: Tensor) -> Tensor:
         """The tensor an in-place collective may overwrite: the caller's own."""
@@ -224,10 +231,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     f"{name} needs {option}={needed!r}, got {option}={value!r}: the survivors of a loss cannot yet "
                     f"re-form that part of the exchange (see docs/faults.md)"
                 )
-        if strategy.strategy_name != "ring_allreduce":
+        if strategy.strategy_name not in SURVIVING:
             raise ConfigurationError(
-                f"{name} is not available yet: the servers' state needs a replica on another rank first (see "
-                "docs/faults.md); strategy='ring_allreduce' supports it"
+                f"{name} is not available yet: the central server's state needs a replica on another rank first (see "
+                f"docs/faults.md); strategy={' or '.join(map(repr, SURVIVING))} supports it"
             )
         if strategy.process_group_backend == "nccl":
             raise ConfigurationError(
@@ -371,17 +378,33 @@ class ContinueOnRankLoss(StopOnRankLoss):
 
     def finish_gradient_sync(self, strategy: DataParallelStrategy, reducer: BucketReducer, copy_back: bool) -> None:
         exchange = reducer.finish
+        finished = [False]
+
+        def run() -> None:
+            finished[0] = False
+            exchange(copy_back)  # noqa: B023 - run at once
+            finished[0] = True
+            strategy.seal_exchange()
+
         while True:
             try:
-                self._run_point(lambda: exchange(copy_back))  # noqa: B023 - run at once
+                self._run_point(run, EXCHANGE)
             except MembershipChange:
-                reducer.abandon()
+                if not finished[0]:
+                    reducer.abandon()
                 outcome, factor = self._recover(strategy, EXCHANGE)
-                if outcome is not _REDO:  # the step's update is the donor's, taken already: this rank's is skipped
+                if outcome is not _REDO and strategy.exchange_outcome_travels:
+                    # the step's update is the donor's, taken already: this rank's is skipped
                     for p in reducer.params:
                         p.grad = None
-                    self._saved_this_round.clear()
                     self.caught_up_steps += 1
+                elif outcome is not _REDO and not finished[0]:
+                    raise RuntimeError(
+                        f"rank {strategy.global_rank}'s gradient exchange did not complete where another survivor's "
+                        "did: the exchange cannot be closed over the survivors"
+                    ) from None
+                if outcome is not _REDO:  # (servers: this rank's part of the exchange is in its buckets already)
+                    self._saved_this_round.clear()
                     self._exchange_done(strategy)
                     return
                 self._restore(reducer, factor)
@@ -397,11 +420,22 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return run(strategy.control_group)
         while True:
             try:
-                return self._run_point(lambda: run(strategy.control_group), keep=True)
+                return self._run_point(lambda: run(strategy.control_group), COLLECTIVE)
             except MembershipChange:
                 outcome, _ = self._recover(cast("DataParallelStrategy", strategy), COLLECTIVE)
                 if outcome is not _REDO:
                     return cast(T, outcome)
+
+    def weight_pull(self, strategy: DataParallelStrategy, pull: Callable[[], None]) -> None:
+        while True:
+            try:
+                self._run_point(pull, PULL)
+                break
+            except MembershipChange:
+                outcome, _ = self._recover(strategy, PULL)
+                if outcome is not _REDO:  # the weights of a survivor that completed it, taken already
+                    break
+        strategy.point_completed(PULL)
 
     def reducible(self, tensor: Tensor) -> Tensor:
         # a copy: an attempt a lost rank interrupts may leave partial sums in what it reduced, and it runs again
@@ -432,10 +466,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 b.copy_(values[offset : offset + b.numel()].view_as(b).to(b.dtype))
                 offset += b.numel()
 
-    def _run_point(self, run: Callable[[], T], keep: bool = False) -> T:
-        """Run the next sync point and commit it on the membership (its result kept for a member one point behind
-        when ``keep``); a change of membership (now, or behind a transport error) raises :class:`MembershipChange`.
-        """
+    def _run_point(self, run: Callable[[], T], kind: str) -> T:
+        """Run the next sync point, of ``kind``, and commit it on the membership (a collective's result kept for a
+        member one point behind); a change of membership (now, or behind a transport error) raises
+        :class:`MembershipChange`."""
         membership = self.membership
         assert membership is not None
         point = self.position + 1
@@ -451,12 +485,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 raise
             raise change from error
         self.position = point
-        self._last = (COLLECTIVE, result) if keep else (EXCHANGE, None)
+        self._last = (kind, result if kind == COLLECTIVE else None)
         return result
 
     def _exchange_done(self, strategy: DataParallelStrategy) -> None:
         self.committed += 1
         strategy.batches.exchange_committed()
+        strategy.point_completed(EXCHANGE)
 
     def _restore(self, reducer: BucketReducer, factor: float) -> None:
         """Put back this rank's own gradients into the buckets an abandoned exchange touched, times ``factor`` (their
@@ -492,6 +527,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     outcome = aligned
                 lost = [loss for loss in membership.losses if loss.generation > before]
                 strategy.batches.exclude([loss.rank for loss in lost])  # (a rank already dealt out again: no change)
+                strategy.after_recovery([loss.rank for loss in lost])
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
                 change = membership.interpret(error)
@@ -548,21 +584,25 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"rank {strategy.global_rank} stopped at a {kind} where rank {donor} completed a {done_kind}: the "
                 "ranks do not run the same sync points in the same order (a collective called on some ranks only?)"
             )
-        if done_kind == EXCHANGE:  # everything arrives before anything is applied: a loss meanwhile changes nothing
+        # everything arrives before anything is applied: a loss meanwhile changes nothing
+        if done_kind == PULL or (done_kind == EXCHANGE and strategy.exchange_outcome_travels):
             params = [p.data for p in strategy.model.parameters()]
             weights = [p.clone() for p in params]
             broadcast_tensors(weights, src=donor_rank, group=group)
-            states: list[Any] = [[unwrap_optimizer(o).state_dict() for o in strategy.optimizers]
-                                 if strategy.global_rank == donor else None]  # fmt: skip
-            dist.broadcast_object_list(states, group=group, group_src=donor_rank)
+            states: list[Any] = [None]
+            if done_kind == EXCHANGE:  # (after a pull every server holds its own state already)
+                states = [[unwrap_optimizer(o).state_dict() for o in strategy.optimizers]
+                          if strategy.global_rank == donor else None]  # fmt: skip
+                dist.broadcast_object_list(states, group=group, group_src=donor_rank)
             if behind:
                 with torch.no_grad():
                     for p, w in zip(params, weights):
                         p.copy_(w)
-                for optimizer, state in zip(map(unwrap_optimizer, strategy.optimizers), states[0]):
+                for optimizer, state in zip(map(unwrap_optimizer, strategy.optimizers), states[0] or []):
                     optimizer.load_state_dict(state)
         if not behind:
             return _REDO
+        strategy.point_completed(done_kind)
         self.position = latest
         self._last = (done_kind, result)
         assert self.membership is not None

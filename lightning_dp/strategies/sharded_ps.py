@@ -17,6 +17,7 @@ from lightning_dp.comm.transports import (
     balanced_shards,
 )
 from lightning_dp.strategies.engines import ShardedServerEngine, StepEngine
+from lightning_dp.strategies.engines.replicated import ReplicatedShardedEngine
 from lightning_dp.strategies.parameter_server_base import ParameterServerBase, Segment
 
 
@@ -69,6 +70,8 @@ class ShardedParameterServerStrategy(ParameterServerBase):
 
     @override
     def _synchronous_engine(self) -> StepEngine:
+        if self.rank_loss.name == "continue":  # every shard's state replicated on the next rank
+            return ReplicatedShardedEngine(self)
         return ShardedServerEngine(self)
 
     @classmethod

@@ -50,7 +50,7 @@ class Rank:
                                        size)  # fmt: skip
         self.own = ShardedOptimizer(self.front, ShardLayout(buckets, self.segments, index))
         owner = chain_predecessor(index, size)
-        self.replica = ShardReplica(self.front, buckets, self.segments, owner) if size > 1 else None
+        self.replica = ShardReplica([self.front], buckets, self.segments, owner) if size > 1 else None
 
     def backward(self, seed: int) -> None:
         """The averaged gradient of step ``seed`` in the buckets (as every owner holds its part after the push)."""
@@ -77,7 +77,7 @@ def _step(ranks: list[Rank], seed: int, skip_replica: bool = False) -> None:
         rank.own.apply_clip_(("norm", 0.5), squares)
         rank.own.step()
         if rank.replica is not None and not skip_replica:
-            rank.replica.step(("norm", 0.5), squares)
+            rank.replica.step(0, ("norm", 0.5), squares)
     for rank in ranks:  # the pull: every rank takes every owner's new weights
         for other in ranks:
             for p, q in zip(rank.model.parameters(), other.model.parameters(), strict=True):
@@ -190,7 +190,7 @@ def _forward_and_recut(rank: int, world_size: int) -> bool:
     buckets = reducer.buckets
     segments = shard_segments([b.grad_numel for b in buckets], [b.buffer.element_size() for b in buckets], world_size)
     own = ShardedOptimizer(front, ShardLayout(buckets, segments, rank))
-    replica = ShardReplica(front, buckets, segments, chain_predecessor(rank, world_size))
+    replica = ShardReplica([front], buckets, segments, chain_predecessor(rank, world_size))
     survivors = dist.new_group([0, 2])  # collective over everyone, so formed before rank 1 leaves
     for step in range(3):
         torch.manual_seed(100 * step + rank)  # every rank its own batch

@@ -63,16 +63,17 @@ def check_recoverable(lost: Iterable[int], size: int) -> None:
 
 
 class ShardReplica:
-    """The replica of group rank ``owner``'s shard of ``optimizer``'s state (held by its chain successor).
+    """The replica of group rank ``owner``'s shard of the state of ``optimizers`` (held by its chain successor): one
+    :class:`~.sharded_optimizer.ShardedOptimizer` per optimizer, as the owner runs them.
 
     Its pieces live in storage of their own (:class:`~.sharded_optimizer.ShardLayout` with ``own_storage``): before
     each step they take the weights from the parameters (this rank holds every weight before the step) and the
-    gradients from :attr:`gradients`, where the owner's forwarded shard arrives; the update then lands in the
-    replica's storage only."""
+    gradients from :attr:`gradients`, where the owner's forwarded shard arrives, or from ``param.grad``; the update
+    then lands in the replica's storage only."""
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizers: Sequence[torch.optim.Optimizer],
         buckets: Sequence[GradientBucket],
         segments: Sequence[Sequence[Segment]],
         owner: int,
@@ -81,7 +82,8 @@ class ShardReplica:
         self.owner = owner
         self.buckets = list(buckets)
         self.layout = ShardLayout(buckets, segments, owner, name, own_storage=True, read_params=False)
-        self.sharded = ShardedOptimizer(optimizer, self.layout, owner=name)
+        #: one per optimizer, in order
+        self.sharded = [ShardedOptimizer(optimizer, self.layout, owner=name) for optimizer in optimizers]
         #: the owner's averaged gradients of its shard, in the layout's storage order (bucket by bucket)
         self.gradients = torch.zeros_like(self.layout.storage)
         self._ranges: dict[int, tuple[int, int]] = {}
@@ -95,6 +97,11 @@ class ShardReplica:
         """Where the owner's averaged gradients of ``bucket`` arrive (empty where it serves none of it)."""
         start, end = self._ranges[bucket.index]
         return self.gradients[start:end]
+
+    def weights_of(self, bucket: GradientBucket) -> Tensor:
+        """The replica's weights of the owner's segment of ``bucket`` (after :meth:`step`: the owner's new ones)."""
+        start, end = self._ranges[bucket.index]
+        return self.layout.storage[start:end]
 
     def post_receive(self, bucket: GradientBucket, group: dist.ProcessGroup | None = None) -> dist.Work | None:
         """Receive the owner's forwarded gradients of ``bucket`` (see :func:`post_forward`); ``None``: nothing to."""
@@ -115,24 +122,32 @@ class ShardReplica:
             else:
                 piece.tensor.grad = None
 
-    def step(self, clip: tuple[str, float] | None = None, squares: float = 0.0, **kwargs: Any) -> None:
-        """The owner's update of its shard, on the replica: the same clipping (``squares``: the sum over every shard,
-        as the owner used it) and the front optimizer's current hyperparameters."""
-        self.sharded.apply_clip_(clip, squares)
-        self.sharded.step(**kwargs)
+    def take_param_gradients(self) -> None:
+        """The weights before the step from the parameters, and each piece's gradient from ``param.grad`` (where
+        every rank holds the averaged gradients as the hooks left them, and the owner takes its pieces alike)."""
+        self.layout.read_storage()
+        for piece in self.layout.pieces:
+            piece.take_param_gradient()
+
+    def step(self, index: int = 0, clip: tuple[str, float] | None = None, squares: float = 0.0, **kwargs: Any) -> None:
+        """The owner's update of its shard by optimizer ``index``, on the replica: the same clipping (``squares``: the
+        sum over every shard, as the owner used it) and the optimizer's current hyperparameters."""
+        self.sharded[index].apply_clip_(clip, squares)
+        self.sharded[index].step(**kwargs)
 
     @property
     def weights(self) -> Tensor:
-        """The replica's weights of the shard (after :meth:`step`: the owner's new weights)."""
+        """The replica's weights of the shard, in bucket order (after :meth:`step`: the owner's new weights)."""
         return self.layout.storage
 
-    def local_state(self) -> LocalState:
-        """The replica's state, as the owner's :meth:`~.sharded_optimizer.ShardedOptimizer.local_state` gives it."""
-        return self.sharded.local_state()
+    def local_state(self, index: int = 0) -> LocalState:
+        """The replica's state of optimizer ``index``, as the owner's
+        :meth:`~.sharded_optimizer.ShardedOptimizer.local_state` gives it."""
+        return self.sharded[index].local_state()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take the owner's slices of a full (standard layout) optimizer state, as the owner does."""
-        self.sharded.load_state_dict(state_dict)
+    def load_state_dict(self, state_dict: dict[str, Any], index: int = 0) -> None:
+        """Take the owner's slices of optimizer ``index``'s full (standard layout) state, as the owner does."""
+        self.sharded[index].load_state_dict(state_dict)
 
 
 def post_forward(
@@ -147,21 +162,27 @@ def post_forward(
     return dist.isend(bucket.buffer[start:end], group=group, group_dst=chain_successor(rank, size))
 
 
-def survivors_state(own: ShardedOptimizer, replica: ShardReplica | None, lost: Iterable[int]) -> LocalState:
-    """What this surviving rank contributes to the full state after the ranks ``lost`` (old group ranks): its own
-    shard's state, and its replica's where the replica's owner is among them."""
+def survivors_state(
+    own: ShardedOptimizer, replica: ShardReplica | None, lost: Iterable[int], index: int = 0
+) -> LocalState:
+    """What this surviving rank contributes to optimizer ``index``'s full state after the ranks ``lost`` (old group
+    ranks): its own shard's state, and its replica's where the replica's owner is among them."""
     pieces = own.local_state()
     if replica is not None and replica.owner in set(lost):
-        pieces += replica.local_state()
+        pieces += replica.local_state(index)
     return pieces
 
 
 def gather_full_state(
-    own: ShardedOptimizer, replica: ShardReplica | None, lost: Iterable[int], group: dist.ProcessGroup | None = None
+    own: ShardedOptimizer,
+    replica: ShardReplica | None,
+    lost: Iterable[int],
+    group: dist.ProcessGroup | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """The full optimizer state (torch's standard layout, in host memory) on every rank of ``group``, the
+    """Optimizer ``index``'s full state (torch's standard layout, in host memory) on every rank of ``group``, the
     survivors' group, from :func:`survivors_state` of each (collective over ``group``)."""
-    mine = survivors_state(own, replica, lost)
+    mine = survivors_state(own, replica, lost, index)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     own.merge_states(everyone)

@@ -103,6 +103,29 @@ class StepEngine:
         """Steps this rank skipped because they closed without it (backup workers)."""
         return 0
 
+    # ------------------------------------------------------------------ a lost rank (on_rank_loss="continue")
+    def after_reduce(self, bucket: GradientBucket) -> None:
+        """``bucket`` was exchanged (on the communication thread)."""
+
+    def seal_exchange(self) -> None:
+        """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.seal_exchange`."""
+
+    @property
+    def exchange_outcome_travels(self) -> bool:
+        """See :attr:`~lightning_dp.strategies.base.DataParallelStrategy.exchange_outcome_travels`."""
+        return True
+
+    def point_completed(self, kind: str) -> None:
+        """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.point_completed`."""
+
+    def rebuild_exchange(self) -> None:
+        """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.rebuild_exchange`."""
+        self.strategy.rebuild_groups()
+        self.strategy.rebuild_transport()
+
+    def after_recovery(self, lost: list[int]) -> None:
+        """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.after_recovery`."""
+
     # ------------------------------------------------------------------ Lightning's loop
     @contextmanager
     def training_step_context(self) -> Generator[None, None, None]:

@@ -169,10 +169,15 @@ class SynchronousEngine(StepEngine):
         for bucket in strategy.buckets_of(optimizer):  # a codec may keep the owners' weights apart (16-bit replicas)
             strategy.codec.before_update(bucket, strategy.transport)
         self.server_update(optimizer, **kwargs)
-        self.weights.post(strategy.buckets_of(optimizer))
+        self.pull_weights(optimizer)
         strategy.end_step()
         self.staleness_seen.add(0)
         return result
+
+    def pull_weights(self, optimizer: torch.optim.Optimizer) -> None:
+        """The servers' new weights of ``optimizer``'s buckets to every rank (posted, where the pull overlaps)."""
+        assert self.weights is not None
+        self.weights.post(self.strategy.buckets_of(optimizer))
 
     def gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """Hand the averaged gradients to the servers' update before ``on_before_optimizer_step``."""
@@ -287,15 +292,22 @@ class ShardedServerEngine(SynchronousEngine):
         strategy = self.strategy
         assert strategy.reducer is not None
         assert isinstance(strategy.transport, (ShardedServerTransport, SharedMemoryShardedTransport))
+        self.build_layout()
+        self._restore_clipping = replace_clipping(
+            strategy.precision_plugin, self._clip_grad_by_norm, self._clip_grad_by_value
+        )
+
+    def build_layout(self) -> None:
+        """This rank's shard of every bucket (the transport's segments) and a sharded optimizer per optimizer."""
+        strategy = self.strategy
+        assert strategy.reducer is not None
+        assert isinstance(strategy.transport, (ShardedServerTransport, SharedMemoryShardedTransport))
         owner = f"strategy {self.name!r}"
         self.layout = ShardLayout(strategy.reducer.buckets, strategy.transport.segments, strategy.transport.rank, owner)
         self.sharded_optimizers = [
             ShardedOptimizer(unwrap_optimizer(o), self.layout, strategy.gradient_group, owner)
             for o in strategy.optimizers
         ]
-        self._restore_clipping = replace_clipping(
-            strategy.precision_plugin, self._clip_grad_by_norm, self._clip_grad_by_value
-        )
 
     def close_gradient_sync(self) -> None:
         super().close_gradient_sync()

@@ -1,0 +1,258 @@
+"""The sharded servers on the trainers under ``on_rank_loss="continue"``: every shard's state has a replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dp._lightning_compat import unwrap_optimizer
+from lightning_dp.comm.buckets import GradientBucket
+from lightning_dp.comm.errors import MembershipChange
+from lightning_dp.comm.nonfinite import first_nonfinite
+from lightning_dp.comm.servers.replicas import (
+    ShardReplica,
+    chain_predecessor,
+    chain_successor,
+    check_recoverable,
+    gather_full_state,
+    post_forward,
+)
+from lightning_dp.comm.servers.sharded_optimizer import Segment
+from lightning_dp.comm.transports.shards import sum_everywhere
+from lightning_dp.strategies.base import DataParallelStrategy
+from lightning_dp.strategies.engines.synchronous import ShardedServerEngine
+
+#: sync point kinds (see :mod:`lightning_dp.strategies.rank_loss`)
+_EXCHANGE, _PULL = "exchange", "pull"
+
+
+class ReplicatedShardedEngine(ShardedServerEngine):
+    """:class:`ShardedServerEngine` with each rank's shard of the optimizer state replicated on the next rank
+    (:mod:`lightning_dp.comm.servers.replicas`), so that the survivors of a loss lose no state.
+
+    A step's sync points (see :mod:`lightning_dp.strategies.rank_loss`): the exchange (the push; each owner forwards
+    its averaged shard to its replica; then one value round among all ranks, so that the exchange completes on a rank
+    only once every rank holds its shard's and its replica's gradients), the clipping norm and the NaN/inf vote
+    (collectives), the update of every shard and replica (local), and the weight pull (at the end of the step). After
+    a loss:
+
+    - before any survivor completed the exchange: the survivors cut the state again over themselves, from their
+      shards and the lost ranks' replicas, and exchange their gradients again over the new shards;
+    - after: the step goes on as laid out, each lost shard served by its replica (its share of the norm and of the
+      vote, its update, its weights in the pull, sent over the survivors), and the state is cut again once the pull
+      completes.
+
+    One replica per shard: two neighbouring ranks lost together end the run with
+    :class:`~lightning_dp.comm.servers.replicas.ReplicaLostError`.
+    """
+
+    def __init__(self, strategy: DataParallelStrategy) -> None:
+        super().__init__(strategy)
+        #: this rank's replica of its predecessor's shard (``None`` when alone)
+        self.replica: ShardReplica | None = None
+        #: the global rank of each rank of the group the shards were cut over
+        self.layout_members: tuple[int, ...] = ()
+        #: ``segments[b][r]`` of the current cut
+        self.segments: list[list[Segment]] = []
+        #: global ranks lost since the shards were cut
+        self.lost: set[int] = set()
+        #: whether this rank stands between a step's exchange and its pull
+        self.mid_step = False
+        self._forwards: list[Any] = []
+
+    # ------------------------------------------------------------------ the layout and its replica
+    def build_layout(self) -> None:
+        super().build_layout()
+        strategy = self.strategy
+        transport, group = strategy.transport, strategy.gradient_group
+        assert transport is not None and strategy.reducer is not None and group is not None
+        self.segments = [list(s) for s in transport.segments]  # type: ignore[attr-defined]
+        self.layout_members = tuple(dist.get_global_rank(group, r) for r in range(transport.size))
+        self.replica = None
+        if transport.size > 1:
+            owner = chain_predecessor(transport.rank, transport.size)
+            name = f"strategy {self.name!r}: the replica of rank {self.layout_members[owner]}'s shard"
+            optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
+            self.replica = ShardReplica(optimizers, strategy.reducer.buckets, self.segments, owner, name)
+        self._forwards = []
+
+    def _recut(self) -> None:
+        """Cut the state again over the survivors, from their shards and the lost ranks' replicas (collective over
+        them; every survivor between two steps)."""
+        strategy = self.strategy
+        old = self.layout_members
+        lost = [old.index(rank) for rank in sorted(self.lost)]
+        check_recoverable(lost, len(old))
+        group = strategy.gradient_group
+        cuts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(cuts, old, group=group)
+        if any(cut != old for cut in cuts):
+            raise RuntimeError(
+                f"strategy {self.name!r}: a rank was lost while the survivors cut the servers' state again over "
+                "themselves, and they hold different cuts now: the run cannot go on exactly; restart it from its last "
+                "checkpoint"
+            )
+        states = [gather_full_state(sharded, self.replica, lost, group, k)
+                  for k, sharded in enumerate(self.sharded_optimizers)]  # fmt: skip
+        strategy.rebuild_transport()
+        self.build_layout()
+        for k, (sharded, state) in enumerate(zip(self.sharded_optimizers, states, strict=True)):
+            sharded.load_state_dict(state)
+            if self.replica is not None:
+                self.replica.load_state_dict(state, k)
+        self.lost.clear()
+
+    # ------------------------------------------------------------------ the strategy's side of a loss
+    @property
+    def exchange_outcome_travels(self) -> bool:
+        return False
+
+    def rebuild_exchange(self) -> None:
+        self.strategy.rebuild_groups()  # the transport waits for the new cut (between two steps)
+
+    def after_recovery(self, lost: list[int]) -> None:
+        self.lost |= {rank for rank in lost if rank in self.layout_members}
+        self._forwards = []
+        if self.lost:
+            check_recoverable([self.layout_members.index(rank) for rank in self.lost], len(self.layout_members))
+        if self.lost and not self.mid_step and self.strategy.reducer is not None:
+            self._recut()
+
+    def point_completed(self, kind: str) -> None:
+        if kind == _EXCHANGE:
+            self.mid_step = True
+        elif kind == _PULL:
+            self.mid_step = False
+
+    @property
+    def _serving_lost(self) -> bool:
+        """Whether this rank serves a lost rank's shard in this step (it holds that shard's replica)."""
+        replica = self.replica
+        return replica is not None and self.layout_members[replica.owner] in self.lost
+
+    # ------------------------------------------------------------------ the exchange
+    def after_reduce(self, bucket: GradientBucket) -> None:
+        group = self.strategy.gradient_group
+        self._forwards += [post_forward(bucket, self.segments, group)]
+        if self.replica is not None:
+            self._forwards += [self.replica.post_receive(bucket, group)]
+
+    def seal_exchange(self) -> None:
+        forwards, self._forwards = self._forwards, []
+        for work in forwards:
+            if work is not None:
+                work.wait()
+        sum_everywhere(torch.zeros(1), self.strategy.gradient_group)
+
+    # ------------------------------------------------------------------ the step
+    def gradients_before_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        strategy = self.strategy
+        assert strategy.reducer is not None and self.layout is not None
+        self._sharded(optimizer).follow_param_groups()
+        if not strategy.full_gradients and strategy.reducer.consume():
+            self.layout.take_bucket_gradients()
+            if self.replica is not None:
+                self.replica.take_gradients()
+
+    def gradients_after_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        super().gradients_after_hooks(optimizer)
+        if self.strategy.full_gradients and self.replica is not None:
+            self.replica.take_param_gradients()
+
+    def _replica_sharded(self, optimizer: torch.optim.Optimizer) -> Any:
+        assert self.replica is not None
+        return self.replica.sharded[self.sharded_optimizers.index(self._sharded(optimizer))]
+
+    def server_gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+        served = self._sharded(optimizer).gradients()
+        return served + self._replica_sharded(optimizer).gradients() if self._serving_lost else served
+
+    def check_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        strategy = self.strategy
+        bad = first_nonfinite(self.server_gradients(optimizer))
+
+        def vote(group: dist.ProcessGroup | None) -> bool:
+            flag = torch.tensor([0.0 if bad is None else 1.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            return bool(flag.item() > 0)
+
+        if strategy.rank_loss.collective(strategy, vote):
+            strategy.raise_nonfinite(bad)
+
+    def _clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        super()._clip_grad_by_value(optimizer, clip_val)
+        if not self.strategy.full_gradients and self.replica is not None:
+            self._replica_sharded(unwrap_optimizer(optimizer)).clip_grad_value_(clip_val)
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        strategy = self.strategy
+        if strategy.full_gradients:  # param.grad holds the averaged gradients everywhere: Lightning's own, locally
+            super()._clip_grad_by_norm(optimizer, clip_val)
+            return
+        optimizer = unwrap_optimizer(optimizer)
+        sharded = self._sharded(optimizer)
+        replica = self._replica_sharded(optimizer) if self.replica is not None else None
+        squares = float(sharded.squared_norm())
+        if self._serving_lost and replica is not None:
+            squares += float(replica.squared_norm())
+
+        def total(group: dist.ProcessGroup | None) -> float:
+            summed = torch.tensor([squares], dtype=torch.float64)
+            dist.all_reduce(summed, group=group)
+            return float(summed.item())
+
+        everything = torch.tensor(strategy.rank_loss.collective(strategy, total), dtype=torch.float64)
+        sharded.scale_to_norm_(clip_val, everything)
+        if replica is not None:
+            replica.scale_to_norm_(clip_val, everything)
+
+    def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        super().server_update(optimizer, **kwargs)
+        if self.replica is not None:
+            self._replica_sharded(optimizer).step(**kwargs)
+
+    def pull_weights(self, optimizer: torch.optim.Optimizer) -> None:
+        strategy = self.strategy
+        buckets = strategy.buckets_of(optimizer)
+
+        def pull() -> None:
+            if self.lost:
+                self._pull_over_survivors(buckets)
+            else:
+                super(ReplicatedShardedEngine, self).pull_weights(optimizer)
+
+        strategy.rank_loss.weight_pull(strategy, pull)
+        if self.lost:  # every survivor holds the step's weights: the shards are cut again over them
+            try:
+                self._recut()
+            except Exception as error:  # noqa: BLE001 - the membership says what it means
+                membership = strategy.rank_loss.membership
+                change = membership.interpret(error) if membership is not None else error
+                if isinstance(change, MembershipChange):
+                    raise RuntimeError(
+                        f"strategy {self.name!r}: a rank was lost while the survivors cut the servers' state again "
+                        "over themselves: the run cannot go on exactly; restart it from its last checkpoint"
+                    ) from error
+                raise
+
+    def _pull_over_survivors(self, buckets: list[GradientBucket]) -> None:
+        """The pull of a step the shards were cut for before a loss: every shard's new weights from its owner, or
+        from its replica where the owner was lost, over the survivors' group."""
+        strategy = self.strategy
+        group, me, old = strategy.gradient_group, strategy.global_rank, self.layout_members
+        assert group is not None
+        for bucket in buckets:
+            for owner, (start, end) in enumerate(self.segments[bucket.index]):
+                if end <= start:
+                    continue
+                source = old[owner] if old[owner] not in self.lost else old[chain_successor(owner, len(old))]
+                if source == me and old[owner] == me:
+                    bucket.pack_params(start, end)
+                elif source == me:
+                    assert self.replica is not None and self.replica.owner == owner
+                    bucket.buffer[start:end].copy_(self.replica.weights_of(bucket))
+                dist.broadcast(bucket.buffer[start:end], group=group, group_src=dist.get_group_rank(group, source))
+            bucket.unpack_params()

@@ -1,0 +1,47 @@
+"""``on_rank_loss`` and its options, checked when the strategy is built: what cannot survive a loss is refused with
+an error naming the option."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dp import ParameterServerStrategy, RingAllReduceStrategy, ShardedParameterServerStrategy
+from lightning_dp.comm.errors import ConfigurationError
+from lightning_dp.strategies.engines import ShardedServerEngine
+from lightning_dp.strategies.engines.replicated import ReplicatedShardedEngine
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "match"),
+    [
+        (ShardedParameterServerStrategy, {"staleness": 1}, "needs staleness=0"),
+        (ShardedParameterServerStrategy, {"num_servers": 1}, "needs num_servers=0"),
+        (ShardedParameterServerStrategy, {"backup_workers": 1}, "needs backup_workers=0"),
+        (ShardedParameterServerStrategy, {"compression": "bf16"}, "needs compression='none'"),
+        (RingAllReduceStrategy, {"compression": "fp16"}, "needs compression='none'"),
+        (RingAllReduceStrategy, {"balance": "throughput"}, "needs balance='none'"),
+        (ParameterServerStrategy, {}, "central server's state needs a replica"),
+        (RingAllReduceStrategy, {"process_group_backend": "nccl"}, "needs process_group_backend='gloo'"),
+    ],
+)
+def test_what_cannot_survive_a_loss_is_refused_when_the_strategy_is_built(cls, options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        cls(on_rank_loss="continue", **options)
+
+
+def test_the_options_are_checked_by_name():
+    with pytest.raises(ValueError, match="on_rank_loss"):
+        RingAllReduceStrategy(on_rank_loss="restart")
+    with pytest.raises(ValueError, match="heartbeat_timeout"):
+        RingAllReduceStrategy(on_rank_loss="continue", heartbeat_timeout=0)
+    with pytest.raises(ValueError, match="max_lost_ranks"):
+        RingAllReduceStrategy(on_rank_loss="continue", max_lost_ranks=-1)
+    with pytest.raises(ConfigurationError, match="max_lost_ranks applies to on_rank_loss='continue'"):
+        RingAllReduceStrategy(max_lost_ranks=1)
+
+
+def test_the_sharded_servers_replicate_their_state_only_when_they_must_survive_a_loss():
+    assert type(ShardedParameterServerStrategy().engine) is ShardedServerEngine
+    assert type(ShardedParameterServerStrategy(on_rank_loss="continue").engine) is ReplicatedShardedEngine
