@@ -82,6 +82,12 @@ parser.add_argument("--slow-commit-rank", type=int, default=None,
 parser.add_argument("--collectives", action="store_true",
                     help="each step logs its loss with sync_dist and all-gathers the ranks training")  # fmt: skip
 parser.add_argument("--validate", action="store_true", help="validate each epoch, logging with sync_dist")
+parser.add_argument(
+    "--lose-in-pull",
+    action="store_true",
+    help="--lose-rank dies as its weight pull of --lose-at-step starts (the servers)",
+)
+parser.add_argument("--clip-norm", type=float, default=None, help="gradient_clip_val, by norm")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -131,7 +137,7 @@ class Model(L.LightningModule):
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
         if args.lose_rank is not None and self.global_rank == args.lose_rank:
-            if self.global_step == args.lose_at_step and not args.lose_after_backward:
+            if self.global_step == args.lose_at_step and not (args.lose_after_backward or args.lose_in_pull):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
                 os.kill(os.getpid(), signal.SIGKILL)
         loss = nn.functional.mse_loss(self.net(x), y)
@@ -143,6 +149,18 @@ class Model(L.LightningModule):
 
     def on_train_start(self):
         strategy = self.trainer.strategy
+        if args.lose_in_pull and self.global_rank == args.lose_rank:
+            pull = strategy.engine.weights
+            exchange = pull.exchange
+
+            def dying(bucket):
+                """The servers' pull of --lose-at-step: this rank dies before it sends its shard's new weights."""
+                if self.trainer.global_step == args.lose_at_step:
+                    (out / "lost").touch()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                exchange(bucket)
+
+            pull.exchange = dying
         if self.global_rank != args.slow_commit_rank:
             return
         finish = strategy.reducer.finish
@@ -298,6 +316,7 @@ trainer = L.Trainer(
     num_nodes=args.num_nodes,
     max_epochs=args.max_epochs,
     accumulate_grad_batches=args.accumulate,
+    gradient_clip_val=args.clip_norm,
     logger=False,
     callbacks=[
         ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}"),

@@ -172,15 +172,15 @@ class ReplicatedShardedEngine(ShardedServerEngine):
 
     def check_server_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         strategy = self.strategy
-        bad = first_nonfinite(self.server_gradients(optimizer))
 
         def vote(group: dist.ProcessGroup | None) -> bool:
-            flag = torch.tensor([0.0 if bad is None else 1.0])
+            # (counted at each attempt: after a loss this rank may serve the lost rank's shard too)
+            flag = torch.tensor([0.0 if first_nonfinite(self.server_gradients(optimizer)) is None else 1.0])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             return bool(flag.item() > 0)
 
         if strategy.rank_loss.collective(strategy, vote):
-            strategy.raise_nonfinite(bad)
+            strategy.raise_nonfinite(first_nonfinite(self.server_gradients(optimizer)))
 
     def _clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         super()._clip_grad_by_value(optimizer, clip_val)
@@ -195,11 +195,12 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         optimizer = unwrap_optimizer(optimizer)
         sharded = self._sharded(optimizer)
         replica = self._replica_sharded(optimizer) if self.replica is not None else None
-        squares = float(sharded.squared_norm())
-        if self._serving_lost and replica is not None:
-            squares += float(replica.squared_norm())
 
         def total(group: dist.ProcessGroup | None) -> float:
+            # (counted at each attempt: after a loss this rank may serve the lost rank's shard too)
+            squares = float(sharded.squared_norm())
+            if self._serving_lost and replica is not None:
+                squares += float(replica.squared_norm())
             summed = torch.tensor([squares], dtype=torch.float64)
             dist.all_reduce(summed, group=group)
             return float(summed.item())

@@ -1,0 +1,122 @@
+"""``on_rank_loss="continue"`` on the sharded servers: a rank lost at any point of a step (before its exchange
+completed, after it, in the weight pull; global rank 0) takes none of the servers' state with it. Its shard's state
+lives on in its replica, the survivors cut the state again over themselves, and from the loss on every step is one
+process's step on the samples trained (clipped by the global norm), with the replicas bit-identical and the
+optimizer state of the last checkpoint the one process's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import run_script
+from tests.helpers.midepoch import read_seen, replay_loss
+from tests.helpers.replicas import close
+
+pytestmark = pytest.mark.multiprocess
+
+DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, CLIP = 3, 4, 72, 2, 4, 0.05
+#: how a rank dies at step LOST_AT, and what that step then is:
+#: - "rank 0 in flight, one process per host": global rank 0 (the store, checkpoints, logging) SIGKILLed in its
+#:   training step, each rank started on its own: no one completes the step's exchange; the survivors cut the state
+#:   over themselves and exchange their gradients again (that step trains without the lost rank's samples);
+#: - "after its exchange": rank 2 dies after backward, once every rank holds its shard's gradients: the step closes
+#:   with its samples, shard 2 served by its replica on rank 0 (its share of the norm, its update, its weights);
+#: - "in its pull": rank 2 dies as the weight pull starts, having updated its shard: its replica sends the new weights;
+#: - "shared memory, collectives": rank 1, the ranks exchanging through shared memory, the training step logging with
+#:   sync_dist and all-gathering (which meets the loss first), validating every epoch.
+SCENARIOS = {
+    "rank 0 in flight, one process per host": (0, ("--intra-node", "ring")),
+    "after its exchange": (2, ("--intra-node", "ring", "--lose-after-backward")),
+    "in its pull": (2, ("--intra-node", "ring", "--lose-in-pull")),
+    "shared memory, collectives": (1, ("--collectives", "--validate")),
+}
+#: (exchanges committed with the lost rank, steps whose exchange ran again over the survivors)
+EXPECTED = {
+    "rank 0 in flight, one process per host": (LOST_AT, 1),
+    "after its exchange": (LOST_AT + 1, 0),
+    "in its pull": (LOST_AT + 1, 0),
+    "shared memory, collectives": (LOST_AT, 0),
+}
+
+
+@dataclass
+class Run:
+    scenario: str
+    lost: int
+    out: Path
+    survivors: list[dict]
+    seen: dict[int, list[int]]
+
+
+_runs: dict[str, Run] = {}
+
+
+def _launch(scenario: str, tmp_path_factory) -> Run:
+    """The scenario's job, run once per session."""
+    if scenario not in _runs:
+        lost, options = SCENARIOS[scenario]
+        out = tmp_path_factory.mktemp("sharded-loss")
+        per_host = "one process per host" in scenario
+        result = run_script(
+            "midepoch", "--strategy", "sharded_ps", "--devices", "1" if per_host else str(DEVICES),
+            "--num-nodes", str(DEVICES) if per_host else "1", "--samples", str(SAMPLES), "--batch-size", str(BATCH),
+            "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue", "--heartbeat-timeout", "2", "--lose-rank",
+            str(lost), "--lose-at-step", str(LOST_AT), "--clip-norm", str(CLIP), *options, "--out", str(out),
+            timeout=180, check=not per_host, deaths_expected=per_host,
+            env={"LIGHTNING_DP_TEST_NODES": str(DEVICES)} if per_host else None,
+        )  # fmt: skip
+        if per_host:
+            assert result.codes == [-9 if r == lost else 0 for r in range(DEVICES)], result.stdout[-5000:]
+        survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
+        _runs[scenario] = Run(scenario, lost, out, survivors, read_seen(out / f"seen-rank{lost}.txt"))
+    return _runs[scenario]
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def server_loss(request, tmp_path_factory) -> Run:
+    return _launch(request.param, tmp_path_factory)
+
+
+def test_the_survivors_agree_on_the_loss_and_where_it_fell(server_loss):
+    survivors = server_loss.survivors
+    with_lost, redone = EXPECTED[server_loss.scenario]
+    for s in survivors:
+        metrics = s["rank_loss"]
+        assert metrics["lost_ranks"] == [server_loss.lost] and metrics["loss_causes"] == ["closed"], metrics
+        assert metrics["loss_steps"] == [with_lost] and metrics["redone_steps"] == redone, metrics
+        assert metrics["caught_up_steps"] == 0, metrics
+        assert len(s["history"]) == s["global_step"] == EPOCHS * SAMPLES // (DEVICES * BATCH)
+    assert max(server_loss.seen) == LOST_AT
+
+
+def test_every_step_equals_one_process_and_the_state_lost_nothing(server_loss):
+    survivors = server_loss.survivors
+    momenta: list[torch.Tensor] = []
+    reference = replay_loss(survivors, server_loss.seen, SAMPLES, clip_norm=CLIP, momenta=momenta)
+    assert len(reference) == len(survivors[0]["history"])
+    for j, want in enumerate(reference):
+        got = survivors[0]["history"][j][2]
+        for other in survivors[1:]:
+            assert torch.equal(got, other["history"][j][2]), f"the replicas differ after batch {j}"
+        close(got, want, f"after batch {j}")
+    # the optimizer state of the last checkpoint, gathered from the shards cut over the survivors
+    last = len(reference)
+    saved = torch.load(server_loss.out / "ckpt" / f"step={last}.ckpt", weights_only=False)
+    state = saved["optimizer_states"][0]["state"]
+    buffers = torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)])
+    close(buffers, momenta[last - 1], "the momentum buffers of the last checkpoint")
+
+
+def test_validation_and_collectives_run_over_the_survivors(tmp_path_factory):
+    run = _launch("shared memory, collectives", tmp_path_factory)
+    for epoch in range(EPOCHS):
+        seen = [i for s in run.survivors for e, indices in s["validated"] if e == epoch for i in indices]
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}"
+    assert all(s["val_counted"] == [SAMPLES, SAMPLES] for s in run.survivors)
+    everyone, left = list(range(DEVICES)), [r for r in range(DEVICES) if r != run.lost]
+    for s in run.survivors:  # the training step's all_gather, over the survivors from the loss on
+        assert s["gathered"] == [everyone if j < LOST_AT else left for j in range(len(s["gathered"]))]
