@@ -88,6 +88,11 @@ parser.add_argument(
     help="--lose-rank dies as its weight pull of --lose-at-step starts (the servers)",
 )
 parser.add_argument("--clip-norm", type=float, default=None, help="gradient_clip_val, by norm")
+parser.add_argument(
+    "--read-gradients",
+    action="store_true",
+    help="a callback reads the averaged gradients before each step (the servers then send them back)",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -203,6 +208,19 @@ class Model(L.LightningModule):
         # shuffle=True: Lightning replaces the sampler with its DistributedSampler(shuffle=True)
         return DataLoader(IndexedData(args.samples), batch_size=args.batch_size, shuffle=True,
                           num_workers=args.workers)  # fmt: skip
+
+
+class ReadGradients(L.Callback):
+    """--read-gradients: records the averaged gradients' norm before each optimizer step (before clipping)."""
+
+    reads_weights = False
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.cat(grads).norm()) if grads else 0.0)
 
 
 class LoseAfterBackward(L.Callback):
@@ -322,6 +340,7 @@ trainer = L.Trainer(
         ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}"),
         *([monitor] if monitor is not None else []),
         *([LoseAfterBackward()] if args.lose_after_backward else []),
+        *([ReadGradients()] if args.read_gradients else []),
     ],  # fmt: skip
     enable_progress_bar=False,
     enable_model_summary=False,
@@ -344,7 +363,9 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
             "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-            "val_counted": counted, "step_ends": model.step_ends},
+            "val_counted": counted, "step_ends": model.step_ends,
+            "full_gradients": getattr(trainer.strategy, "full_gradients", None),
+            "gradient_norms": next((c.norms for c in trainer.callbacks if isinstance(c, ReadGradients)), None)},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip
 if args.refit_epochs:
     first = len(model.trained)

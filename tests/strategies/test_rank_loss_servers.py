@@ -25,20 +25,22 @@ DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, CLIP = 3, 4, 72, 2, 4, 0.05
 #:   over themselves and exchange their gradients again (that step trains without the lost rank's samples);
 #: - "after its exchange": rank 2 dies after backward, once every rank holds its shard's gradients: the step closes
 #:   with its samples, shard 2 served by its replica on rank 0 (its share of the norm, its update, its weights);
-#: - "in its pull": rank 2 dies as the weight pull starts, having updated its shard: its replica sends the new weights;
+#: - "in its pull, gradients read": rank 2 dies as the weight pull starts, having updated its shard: its replica sends
+#:   the new weights; a callback reads the averaged gradients, so every rank holds them (the servers send them back)
+#:   and the replicas step with them as the hooks left them;
 #: - "shared memory, collectives": rank 1, the ranks exchanging through shared memory, the training step logging with
 #:   sync_dist and all-gathering (which meets the loss first), validating every epoch.
 SCENARIOS = {
     "rank 0 in flight, one process per host": (0, ("--intra-node", "ring")),
     "after its exchange": (2, ("--intra-node", "ring", "--lose-after-backward")),
-    "in its pull": (2, ("--intra-node", "ring", "--lose-in-pull")),
+    "in its pull, gradients read": (2, ("--intra-node", "ring", "--lose-in-pull", "--read-gradients")),
     "shared memory, collectives": (1, ("--collectives", "--validate")),
 }
 #: (exchanges committed with the lost rank, steps whose exchange ran again over the survivors)
 EXPECTED = {
     "rank 0 in flight, one process per host": (LOST_AT, 1),
     "after its exchange": (LOST_AT + 1, 0),
-    "in its pull": (LOST_AT + 1, 0),
+    "in its pull, gradients read": (LOST_AT + 1, 0),
     "shared memory, collectives": (LOST_AT, 0),
 }
 
@@ -109,6 +111,16 @@ def test_every_step_equals_one_process_and_the_state_lost_nothing(server_loss):
     state = saved["optimizer_states"][0]["state"]
     buffers = torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)])
     close(buffers, momenta[last - 1], "the momentum buffers of the last checkpoint")
+
+
+def test_the_replicas_step_with_the_gradients_the_hooks_saw(tmp_path_factory):
+    run = _launch("in its pull, gradients read", tmp_path_factory)
+    for s in run.survivors:
+        assert s["full_gradients"] is True
+        norms = s["gradient_norms"]
+        # the hook sees them before clipping: every step's norm is above CLIP, so the clipping acts at every step
+        assert len(norms) == len(s["history"]) and all(n > CLIP for n in norms), norms
+    assert run.survivors[0]["gradient_norms"] == run.survivors[1]["gradient_norms"]
 
 
 def test_validation_and_collectives_run_over_the_survivors(tmp_path_factory):

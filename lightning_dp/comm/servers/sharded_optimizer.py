@@ -88,12 +88,15 @@ class ShardPiece:
     def take_bucket_gradient(self, used: bool) -> None:
         """The averaged gradient from the bucket (``None`` when no rank ``used`` the parameter)."""
         end = self.bucket_start + self.end - self.start
-        self.tensor.grad = self.bucket.buffer[self.bucket_start : end].clone() if used else None
+        self.tensor.grad = self.bucket.buffer[self.bucket_start : end].clone().view_as(self.tensor) if used else None
 
     def take_param_gradient(self) -> None:
         """This piece of ``param.grad`` (as the gradient hooks left it)."""
         grad = self.param.grad
-        self.tensor.grad = None if grad is None else grad.detach().reshape(-1)[self.start : self.end].clone()
+        if grad is None:
+            self.tensor.grad = None
+        else:
+            self.tensor.grad = grad.detach().reshape(-1)[self.start : self.end].clone().view_as(self.tensor)
 
     def slice_state(self, key: str, value: Any) -> Any:
         """This piece of one entry of the parameter's full (unsharded) optimizer state."""
