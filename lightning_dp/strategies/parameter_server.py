@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.comm.transports import CentralServerTransport, SharedMemoryServerTransport, Transport
+from lightning_dp.comm.transports import (
+    CentralServerTransport,
+    ShardedServerTransport,
+    SharedMemoryServerTransport,
+    SharedMemoryShardedTransport,
+    Transport,
+)
 from lightning_dp.strategies.engines import CentralServerEngine, StepEngine
+from lightning_dp.strategies.engines.replicated import ReplicatedShardedEngine
 from lightning_dp.strategies.options import check_rank
 from lightning_dp.strategies.parameter_server_base import ParameterServerBase, Segment
 
@@ -53,20 +61,34 @@ class ParameterServerStrategy(ParameterServerBase):
             )
 
     @property
+    def serving_rank(self) -> int:
+        """The global rank of the (co-located) server: ``server_rank``, or after its loss the lowest rank training
+        now (``on_rank_loss="continue"``)."""
+        return self.source_rank(self.server_rank)
+
+    @property
     def is_server(self) -> bool:
         """Whether this training rank is the (co-located) server."""
-        return self.num_servers == 0 and self.global_rank == self.server_rank
+        return self.num_servers == 0 and self.global_rank == self.serving_rank
 
     @override
     def _make_transport(self, shared_memory: bool) -> Transport:
+        kwargs = self._shared_memory_kwargs() if shared_memory and self.single_node else None
+        if self.rank_loss.name == "continue":  # the server's state replicated as a shard's: everything is one shard
+            assert self.gradient_group is not None
+            server = dist.get_group_rank(self.gradient_group, self.serving_rank)
+            if kwargs is not None:
+                return SharedMemoryShardedTransport(self.gradient_group, self.sync_stats, **kwargs, server=server)
+            return ShardedServerTransport(self.gradient_group, self.sync_stats, server=server)
         # the gradient group spans every rank in global order: its rank of the server is the global one
-        if shared_memory and self.single_node:
-            kwargs = self._shared_memory_kwargs()
+        if kwargs is not None:
             return SharedMemoryServerTransport(self.server_rank, self.gradient_group, self.sync_stats, **kwargs)
         return CentralServerTransport(self.server_rank, self.gradient_group, self.sync_stats)
 
     @override
     def _synchronous_engine(self) -> StepEngine:
+        if self.rank_loss.name == "continue":  # the server's state replicated on the next rank
+            return ReplicatedShardedEngine(self)
         return CentralServerEngine(self, self.server_rank)
 
     @override

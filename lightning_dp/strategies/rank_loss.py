@@ -73,7 +73,7 @@ EXCHANGE, COLLECTIVE, PULL = "exchange", "collective", "pull"
 #: :meth:`ContinueOnRankLoss._recover`'s answer where this rank's sync point runs again over the survivors
 _REDO = object()
 #: the strategies that survive a loss
-SURVIVING = ("ring_allreduce", "sharded_ps")
+SURVIVING = ("ring_allreduce", "parameter_server", "sharded_ps")
 #: the default ``heartbeat_timeout``: long enough for a loaded machine's scheduler, short enough to matter
 DEFAULT_HEARTBEAT_SECONDS = 10.0
 
@@ -233,8 +233,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 )
         if strategy.strategy_name not in SURVIVING:
             raise ConfigurationError(
-                f"{name} is not available yet: the central server's state needs a replica on another rank first (see "
-                f"docs/faults.md); strategy={' or '.join(map(repr, SURVIVING))} supports it"
+                f"{name} is not supported by this strategy; strategy={' or '.join(map(repr, SURVIVING))} supports it"
             )
         if strategy.process_group_backend == "nccl":
             raise ConfigurationError(

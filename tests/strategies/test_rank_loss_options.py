@@ -7,7 +7,7 @@ import pytest
 
 from lightning_dp import ParameterServerStrategy, RingAllReduceStrategy, ShardedParameterServerStrategy
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.strategies.engines import ShardedServerEngine
+from lightning_dp.strategies.engines import CentralServerEngine, ShardedServerEngine
 from lightning_dp.strategies.engines.replicated import ReplicatedShardedEngine
 
 pytestmark = pytest.mark.unit
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
         (ShardedParameterServerStrategy, {"compression": "bf16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"compression": "fp16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"balance": "throughput"}, "needs balance='none'"),
-        (ParameterServerStrategy, {}, "central server's state needs a replica"),
+        (ParameterServerStrategy, {"num_servers": 2}, "needs num_servers=0"),
         (RingAllReduceStrategy, {"process_group_backend": "nccl"}, "needs process_group_backend='gloo'"),
     ],
 )
@@ -42,6 +42,8 @@ def test_the_options_are_checked_by_name():
         RingAllReduceStrategy(max_lost_ranks=1)
 
 
-def test_the_sharded_servers_replicate_their_state_only_when_they_must_survive_a_loss():
+def test_the_servers_replicate_their_state_only_when_they_must_survive_a_loss():
     assert type(ShardedParameterServerStrategy().engine) is ShardedServerEngine
-    assert type(ShardedParameterServerStrategy(on_rank_loss="continue").engine) is ReplicatedShardedEngine
+    assert type(ParameterServerStrategy().engine) is CentralServerEngine
+    for cls in (ShardedParameterServerStrategy, ParameterServerStrategy):
+        assert type(cls(on_rank_loss="continue").engine) is ReplicatedShardedEngine

@@ -1,8 +1,8 @@
-"""``on_rank_loss="continue"`` on the sharded servers: a rank lost at any point of a step (before its exchange
-completed, after it, in the weight pull; global rank 0) takes none of the servers' state with it. Its shard's state
-lives on in its replica, the survivors cut the state again over themselves, and from the loss on every step is one
-process's step on the samples trained (clipped by the global norm), with the replicas bit-identical and the
-optimizer state of the last checkpoint the one process's."""
+"""``on_rank_loss="continue"`` on the parameter servers (trainers serving): a rank lost at any point of a step (before
+its exchange completed, after it, in the weight pull; global rank 0; the central server itself) takes none of the
+servers' state with it. Its shard's state lives on in its replica on the next rank, the survivors cut the state again
+over themselves, and from the loss on every step is one process's step on the samples trained (clipped by the global
+norm), with the replicas bit-identical and the optimizer state of the last checkpoint the one process's."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.helpers.replicas import close
 pytestmark = pytest.mark.multiprocess
 
 DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, CLIP = 3, 4, 72, 2, 4, 0.05
-#: how a rank dies at step LOST_AT, and what that step then is:
+#: strategy: how a rank dies at step LOST_AT, and what that step then is:
 #: - "rank 0 in flight, one process per host": global rank 0 (the store, checkpoints, logging) SIGKILLed in its
 #:   training step, each rank started on its own: no one completes the step's exchange; the survivors cut the state
 #:   over themselves and exchange their gradients again (that step trains without the lost rank's samples);
@@ -29,24 +29,34 @@ DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, CLIP = 3, 4, 72, 2, 4, 0.05
 #:   the new weights; a callback reads the averaged gradients, so every rank holds them (the servers send them back)
 #:   and the replicas step with them as the hooks left them;
 #: - "shared memory, collectives": rank 1, the ranks exchanging through shared memory, the training step logging with
-#:   sync_dist and all-gathering (which meets the loss first), validating every epoch.
+#:   sync_dist and all-gathering (which meets the loss first), validating every epoch;
+#: - "the server after its exchange, one process per host": the central server (rank 0) dies once every rank's
+#:   gradients reached it and its replica on rank 1; rank 1 finishes the step in its place and serves from then on;
+#: - "the server's replica in its pull": rank 1 (holding the central server's replica) dies in the pull, through shared
+#:   memory: the server goes on and replicates its state on rank 2.
 SCENARIOS = {
-    "rank 0 in flight, one process per host": (0, ("--intra-node", "ring")),
-    "after its exchange": (2, ("--intra-node", "ring", "--lose-after-backward")),
-    "in its pull, gradients read": (2, ("--intra-node", "ring", "--lose-in-pull", "--read-gradients")),
-    "shared memory, collectives": (1, ("--collectives", "--validate")),
-}
+    ("sharded_ps", "rank 0 in flight, one process per host"): (0, ("--intra-node", "ring")),
+    ("sharded_ps", "after its exchange"): (2, ("--intra-node", "ring", "--lose-after-backward")),
+    ("sharded_ps", "in its pull, gradients read"): (2, ("--intra-node", "ring", "--lose-in-pull", "--read-gradients")),
+    ("sharded_ps", "shared memory, collectives"): (1, ("--collectives", "--validate")),
+    ("parameter_server", "the server after its exchange, one process per host"): (0, ("--intra-node", "ring",
+                                                                                    "--lose-after-backward")),
+    ("parameter_server", "the server's replica in its pull"): (1, ("--lose-in-pull",)),
+}  # fmt: skip
 #: (exchanges committed with the lost rank, steps whose exchange ran again over the survivors)
 EXPECTED = {
     "rank 0 in flight, one process per host": (LOST_AT, 1),
     "after its exchange": (LOST_AT + 1, 0),
     "in its pull, gradients read": (LOST_AT + 1, 0),
     "shared memory, collectives": (LOST_AT, 0),
+    "the server after its exchange, one process per host": (LOST_AT + 1, 0),
+    "the server's replica in its pull": (LOST_AT + 1, 0),
 }
 
 
 @dataclass
 class Run:
+    strategy: str
     scenario: str
     lost: int
     out: Path
@@ -54,17 +64,18 @@ class Run:
     seen: dict[int, list[int]]
 
 
-_runs: dict[str, Run] = {}
+_runs: dict[tuple[str, str], Run] = {}
 
 
-def _launch(scenario: str, tmp_path_factory) -> Run:
+def _launch(key: tuple[str, str], tmp_path_factory) -> Run:
     """The scenario's job, run once per session."""
-    if scenario not in _runs:
-        lost, options = SCENARIOS[scenario]
+    strategy, scenario = key
+    if key not in _runs:
+        lost, options = SCENARIOS[key]
         out = tmp_path_factory.mktemp("sharded-loss")
         per_host = "one process per host" in scenario
         result = run_script(
-            "midepoch", "--strategy", "sharded_ps", "--devices", "1" if per_host else str(DEVICES),
+            "midepoch", "--strategy", strategy, "--devices", "1" if per_host else str(DEVICES),
             "--num-nodes", str(DEVICES) if per_host else "1", "--samples", str(SAMPLES), "--batch-size", str(BATCH),
             "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue", "--heartbeat-timeout", "2", "--lose-rank",
             str(lost), "--lose-at-step", str(LOST_AT), "--clip-norm", str(CLIP), *options, "--out", str(out),
@@ -74,11 +85,11 @@ def _launch(scenario: str, tmp_path_factory) -> Run:
         if per_host:
             assert result.codes == [-9 if r == lost else 0 for r in range(DEVICES)], result.stdout[-5000:]
         survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
-        _runs[scenario] = Run(scenario, lost, out, survivors, read_seen(out / f"seen-rank{lost}.txt"))
-    return _runs[scenario]
+        _runs[key] = Run(strategy, scenario, lost, out, survivors, read_seen(out / f"seen-rank{lost}.txt"))
+    return _runs[key]
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+@pytest.fixture(scope="module", params=sorted(SCENARIOS), ids=[" ".join(key) for key in sorted(SCENARIOS)])
 def server_loss(request, tmp_path_factory) -> Run:
     return _launch(request.param, tmp_path_factory)
 
@@ -114,7 +125,7 @@ def test_every_step_equals_one_process_and_the_state_lost_nothing(server_loss):
 
 
 def test_the_replicas_step_with_the_gradients_the_hooks_saw(tmp_path_factory):
-    run = _launch("in its pull, gradients read", tmp_path_factory)
+    run = _launch(("sharded_ps", "in its pull, gradients read"), tmp_path_factory)
     for s in run.survivors:
         assert s["full_gradients"] is True
         norms = s["gradient_norms"]
@@ -124,7 +135,7 @@ def test_the_replicas_step_with_the_gradients_the_hooks_saw(tmp_path_factory):
 
 
 def test_validation_and_collectives_run_over_the_survivors(tmp_path_factory):
-    run = _launch("shared memory, collectives", tmp_path_factory)
+    run = _launch(("sharded_ps", "shared memory, collectives"), tmp_path_factory)
     for epoch in range(EPOCHS):
         seen = [i for s in run.survivors for e, indices in s["validated"] if e == epoch for i in indices]
         assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}"

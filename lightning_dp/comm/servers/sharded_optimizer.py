@@ -75,7 +75,7 @@ class ShardPiece:
     end: int
     bucket_start: int
     #: the optimizer-facing tensor: a view of the parameter's elements (updates land in the parameter), or of the
-    #: layout's own storage (see :class:`ShardLayout`), shaped like the parameter when the piece is all of it
+    #: layout's own storage (see :class:`ShardLayout`); shaped like the parameter when the piece is all of it
     tensor: Tensor
     #: where the piece starts in the layout's own storage (0 without one)
     storage_start: int = 0
@@ -154,8 +154,8 @@ class ShardLayout:
                     if own_storage:
                         view = self.storage[at : at + b - a]
                         view = view.view_as(p) if b - a == p.numel() else view
-                    else:
-                        view = p.detach().view(-1)[a - lo : b - lo]
+                    else:  # (a whole parameter as itself: an optimizer may read its shape)
+                        view = p.detach() if b - a == p.numel() else p.detach().view(-1)[a - lo : b - lo]
                     self.pieces.append(ShardPiece(p, bucket, i, a - lo, b - lo, a, view, at))
             offset += end - start
         self._by_param: dict[int, list[ShardPiece]] = {}

@@ -3,7 +3,7 @@
 (:mod:`.ring`), the servers' shard exchanges (:mod:`.shards`), shared memory (:mod:`.shm`, :mod:`.hierarchical`),
 point-to-point messages (:mod:`.p2p`) and host staging of device buckets (:mod:`.staging`)."""
 
-from lightning_dp.comm.transports.base import Segment, Transport, balanced_shards
+from lightning_dp.comm.transports.base import Segment, Transport, balanced_shards, central_shards
 from lightning_dp.comm.transports.network import CentralServerTransport, RingTransport, ShardedServerTransport
 from lightning_dp.comm.transports.shared_memory import (
     SharedMemoryServerTransport,
@@ -21,4 +21,5 @@ __all__ = [
     "ShardedServerTransport",
     "Transport",
     "balanced_shards",
+    "central_shards",
 ]

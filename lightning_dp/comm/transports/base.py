@@ -58,6 +58,12 @@ def balanced_shards(buckets: Sequence[GradientBucket], size: int) -> list[list[S
     return [chunk_bounds(b.grad_numel, size) for b in buckets]
 
 
+def central_shards(buckets: Sequence[GradientBucket], size: int, server: int) -> list[list[Segment]]:
+    """``[b][r]``: every bucket's whole gradient region owned by rank ``server``, none by the others (the central
+    server cut as shards)."""
+    return [[(0, b.grad_numel) if r == server else (0, 0) for r in range(size)] for b in buckets]
+
+
 class Transport(ABC):
     """One way of averaging and distributing buckets over the ranks of ``group``.
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.stats import CommStats
-from lightning_dp.comm.transports.base import CodecTransport, Segment, balanced_shards
+from lightning_dp.comm.transports.base import CodecTransport, Segment, balanced_shards, central_shards
 from lightning_dp.comm.transports.ring import ReduceOpName, chunk_bounds, ring_allreduce
 from lightning_dp.comm.transports.shards import pull_shards, pull_weights, push_gradients, push_shards
 
@@ -72,13 +72,20 @@ class ShardedServerTransport(CodecTransport):
     peer in the push's own message round); :meth:`share` sends every owner's shard to all. Each
     moves ``(N - 1) / N S`` bytes each way (plus ``(N - 1)`` times the flags); one message round per exchange."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, server: int | None = None
+    ) -> None:
         super().__init__(group, stats)
         #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns
         self.segments: list[list[Segment]] = []
+        #: the group rank that owns every bucket whole (:func:`central_shards`); ``None``: N balanced shards
+        self.server = server
 
     def _bind(self, buckets: Sequence[GradientBucket]) -> None:
-        self.segments = balanced_shards(buckets, self.size)
+        if self.server is None:
+            self.segments = balanced_shards(buckets, self.size)
+        else:
+            self.segments = central_shards(buckets, self.size, self.server)
 
     def _reduce_encoded(self, bucket: GradientBucket, wire_dtype: torch.dtype | None, residual: Tensor | None) -> None:
         gradients, segments = bucket.buffer[: bucket.grad_numel], self.segments[bucket.index]

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_dp.comm.buckets import GradientBucket
 from lightning_dp.comm.stats import CommStats
-from lightning_dp.comm.transports.base import CodecTransport, Segment, Transport, balanced_shards
+from lightning_dp.comm.transports.base import CodecTransport, Segment, Transport, balanced_shards, central_shards
 from lightning_dp.comm.transports.hierarchical import HierarchicalAllReduce, NodeProbe, overlap
 from lightning_dp.comm.transports.ring import ReduceOpName
 
@@ -147,9 +147,26 @@ class SharedMemoryShardedTransport(_SharedMemoryTransport):
     #: ``segments[b][r]``: the element range of bucket ``b``'s gradient region that rank ``r`` owns (set by bind)
     segments: list[list[Segment]]
 
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        stats: CommStats | None = None,
+        node_key: object = None,
+        timeout: float = 300.0,
+        wait: str = "auto",
+        interrupt: Callable[[], None] | None = None,
+        server: int | None = None,
+    ) -> None:
+        super().__init__(group, stats, node_key, timeout, wait, interrupt)
+        #: the group rank that owns every bucket whole (:func:`central_shards`); ``None``: N balanced shards
+        self.server = server
+
     def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         super()._bind(buckets)
-        self.segments = balanced_shards(buckets, self.size)
+        if self.server is None:
+            self.segments = balanced_shards(buckets, self.size)
+        else:
+            self.segments = central_shards(buckets, self.size, self.server)
 
     def _reduce(self, bucket: GradientBucket) -> None:
         result = self.exchange.reduce_scatter(bucket.buffer, bucket.index, "avg")
