@@ -210,6 +210,10 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         if replica is not None:
             replica.scale_to_norm_(clip_val, everything)
 
+    def stepping_optimizers(self) -> list[torch.optim.Optimizer]:
+        replicas = [sharded.shard for sharded in self.replica.sharded] if self.replica is not None else []
+        return super().stepping_optimizers() + [s for s in replicas if any(g["params"] for g in s.param_groups)]
+
     def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().server_update(optimizer, **kwargs)
         if self.replica is not None:
