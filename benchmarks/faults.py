@@ -1,11 +1,12 @@
 """A rank lost mid-epoch: what the survivors going on (``on_rank_loss="continue"``) costs, against today's path
 (torchrun restarts every process from the last checkpoint), in the same run.
 
-    python -m benchmarks.faults              # the example app, 4 ranks, ring_allreduce (about 10 minutes on 2 cores)
-    python -m benchmarks.faults --fault-step 35 --checkpoint-every 20
+    python -m benchmarks.faults              # the example app, 4 ranks, each strategy (about 30 minutes on 2 cores)
+    python -m benchmarks.faults --strategies sharded_ps --paths launcher torchrun
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
-128, 10 epochs of 10 steps), 4 ranks, ``strategy=ring_allreduce``, a checkpoint every ``--checkpoint-every`` steps.
+128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
+``sharded_ps``; the servers among the trainers), a checkpoint every ``--checkpoint-every`` steps.
 The fault: the named rank SIGKILLs itself as training step ``--fault-step`` starts (in the first attempt only). The
 paths:
 
@@ -52,7 +53,7 @@ from tests.helpers.launch import kill_process_tree
 REPO = Path(__file__).resolve().parent.parent
 RANKS = 4
 #: the app's options every run shares
-APP = ["strategy=ring_allreduce", "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1",
+APP = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=1",
        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=csv"]  # fmt: skip
 
 
@@ -129,19 +130,22 @@ def _wait(procs: list[subprocess.Popen], timeout: float, poll: Any = None) -> li
     return codes
 
 
-def run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """One run of the app on ``path`` (with the fault or not): its measurements."""
+def run_path(strategy: str, path: str, fault: bool, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One run of the app with ``strategy`` on ``path`` (with the fault or not): its measurements."""
     with ExitStack() as stack:
-        return _run_path(path, fault, args, tmp, stack)
+        return _run_path(strategy, path, fault, args, tmp, stack)
 
 
-def _run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path, stack: ExitStack) -> dict[str, Any]:
-    folder = tmp / f"{path}-{'fault' if fault else 'clean'}"
+def _run_path(
+    strategy: str, path: str, fault: bool, args: argparse.Namespace, tmp: Path, stack: ExitStack
+) -> dict[str, Any]:
+    folder = tmp / f"{strategy}-{path}-{'fault' if fault else 'clean'}"
     folder.mkdir()
     lost = {"per_host": 0, "emulated": RANKS - 1}.get(path, 2)
     fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
                      f"+callbacks.fault.cut={path == 'emulated'}"] if fault else []  # fmt: skip
-    overrides = [*APP, *args.app, f"+callbacks.model_checkpoint.every_n_train_steps={args.checkpoint_every}",
+    overrides = [f"strategy={strategy}", *APP, *args.app,
+                 f"+callbacks.model_checkpoint.every_n_train_steps={args.checkpoint_every}",
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
     app = str(REPO / "examples" / "train.py")
@@ -199,7 +203,7 @@ def _run_path(path: str, fault: bool, args: argparse.Namespace, tmp: Path, stack
         raise RuntimeError(f"{path} ({'fault' if fault else 'no fault'}): exit codes {codes}, expected {want}\n{tail}")
     metrics = json.loads(metrics_file.read_text())
     row: dict[str, Any] = {
-        "path": path, "fault": fault, "lost_rank": lost if fault else None, "seconds": seconds,
+        "strategy": strategy, "path": path, "fault": fault, "lost_rank": lost if fault else None, "seconds": seconds,
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
     if fault:
@@ -237,6 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fault-step", type=int, default=35)
     parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--paths", nargs="+", default=None,
                         help="launcher, per_host, emulated (needs root: network namespaces), torchrun; default: all "
                              "(emulated only as root)")  # fmt: skip
@@ -251,15 +256,16 @@ def main() -> None:
             print("not root: the emulated hosts' path is left out (it builds network namespaces)", file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory(prefix="lddp-faults-") as tmp:
-        for path in args.paths:
-            for fault in (False, True):
-                try:
-                    rows.append(run_path(path, fault, args, Path(tmp)))
-                except Exception:
-                    kept = shutil.copytree(tmp, tempfile.mkdtemp(prefix="lddp-faults-failed-"), dirs_exist_ok=True)
-                    print(f"the runs' folders are kept in {kept}", file=sys.stderr)
-                    raise
-                print(rows[-1], flush=True)
+        for strategy in args.strategies:
+            for path in args.paths:
+                for fault in (False, True):
+                    try:
+                        rows.append(run_path(strategy, path, fault, args, Path(tmp)))
+                    except Exception:
+                        kept = shutil.copytree(tmp, tempfile.mkdtemp(prefix="lddp-faults-failed-"), dirs_exist_ok=True)
+                        print(f"the runs' folders are kept in {kept}", file=sys.stderr)
+                        raise
+                    print(rows[-1], flush=True)
     for row in rows:
         row["fault_step"], row["checkpoint_every"] = args.fault_step, args.checkpoint_every
         if row["path"] == "emulated":
@@ -267,6 +273,8 @@ def main() -> None:
     save(args.out, "faults", rows, report_lines)
 
 
+#: the strategies a run may compare (the servers among the trainers)
+STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps")
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
     "per_host": "survivors go on (one process per host)",
@@ -280,19 +288,19 @@ def report_lines(rows: list[dict]) -> list[str]:
     first = rows[0]
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the example app "
-        f"(digits, reference CNN, global batch 128), {RANKS} ranks, `ring_allreduce`, a checkpoint every "
+        f"(digits, reference CNN, global batch 128), {RANKS} ranks, a checkpoint every "
         f"{first['checkpoint_every']} steps, one rank SIGKILLed (emulated hosts: its link cut) as step "
         f"{first['fault_step']} starts.",
         "",
-        "| path | rank lost | seconds (no fault) | seconds (fault) | wall time lost (s) | recovery (s) "
+        "| strategy | path | rank lost | seconds (no fault) | seconds (fault) | wall time lost (s) | recovery (s) "
         "| of which the agreement (s) | steps redone | samples dropped | test accuracy (no fault / fault) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    baselines = {r["path"]: r for r in rows if not r["fault"]}
+    baselines = {(r["strategy"], r["path"]): r for r in rows if not r["fault"]}
     for r in rows:
         if not r["fault"]:
             continue
-        base = baselines[r["path"]]
+        base = baselines[r["strategy"], r["path"]]
         lost = "global 0" if r["lost_rank"] == 0 else str(r["lost_rank"])
         if r["path"] == "emulated":
             lost += f" (heartbeat_timeout={r['heartbeat_timeout']:g} s)"
@@ -300,7 +308,7 @@ def report_lines(rows: list[dict]) -> list[str]:
         reported = r.get("recovery_seconds_reported")
         agreement = f"{reported:.2f}" if reported is not None else "-"
         lines.append(
-            f"| {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
+            f"| `{r['strategy']}` | {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
             f"| {r['seconds'] - base['seconds']:.1f} | {r['recovery_seconds']:.2f} | {agreement} "
             f"| {r.get('steps_redone', 0)} "
             f"| {dropped if dropped is not None else '-'} | {_accuracy(base)} / {_accuracy(r)} |"

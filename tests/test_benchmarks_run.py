@@ -246,12 +246,14 @@ def test_gpu_check_runs_in_stages_keeps_what_a_cut_off_run_found_and_refuses_wit
 
 @pytest.mark.multiprocess
 def test_faults_benchmark_runs_the_survivors_path(tmp_path):
-    out = run(["-m", "benchmarks.faults", "--paths", "launcher", "--fault-step", "6", "--checkpoint-every", "4",
-               "--app", "trainer.max_epochs=2", "test=false", "--out", str(tmp_path)], timeout=300)  # fmt: skip
+    out = run(["-m", "benchmarks.faults", "--strategies", "sharded_ps", "--paths", "launcher", "--fault-step", "6",
+               "--checkpoint-every", "4", "--app", "trainer.max_epochs=2", "test=false", "--out", str(tmp_path)],
+              timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:]
     clean, fault = result_rows(tmp_path / "faults.json")
     assert (clean["fault"], fault["fault"], fault["lost_rank"]) == (False, True, 2)
+    assert clean["strategy"] == fault["strategy"] == "sharded_ps"
     assert clean["global_step"] == fault["global_step"] == 20
     # the fault's time is the lost rank's own record, the recovery the survivors' next step after it
     assert 0 < fault["recovery_seconds"] < 5 and fault["steps_redone"] in (0, 1)
-    assert "| survivors go on (strategy's launcher) | 2 |" in (tmp_path / "faults.md").read_text()
+    assert "| `sharded_ps` | survivors go on (strategy's launcher) | 2 |" in (tmp_path / "faults.md").read_text()

@@ -11,7 +11,10 @@
     gradients of its step in flight again, over the survivors: that step trains the survivors' samples only (the
     lost rank's are counted as dropped);
   - a survivor that had not committed it takes the weights and optimizer state of one that had (the lowest), and
-    its own update of that step is skipped; then it trains its next step as usual.
+    its own update of that step is skipped; then it trains its next step as usual. Under the parameter servers
+    (whose exchange completes only once every rank holds its part of it,
+    :class:`~lightning_dp.strategies.engines.replicated.ReplicatedShardedEngine`) it keeps its own part instead,
+    and after their weight pull, a sync point of its own, it takes the weights only.
 
   From the first batch no loader has drawn yet, the lost rank's share of each global batch is dealt among the
   survivors (:meth:`~lightning_dp.comm.balance.ThroughputBalancer.exclude`), so every step is again the step of the
@@ -144,6 +147,11 @@ class StopOnRankLoss:
     def weight_pull(self, strategy: DataParallelStrategy, pull: Callable[[], None]) -> None:
         """Run ``pull``, the servers' weight pull of a step."""
         pull()
+
+    def after_point(self, strategy: DataParallelStrategy, kind: str, run: Callable[[], None]) -> None:
+        """Run ``run``, the strategy's own collectives right after a sync point of ``kind`` (the servers cutting their
+        state again)."""
+        run()
 
     def reducible(self, tensor: Tensor) -> Tensor:
         """The tensor an in-place collective may overwrite: the caller's own."""
@@ -399,8 +407,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     self.caught_up_steps += 1
                 elif outcome is not _REDO and not finished[0]:
                     raise RuntimeError(
-                        f"rank {strategy.global_rank}'s gradient exchange did not complete where another survivor's "
-                        "did: the exchange cannot be closed over the survivors"
+                        f"strategy {strategy.strategy_name!r}, on_rank_loss='continue': rank {strategy.global_rank}'s "
+                        "gradient exchange did not complete where another survivor's did, so the step cannot be closed "
+                        "over the survivors; restart the run from its last checkpoint"
                     ) from None
                 if outcome is not _REDO:  # (servers: this rank's part of the exchange is in its buckets already)
                     self._saved_this_round.clear()
@@ -435,6 +444,19 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 if outcome is not _REDO:  # the weights of a survivor that completed it, taken already
                     break
         strategy.point_completed(PULL)
+
+    def after_point(self, strategy: DataParallelStrategy, kind: str, run: Callable[[], None]) -> None:
+        # a loss meanwhile is recovered from as at that point: the recovery does what ``run`` does (after_recovery)
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001 - the membership says what it means
+            assert self.membership is not None
+            change = self.membership.interpret(error)
+            if not isinstance(change, MembershipChange):
+                if change is error:
+                    raise
+                raise change from error
+            self._recover(strategy, kind)
 
     def reducible(self, tensor: Tensor) -> Tensor:
         # a copy: an attempt a lost rank interrupts may leave partial sums in what it reduced, and it runs again
@@ -506,8 +528,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         """Agree with the survivors on the new membership, re-form the exchange over them, and bring every member to
         the same sync point; this rank is at a point of ``kind``. Returns the outcome (:data:`_REDO` where this rank's
         point must run again over the survivors, else its outcome as a member that completed it had it: a
-        collective's result; for an exchange its update, taken with the weights and optimizer state) and the factor
-        from the weight of the batch in flight's gradient to its weight among the survivors.
+        collective's result; for the ring's exchange its update, taken with the weights and optimizer state; for the
+        servers' pull the weights) and the factor from the weight of the batch in flight's gradient to its weight among
+        the survivors.
 
         A point completes on a rank only once every member has reached it, so after a loss every member has completed
         the same points, or one more (its last messages arrived where others' did not): those one point behind take
@@ -568,8 +591,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
 
     def _take_from_donor(self, strategy: DataParallelStrategy, decision: Decision, latest: int, kind: str) -> Any:
         """The lowest member that completed sync point ``latest`` sends its outcome to the members one point behind
-        (collective over the new gradient group): a collective's result, or after an exchange its weights and
-        optimizer state. Returns this rank's outcome (:data:`_REDO` where it completed the point itself)."""
+        (collective over the new gradient group): a collective's result, after the ring's exchange its weights and
+        optimizer state, after the servers' pull its weights (after the servers' exchange nothing: each member holds
+        its part). Returns this rank's outcome (:data:`_REDO` where it completed the point itself)."""
         donor = min(r for r, p in decision.committed.items() if p == latest)
         group = strategy.gradient_group
         assert group is not None and strategy.model is not None

@@ -47,3 +47,13 @@ def test_the_servers_replicate_their_state_only_when_they_must_survive_a_loss():
     assert type(ParameterServerStrategy().engine) is CentralServerEngine
     for cls in (ShardedParameterServerStrategy, ParameterServerStrategy):
         assert type(cls(on_rank_loss="continue").engine) is ReplicatedShardedEngine
+
+
+def test_the_replicated_servers_refuse_gpus_before_any_process_starts():
+    import torch
+
+    for cls in (ShardedParameterServerStrategy, ParameterServerStrategy):
+        engine = cls(on_rank_loss="continue").engine
+        engine.check_devices([torch.device("cpu")])
+        with pytest.raises(ConfigurationError, match="on_rank_loss='continue' runs the servers on CPU devices only"):
+            engine.check_devices([torch.device("cuda", 0)])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import run_script
-from tests.helpers.midepoch import read_seen, replay_loss
+from tests.helpers.midepoch import read_seen, replay, replay_loss
 from tests.helpers.replicas import close
 
 pytestmark = pytest.mark.multiprocess
@@ -143,3 +143,29 @@ def test_validation_and_collectives_run_over_the_survivors(tmp_path_factory):
     everyone, left = list(range(DEVICES)), [r for r in range(DEVICES) if r != run.lost]
     for s in run.survivors:  # the training step's all_gather, over the survivors from the loss on
         assert s["gathered"] == [everyone if j < LOST_AT else left for j in range(len(s["gathered"]))]
+
+
+def test_a_resumed_run_replicates_the_state_it_loaded(tmp_path_factory):
+    """Resumed from a checkpoint, each replica holds its owner's slices of the saved state: rank 2, lost after its
+    exchange three steps later, leaves its replica on rank 0 the momentum it had."""
+    run = _launch(("sharded_ps", "shared memory, collectives"), tmp_path_factory)
+    resume_step, lost_at = 3, 6  # (a checkpoint written before that run's loss)
+    out = tmp_path_factory.mktemp("sharded-loss-resumed")
+    run_script("midepoch", "--strategy", "sharded_ps", "--devices", str(DEVICES), "--samples", str(SAMPLES),
+               "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+               "--heartbeat-timeout", "2", "--intra-node", "ring", "--clip-norm", str(CLIP), "--resume-from",
+               str(run.out / "ckpt" / f"step={resume_step}.ckpt"), "--lose-rank", "2", "--lose-at-step", str(lost_at),
+               "--lose-after-backward", "--out", str(out), timeout=180)  # fmt: skip
+    survivors = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    seen = read_seen(out / "seen-rank2.txt")
+    with_lost = survivors[0]["rank_loss"]["loss_steps"][0]  # exchanges this fit committed with rank 2
+    assert survivors[0]["rank_loss"]["lost_ranks"] == [2] and with_lost == lost_at - resume_step + 1
+    # one process on the original run's global batches up to the checkpoint, then on the resumed run's
+    original = [sorted(i for s in run.survivors for i in s["trained"][j]) + run.seen[j] for j in range(resume_step)]
+    resumed = [[i for s in survivors for i in s["trained"][k]] + (seen[resume_step + k] if k < with_lost else [])
+               for k in range(len(survivors[0]["trained"]))]  # fmt: skip
+    history = run.survivors[0]["history"][:resume_step] + survivors[0]["history"]
+    reference = replay(original + resumed, history, SAMPLES, clip_norm=CLIP)
+    for k, entry in enumerate(survivors[0]["history"]):
+        assert torch.equal(entry[2], survivors[1]["history"][k][2]), f"the replicas differ after batch {k}"
+        close(entry[2], reference[resume_step + k], f"after batch {resume_step + k}")

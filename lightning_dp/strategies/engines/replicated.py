@@ -1,7 +1,9 @@
-"""The sharded servers on the trainers under ``on_rank_loss="continue"``: every shard's state has a replica."""
+"""The servers on the trainers under ``on_rank_loss="continue"``: every shard's state has a replica (the central
+server runs as one shard holding everything)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,7 +12,7 @@ from torch import Tensor
 
 from lightning_dp._lightning_compat import unwrap_optimizer
 from lightning_dp.comm.buckets import GradientBucket
-from lightning_dp.comm.errors import MembershipChange
+from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.nonfinite import first_nonfinite
 from lightning_dp.comm.servers.replicas import (
     ShardReplica,
@@ -24,20 +26,20 @@ from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.comm.transports.shards import sum_everywhere
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines.synchronous import ShardedServerEngine
-
-#: sync point kinds (see :mod:`lightning_dp.strategies.rank_loss`)
-_EXCHANGE, _PULL = "exchange", "pull"
+from lightning_dp.strategies.rank_loss import EXCHANGE, PULL
 
 
 class ReplicatedShardedEngine(ShardedServerEngine):
     """:class:`ShardedServerEngine` with each rank's shard of the optimizer state replicated on the next rank
-    (:mod:`lightning_dp.comm.servers.replicas`), so that the survivors of a loss lose no state.
+    (:mod:`lightning_dp.comm.servers.replicas`), so that the survivors of a loss lose no state; the transport's
+    segments say who serves what (N balanced shards, or one rank serving everything: the central server).
 
     A step's sync points (see :mod:`lightning_dp.strategies.rank_loss`): the exchange (the push; each owner forwards
     its averaged shard to its replica; then one value round among all ranks, so that the exchange completes on a rank
     only once every rank holds its shard's and its replica's gradients), the clipping norm and the NaN/inf vote
-    (collectives), the update of every shard and replica (local), and the weight pull (at the end of the step). After
-    a loss:
+    (collectives), the update of every shard and replica (local), and the weight pull (at the end of the step, sealed
+    by one value round as the exchange is, since under the central server a worker hears from the server only).
+    After a loss:
 
     - before any survivor completed the exchange: the survivors cut the state again over themselves, from their
       shards and the lost ranks' replicas, and exchange their gradients again over the new shards;
@@ -63,9 +65,20 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         self.mid_step = False
         self._forwards: list[Any] = []
 
+    # ------------------------------------------------------------------ set-up
+    def check_devices(self, devices: list[torch.device]) -> None:
+        if any(device.type != "cpu" for device in devices):
+            raise ConfigurationError(
+                f"strategy {self.name!r}: on_rank_loss='continue' runs the servers on CPU devices only for now (a "
+                f"replica's copy of its shard and the forward of the averaged gradients live in host memory); got "
+                f"devices {[str(d) for d in devices]}"
+            )
+
     # ------------------------------------------------------------------ the layout and its replica
     def build_layout(self) -> None:
         super().build_layout()
+        self.lost.clear()
+        self.mid_step = False
         strategy = self.strategy
         transport, group = strategy.transport, strategy.gradient_group
         assert transport is not None and strategy.reducer is not None and group is not None
@@ -103,7 +116,6 @@ class ReplicatedShardedEngine(ShardedServerEngine):
             sharded.load_state_dict(state)
             if self.replica is not None:
                 self.replica.load_state_dict(state, k)
-        self.lost.clear()
 
     # ------------------------------------------------------------------ the strategy's side of a loss
     @property
@@ -122,9 +134,9 @@ class ReplicatedShardedEngine(ShardedServerEngine):
             self._recut()
 
     def point_completed(self, kind: str) -> None:
-        if kind == _EXCHANGE:
+        if kind == EXCHANGE:
             self.mid_step = True
-        elif kind == _PULL:
+        elif kind == PULL:
             self.mid_step = False
 
     @property
@@ -135,6 +147,8 @@ class ReplicatedShardedEngine(ShardedServerEngine):
 
     # ------------------------------------------------------------------ the exchange
     def after_reduce(self, bucket: GradientBucket) -> None:
+        if self.strategy.full_gradients:  # every rank holds the averaged gradients: the replica reads param.grad
+            return
         group = self.strategy.gradient_group
         self._forwards += [post_forward(bucket, self.segments, group)]
         if self.replica is not None:
@@ -152,6 +166,8 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         strategy = self.strategy
         assert strategy.reducer is not None and self.layout is not None
         self._sharded(optimizer).follow_param_groups()
+        if self.replica is not None:
+            self._replica_sharded(optimizer).follow_param_groups()
         if not strategy.full_gradients and strategy.reducer.consume():
             self.layout.take_bucket_gradients()
             if self.replica is not None:
@@ -214,6 +230,12 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         replicas = [sharded.shard for sharded in self.replica.sharded] if self.replica is not None else []
         return super().stepping_optimizers() + [s for s in replicas if any(g["params"] for g in s.param_groups)]
 
+    def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_states(checkpoint)
+        if self.replica is not None:  # the replica holds its owner's slices, as the owner does
+            for k, saved in enumerate(checkpoint["optimizer_states"]):
+                self.replica.load_state_dict(saved, k)
+
     def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().server_update(optimizer, **kwargs)
         if self.replica is not None:
@@ -228,20 +250,12 @@ class ReplicatedShardedEngine(ShardedServerEngine):
                 self._pull_over_survivors(buckets)
             else:
                 super(ReplicatedShardedEngine, self).pull_weights(optimizer)
+            # no rank completes the pull before every rank has its weights (a worker hears from its server only)
+            sum_everywhere(torch.zeros(1), strategy.gradient_group)
 
         strategy.rank_loss.weight_pull(strategy, pull)
         if self.lost:  # every survivor holds the step's weights: the shards are cut again over them
-            try:
-                self._recut()
-            except Exception as error:  # noqa: BLE001 - the membership says what it means
-                membership = strategy.rank_loss.membership
-                change = membership.interpret(error) if membership is not None else error
-                if isinstance(change, MembershipChange):
-                    raise RuntimeError(
-                        f"strategy {self.name!r}: a rank was lost while the survivors cut the servers' state again "
-                        "over themselves: the run cannot go on exactly; restart it from its last checkpoint"
-                    ) from error
-                raise
+            strategy.rank_loss.after_point(strategy, PULL, self._recut)
 
     def _pull_over_survivors(self, buckets: list[GradientBucket]) -> None:
         """The pull of a step the shards were cut for before a loss: every shard's new weights from its owner, or
