@@ -273,6 +273,12 @@ class ParameterServerBase(DataParallelStrategy):
         return self.engine.synchronized_buckets()
 
     @override
+    def predicted_step_bytes(self) -> tuple[float, float] | None:
+        if self.rank_loss.name == "continue":  # the cost model does not count the replicas' forward
+            return None
+        return super().predicted_step_bytes()
+
+    @override
     def cost_scheme(self) -> Scheme:
         scheme = self.engine.cost_scheme(super().cost_scheme())
         return dataclasses.replace(scheme, staleness=self.staleness, num_servers=self.num_servers)
