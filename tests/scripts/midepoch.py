@@ -67,6 +67,8 @@ parser.add_argument("--heartbeat-timeout", type=float, default=None, help="strat
 parser.add_argument("--lose-rank", type=int, default=None,
                     help="this rank SIGKILLs itself in the training step of --lose-at-step")  # fmt: skip
 parser.add_argument("--lose-at-step", type=int, default=None)
+parser.add_argument("--lose-later", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
+                    help="a second rank SIGKILLs itself in the training step of STEP")  # fmt: skip
 parser.add_argument("--record-seen", action="store_true",
                     help="every rank writes what it trains, step by step, to <out>/seen-rank<r>.txt")  # fmt: skip
 parser.add_argument("--mark-step", type=int, default=None,
@@ -138,9 +140,13 @@ class Model(L.LightningModule):
         if self.global_step == args.mark_step:
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
-        if args.record_seen or (args.lose_rank is not None and self.global_rank == args.lose_rank):
+        later = args.lose_later or (None, None)
+        if args.record_seen or self.global_rank in (args.lose_rank, later[0]):
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
+        if self.global_rank == later[0] and self.global_step == later[1]:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.lose_rank is not None and self.global_rank == args.lose_rank:
             if self.global_step == args.lose_at_step and not (args.lose_after_backward or args.lose_in_pull):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)

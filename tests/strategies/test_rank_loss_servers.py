@@ -169,3 +169,33 @@ def test_a_resumed_run_replicates_the_state_it_loaded(tmp_path_factory):
     for k, entry in enumerate(survivors[0]["history"]):
         assert torch.equal(entry[2], survivors[1]["history"][k][2]), f"the replicas differ after batch {k}"
         close(entry[2], reference[resume_step + k], f"after batch {resume_step + k}")
+
+
+def test_two_ranks_lost_in_turn_each_leave_their_state_to_a_replica(tmp_path_factory):
+    """5 ranks (a strict majority survives two losses): rank 1 lost after its exchange at step 2 (its shard served by
+    its replica on rank 2, then the state cut over 4 ranks, each with a new replica), rank 3 in its step 5 (the
+    state cut again over 3)."""
+    out = tmp_path_factory.mktemp("sharded-loss-twice")
+    devices, samples, first, second = 5, 80, (1, 2), (3, 5)
+    run_script("midepoch", "--strategy", "sharded_ps", "--devices", str(devices), "--samples", str(samples),
+               "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+               "--heartbeat-timeout", "2", "--intra-node", "ring", "--clip-norm", str(CLIP), "--lose-rank",
+               str(first[0]), "--lose-at-step", str(first[1]), "--lose-after-backward", "--lose-later",
+               str(second[0]), str(second[1]), "--out", str(out), timeout=180)  # fmt: skip
+    survivors = [torch.load(out / f"rank{r}.pt") for r in (0, 2, 4)]
+    metrics = survivors[0]["rank_loss"]
+    assert all(s["rank_loss"]["loss_steps"] == metrics["loss_steps"] for s in survivors)
+    assert metrics["lost_ranks"] == [first[0], second[0]], metrics
+    with_first, with_second = metrics["loss_steps"]
+    assert (with_first, with_second) == (first[1] + 1, second[1]), metrics  # (the second: in flight, run again)
+    seen = {rank: read_seen(out / f"seen-rank{rank}.txt") for rank in (first[0], second[0])}
+    steps = len(survivors[0]["trained"])
+    assert steps == EPOCHS * samples // (devices * BATCH)
+    batches = [[i for s in survivors for i in s["trained"][j]]
+               + (seen[first[0]][j] if j < with_first else []) + (seen[second[0]][j] if j < with_second else [])
+               for j in range(steps)]  # fmt: skip
+    reference = replay(batches, survivors[0]["history"], samples, clip_norm=CLIP)
+    for j, want in enumerate(reference):
+        got = survivors[0]["history"][j][2]
+        assert all(torch.equal(got, s["history"][j][2]) for s in survivors[1:]), f"the replicas differ after batch {j}"
+        close(got, want, f"after batch {j}")
