@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -162,9 +163,19 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.rank_loss.setup_stage(self, self.model)
-        check_replicas_match(self.model, self.gradient_group)
-        # every replica starts from rank 0's parameters and buffers
-        broadcast_tensors(self._module_state(), src=0, group=self.gradient_group)
+        model, state = self.model, self._module_state()
+        self.rank_loss.collective(self, lambda group: check_replicas_match(model, group))
+
+        def from_first(group: dist.ProcessGroup | None) -> list[Tensor]:
+            broadcast_tensors(state, src=0, group=group)
+            return state
+
+        # every replica starts from rank 0's parameters and buffers (the lowest rank training now, after a loss)
+        taken = self.rank_loss.collective(self, from_first)
+        if taken is not state:  # one sync point behind after a loss: the values a member that completed it holds
+            with torch.no_grad():
+                for mine, theirs in zip(state, taken, strict=True):
+                    mine.copy_(theirs)
         if fitting:
             self.setup_optimizers(trainer)
             self._check_optimizers()

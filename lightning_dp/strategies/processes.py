@@ -313,9 +313,10 @@ class ProcessGroupStrategy(DDPStrategy):
         # a later fit or test in this process reuses the group and scope an earlier one joined
         self.job_scope = _own_scope()
         self.gradient_group, self._control_group = self.rank_loss.form_groups(self)
+        # (the stage's first collectives: a rank lost since the last stage is noticed here, or in the next ones)
         if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
-            self._peers = PeerDirectory.build(self._control_group)
-        self.node_layout = NodeLayout.gather(self.node_rank, self.gradient_group)
+            self._peers = self.rank_loss.collective(self, PeerDirectory.build)
+        self.node_layout = self.rank_loss.collective(self, lambda group: NodeLayout.gather(self.node_rank, group))
         self._check_world_size(self.world_size)
 
     @property

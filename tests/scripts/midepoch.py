@@ -67,6 +67,7 @@ parser.add_argument("--heartbeat-timeout", type=float, default=None, help="strat
 parser.add_argument("--lose-rank", type=int, default=None,
                     help="this rank SIGKILLs itself in the training step of --lose-at-step")  # fmt: skip
 parser.add_argument("--lose-at-step", type=int, default=None)
+parser.add_argument("--lose-after-fit", action="store_true", help="--lose-rank dies once the fit has ended")
 parser.add_argument("--lose-later", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
                     help="a second rank SIGKILLs itself in the training step of STEP")  # fmt: skip
 parser.add_argument("--record-seen", action="store_true",
@@ -353,6 +354,8 @@ trainer = L.Trainer(
     plugins=[VariablesEnvironment()] if args.variables_environment else None,
 )
 trainer.fit(model, ckpt_path=resume)
+if args.lose_after_fit and trainer.global_rank == args.lose_rank:  # between two stages of the job
+    os.kill(os.getpid(), signal.SIGKILL)
 counted = [float(trainer.callback_metrics.get("val_count", float("nan")))]
 if args.validate:  # a later stage of the same job
     counted.append(float(trainer.validate(model, verbose=False)[0]["val_count"]))

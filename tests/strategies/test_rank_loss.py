@@ -237,3 +237,42 @@ def test_a_checkpoint_written_after_a_loss_resumes_exactly_with_the_survivors_or
         if devices == DEVICES - 1:  # the same ranks as the job's survivors, the same ring: bit for bit
             assert torch.equal(got, run.survivors[0]["history"][j][2]), f"after batch {j}"
         close(got, reference[j], f"after batch {j}")
+
+
+def test_a_checkpoint_written_after_a_loss_and_resumed_with_stop_warns_that_its_global_batch_changes(
+    tmp_path_factory,
+):
+    run = _launch("in flight", tmp_path_factory)
+    out = tmp_path_factory.mktemp("ring-loss-resumed-stop")
+    devices = DEVICES - 1
+    result = run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(devices), "--samples",
+                        str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--intra-node", "ring",
+                        "--resume-from", str(run.out / "ckpt" / f"step={RESUME_STEP}.ckpt"), "--out", str(out),
+                        timeout=180)  # fmt: skip
+    assert f"the checkpoint was written after a loss of ranks, with a global batch of {GLOBAL_BATCH} samples" in (
+        result.stdout
+    ), result.stdout[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(devices)]
+    for r in ranks:  # the global batch is the batch size times the ranks now, as the warning says
+        assert r["rank_loss"] == {}
+        assert {len(batch) for batch in r["trained"]} == {BATCH}
+
+
+def test_a_rank_lost_between_two_stages_is_agreed_on_as_the_next_starts(tmp_path_factory):
+    """Rank 2 dies once the fit has ended: the validation after it and a later fit (a new Trainer) go on over ranks 0
+    and 1, every sample evaluated once, the global batch dealt over the two from the later fit's first batch."""
+    out = tmp_path_factory.mktemp("ring-loss-between-stages")
+    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
+               "--batch-size", str(BATCH), "--max-epochs", "1", "--on-rank-loss", "continue", "--heartbeat-timeout",
+               "2", "--intra-node", "ring", "--validate", "--refit-epochs", "1", "--lose-rank", "2", "--lose-after-fit",
+               "--out", str(out), timeout=180)  # fmt: skip
+    survivors = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for s in survivors:
+        assert s["global_step"] == per_epoch and {len(batch) for batch in s["trained"]} == {BATCH}  # the fit: 3 ranks
+        assert s["val_counted"] == [SAMPLES, SAMPLES], s["val_counted"]  # in the fit, and over the survivors after it
+    refits = [torch.load(out / f"refit-rank{r}.pt") for r in range(2)]
+    for r in refits:
+        assert r["world_size"] == DEVICES - 1 and r["global_step"] == per_epoch
+        assert [len(batch) for batch in r["trained"]] == [GLOBAL_BATCH // 2] * per_epoch
+    assert sorted(i for r in refits for batch in r["trained"] for i in batch) == list(range(SAMPLES))
