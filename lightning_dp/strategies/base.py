@@ -164,14 +164,14 @@ class DataParallelStrategy(ProcessGroupStrategy):
         self.model_to_device()
         self.rank_loss.setup_stage(self, self.model)
         model, state = self.model, self._module_state()
-        self.rank_loss.collective(self, lambda group: check_replicas_match(model, group))
+        self.rank_loss.setup_collective(self, lambda group: check_replicas_match(model, group))
 
         def from_first(group: dist.ProcessGroup | None) -> list[Tensor]:
             broadcast_tensors(state, src=0, group=group)
             return state
 
         # every replica starts from rank 0's parameters and buffers (the lowest rank training now, after a loss)
-        taken = self.rank_loss.collective(self, from_first)
+        taken = self.rank_loss.setup_collective(self, from_first)
         if taken is not state:  # one sync point behind after a loss: the values a member that completed it holds
             with torch.no_grad():
                 for mine, theirs in zip(state, taken, strict=True):

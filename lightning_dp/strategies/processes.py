@@ -315,8 +315,13 @@ class ProcessGroupStrategy(DDPStrategy):
         self.gradient_group, self._control_group = self.rank_loss.form_groups(self)
         # (the stage's first collectives: a rank lost since the last stage is noticed here, or in the next ones)
         if self._process_group_backend == "gloo":  # NCCL's errors carry no peer address to look up
-            self._peers = self.rank_loss.collective(self, PeerDirectory.build)
-        self.node_layout = self.rank_loss.collective(self, lambda group: NodeLayout.gather(self.node_rank, group))
+            self._peers = self.rank_loss.setup_collective(self, PeerDirectory.build)
+
+        def gather_layout(group: dist.ProcessGroup | None) -> None:
+            # set here, not returned: a rank one point behind after a loss keeps the layout its recovery gathered
+            self.node_layout = NodeLayout.gather(self.node_rank, group)
+
+        self.rank_loss.setup_collective(self, gather_layout)
         self._check_world_size(self.world_size)
 
     @property

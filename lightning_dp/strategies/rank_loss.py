@@ -144,6 +144,10 @@ class StopOnRankLoss:
         """Run ``run(group)``, a collective of the training loop or of Lightning's, on the control group."""
         return run(strategy.control_group)
 
+    def setup_collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
+        """Run ``run(group)``, a collective of a stage's set-up, on the gradient group."""
+        return run(strategy.gradient_group)
+
     def weight_pull(self, strategy: DataParallelStrategy, pull: Callable[[], None]) -> None:
         """Run ``pull``, the servers' weight pull of a step."""
         pull()
@@ -433,6 +437,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 outcome, _ = self._recover(cast("DataParallelStrategy", strategy), COLLECTIVE)
                 if outcome is not _REDO:
                     return cast(T, outcome)
+
+    def setup_collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
+        # a sync point like any other (a rank lost since the last stage is noticed here), sealed by a barrier so that
+        # no rank completes it before every member reached it (a broadcast's receivers would)
+        def sealed(group: dist.ProcessGroup | None) -> T:
+            result = run(group)
+            dist.barrier(group=group)
+            return result
+
+        return self.collective(strategy, sealed)
 
     def weight_pull(self, strategy: DataParallelStrategy, pull: Callable[[], None]) -> None:
         while True:

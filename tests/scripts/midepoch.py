@@ -355,6 +355,7 @@ trainer = L.Trainer(
 )
 trainer.fit(model, ckpt_path=resume)
 if args.lose_after_fit and trainer.global_rank == args.lose_rank:  # between two stages of the job
+    time.sleep(1.0)  # the others are in the next stage's first collectives by now
     os.kill(os.getpid(), signal.SIGKILL)
 counted = [float(trainer.callback_metrics.get("val_count", float("nan")))]
 if args.validate:  # a later stage of the same job

@@ -269,6 +269,7 @@ def test_a_rank_lost_between_two_stages_is_agreed_on_as_the_next_starts(tmp_path
     survivors = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     per_epoch = SAMPLES // GLOBAL_BATCH
     for s in survivors:
+        assert s["rank_loss"]["lost_ranks"] == [2] and s["world_size"] == DEVICES - 1, s["rank_loss"]
         assert s["global_step"] == per_epoch and {len(batch) for batch in s["trained"]} == {BATCH}  # the fit: 3 ranks
         assert s["val_counted"] == [SAMPLES, SAMPLES], s["val_counted"]  # in the fit, and over the survivors after it
     refits = [torch.load(out / f"refit-rank{r}.pt") for r in range(2)]
