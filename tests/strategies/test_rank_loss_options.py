@@ -57,3 +57,13 @@ def test_the_replicated_servers_refuse_gpus_before_any_process_starts():
         engine.check_devices([torch.device("cpu")])
         with pytest.raises(ConfigurationError, match="on_rank_loss='continue' runs the servers on CPU devices only"):
             engine.check_devices([torch.device("cuda", 0)])
+
+
+def test_the_replicated_servers_need_no_replica_for_a_loss_between_two_fits():
+    """Outside a fit (no exchange set up) the next fit cuts its state afresh: two neighbouring ranks lost then are
+    no loss of state."""
+    engine = ShardedParameterServerStrategy(on_rank_loss="continue").engine
+    assert isinstance(engine, ReplicatedShardedEngine) and engine.strategy.reducer is None
+    engine.layout_members = (0, 1, 2, 3)  # the cut of an earlier fit
+    engine.after_recovery([1, 2])
+    assert engine.lost == set()

@@ -126,11 +126,13 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         self.strategy.rebuild_groups()  # the transport waits for the new cut (between two steps)
 
     def after_recovery(self, lost: list[int]) -> None:
-        self.lost |= {rank for rank in lost if rank in self.layout_members}
         self._forwards = []
+        if self.strategy.reducer is None:  # between two fits: the next one cuts its state afresh
+            return
+        self.lost |= {rank for rank in lost if rank in self.layout_members}
         if self.lost:
             check_recoverable([self.layout_members.index(rank) for rank in self.lost], len(self.layout_members))
-        if self.lost and not self.mid_step and self.strategy.reducer is not None:
+        if self.lost and not self.mid_step:
             self._recut()
 
     def point_completed(self, kind: str) -> None:
