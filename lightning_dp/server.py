@@ -14,6 +14,7 @@ Needs no Lightning: the optimizer classes the trainers use must be importable he
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import sys
@@ -22,7 +23,9 @@ from datetime import timedelta
 
 from lightning_dp.comm.cluster.rendezvous import die_with_parent, interface_with_address, local_address_towards
 from lightning_dp.comm.errors import ForeignJobError
+from lightning_dp.comm.membership.fence import connections_opened_by
 from lightning_dp.comm.servers import DedicatedServer, MemberGroup, run_store
+from lightning_dp.comm.servers.regroup import RegroupingServer, RegroupListener
 
 #: how long a server waits for the trainers' next message: without a deadline in practice (validation, checkpoint
 #: writing and a slow epoch end all pause the trainers); a lost trainer's closed sockets end any wait at once
@@ -85,15 +88,25 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{args.num_servers}")  # fmt: skip
         return 2
     try:
-        members = MemberGroup(store, num_trainers + args.server_index, num_trainers, expected, IDLE_TIMEOUT)
+        members, connections = connections_opened_by(
+            lambda: MemberGroup(store, num_trainers + args.server_index, num_trainers, expected, IDLE_TIMEOUT)
+        )
         plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
-        server = DedicatedServer(members, plan, on_lost=lambda error: _exit_lost(name, error))
+        regroup = plan.extra.get("regroup")
+        server: DedicatedServer
+        if regroup is None:
+            server = DedicatedServer(members, plan, on_lost=lambda error: _exit_lost(name, error))
+        else:  # on_rank_loss="continue": it goes on with the trainers that survive a loss
+            server = RegroupingServer(members, plan, connections, float(regroup["rejoin_timeout"]), IDLE_TIMEOUT)
+            listener = RegroupListener(local_address_towards(args.master_addr), regroup["token"], server.on_regroup)
+            store.set(f"listener/{args.server_index}", json.dumps(list(listener.address)))
         _log(f"{name} (pid {os.getpid()}) serves {server.layout.storage.numel()} elements for {num_trainers} trainers")
         server.run()
     except Exception as error:  # noqa: BLE001 - the run failed: exit non-zero with the reason
         _log(f"{name} stops: {error}")
         return 1
-    _log(f"{name} done after {server.steps} steps")
+    regroups = getattr(server, "regroups", 0)
+    _log(f"{name} done after {server.steps} steps" + (f" and {regroups} regroups" if regroups else ""))
     return 0
 
 

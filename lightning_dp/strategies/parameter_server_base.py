@@ -21,7 +21,13 @@ from lightning_dp.comm.errors import ConfigurationError
 from lightning_dp.comm.servers.members import message_bytes_from_environment
 from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.strategies.base import DataParallelStrategy
-from lightning_dp.strategies.engines import BackupEngine, DedicatedEngine, StaleEngine, StepEngine
+from lightning_dp.strategies.engines import (
+    BackupEngine,
+    DedicatedEngine,
+    RegroupingDedicatedEngine,
+    StaleEngine,
+    StepEngine,
+)
 from lightning_dp.strategies.inspection import gradient_readers
 from lightning_dp.strategies.options import check_count, check_flag
 
@@ -159,6 +165,8 @@ class ParameterServerBase(DataParallelStrategy):
     def _make_engine(self) -> StepEngine:
         if self.backup_workers:
             return BackupEngine(self, self.backup_workers, self._served_segments)
+        if self.num_servers and self.rank_loss.name == "continue":
+            return RegroupingDedicatedEngine(self, self.num_servers, self.start_servers)
         if self.num_servers:
             return DedicatedEngine(self, self.num_servers, self.start_servers, trainers_serve=self._trainers_serve)
         if self.staleness != 0:

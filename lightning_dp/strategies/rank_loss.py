@@ -232,7 +232,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         name = f"strategy {strategy.strategy_name!r}: on_rank_loss='continue'"
         unsupported = {
             "staleness": (getattr(strategy, "staleness", 0), 0),
-            "num_servers": (getattr(strategy, "num_servers", 0), 0),
             "backup_workers": (getattr(strategy, "backup_workers", 0), 0),
             "compression": (getattr(strategy, "compression", "none"), "none"),
             "balance": (getattr(strategy, "balance", "none"), "none"),

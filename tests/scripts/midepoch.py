@@ -96,6 +96,7 @@ parser.add_argument(
     action="store_true",
     help="a callback reads the averaged gradients before each step (the servers then send them back)",
 )
+parser.add_argument("--num-servers", type=int, default=None, help="strategy option num_servers")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -318,6 +319,7 @@ options = {
     "on_rank_loss": args.on_rank_loss,
     "intra_node": args.intra_node,
     "heartbeat_timeout": args.heartbeat_timeout,
+    "num_servers": args.num_servers,
 }
 options = {k: v for k, v in options.items() if v is not None}
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -37,6 +38,7 @@ from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import connections_opened_by, fence
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: seconds a failed exchange waits for the control plane to name a lost peer before it is taken for a local error
 #: (a process that died closes its control connection as it closes its group connections)
@@ -174,6 +176,34 @@ class Membership:
             fence(connections)
             self.check()
         return group
+
+    def guard(self, connections: list[int]) -> None:
+        """Fence ``connections`` (those of a group this rank formed apart, see :func:`connections_opened_by`) with
+        this generation's groups when a change begins (at once, if one has begun)."""
+        with self._lock:
+            self._connections.extend(connections)
+        if self.agreement.changing:
+            fence(connections)
+
+    def form_apart(self, create: Callable[[], T], what: str) -> tuple[T, list[int]]:
+        """``create()`` a gloo group apart from the membership's (another store, other members too), interrupted by a
+        change as :meth:`group` is; returns it with its connections, fenced with this generation's groups
+        (:meth:`guard`)."""
+        created, connections = self._interruptible(
+            lambda: connections_opened_by(create, exclude=self.control.descriptors()), what
+        )
+        self.guard(connections)
+        return created, connections
+
+    def release(self, connections: list[int]) -> None:
+        """Stop guarding ``connections`` (their group was closed: the descriptors may be reused)."""
+        with self._lock:
+            self._connections = [c for c in self._connections if c not in set(connections)]
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """Where this generation's store is served (by its leader; after the first change only)."""
+        return self._store_at
 
     def _interruptible(self, work: Any, what: str) -> Any:
         """Run ``work()`` on a helper thread and return its result, unless a change begins first (then

@@ -29,6 +29,8 @@ class Tag(IntEnum):
     EDITED = 14
     WEIGHTS = 15
     OBJECT = 16
+    #: a server's reply to every trainer: a synchronization summed, an optimizer's vote
+    REPLY = 17
 
 
 #: pieces of one message travel on tags of their own: ``Tag * PIECE_TAGS + piece`` (below 2**31 for every tag)
@@ -77,11 +79,19 @@ class MemberGroup:
     under :data:`STORE_PREFIX`. Not registered with ``torch.distributed``: a server process has no default group,
     and Lightning's collectives never see the servers."""
 
-    def __init__(self, store: dist.Store, rank: int, num_trainers: int, num_servers: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        num_trainers: int,
+        num_servers: int,
+        timeout: timedelta,
+        message_bytes: int | None = None,
+    ) -> None:
         self.rank, self.num_trainers, self.num_servers = rank, num_trainers, num_servers
         self.size = num_trainers + num_servers
-        if rank == 0:
-            store.set("message_bytes", str(message_bytes_from_environment()))
+        if rank == 0:  # ``message_bytes``: the size an earlier group of the same run used
+            store.set("message_bytes", str(message_bytes or message_bytes_from_environment()))
         #: the largest single message (trainer 0's :func:`message_bytes_from_environment`)
         self.message_bytes = int(store.get("message_bytes"))
         self.backend: Any = dist.ProcessGroupGloo(store, rank, self.size, timeout)

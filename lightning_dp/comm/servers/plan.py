@@ -28,6 +28,12 @@ class Control(IntEnum):
     LOAD = 5
     STOP = 6
     ABORT = 7
+    #: a synchronization starts: every trainer pushes its gradients, every server acknowledges once it summed them
+    #: (``on_rank_loss="continue"``)
+    SYNC = 8
+    #: every server sends every trainer its shares' squared norm and NaN/inf flag for an optimizer
+    #: (``on_rank_loss="continue"``)
+    VOTE = 9
 
 
 @dataclass

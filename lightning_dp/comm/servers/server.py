@@ -36,7 +36,8 @@ class DedicatedServer:
         #: waits for the serving loop
         self.on_lost = on_lost
         self.stopping = False
-        me = members.rank
+        #: this server's place in the plan's segments (its member rank when the run started)
+        self.member_index = me = members.rank
         params = [torch.nn.Parameter(torch.empty(shape, dtype=plan.dtype, device="meta")) for shape in plan.shapes]
         self.buckets = [GradientBucket(b, [params[i] for i in indices]) for b, indices in enumerate(plan.buckets)]
         owner = f"{members.name(me)} ({plan.owner})"
@@ -83,7 +84,7 @@ class DedicatedServer:
                         **defaults)  # fmt: skip
 
     def _numel(self, b: int) -> int:
-        start, end = self.plan.segments[b][self.members.rank]
+        start, end = self.plan.segments[b][self.member_index]
         return end - start
 
     def _share_of(self, b: int) -> slice:
@@ -168,7 +169,7 @@ class DedicatedServer:
         return False
 
     def _first_owner(self, b: int) -> bool:
-        return next(m for m, (s, e) in enumerate(self.plan.segments[b]) if e > s) == self.members.rank
+        return next(m for m, (s, e) in enumerate(self.plan.segments[b]) if e > s) == self.member_index
 
     def _send_to_trainers(
         self, b: int, tag: int, source: Tensor, with_flags: bool = False, piece: int | None = None

@@ -111,9 +111,8 @@ class DedicatedServerTransport(Transport):
     def _reduce(self, bucket: GradientBucket) -> None:
         if bucket.index == 0:
             self.syncs += 1
-            if self.me == 0:  # every synchronization starts with trainer 0 saying whether the servers step in it
-                for server in self.members.servers:
-                    self.members.send_object(self._eager, server, self.timeout, Tag.GRADIENTS)
+            if self.me == 0:
+                self._announce_sync()
         host = self._to_host(bucket)
         flags = host[bucket.grad_numel :]
         flags_out = flags.clone()  # this trainer's own flags, while its share's flags sum everyone's below
@@ -146,6 +145,11 @@ class DedicatedServerTransport(Transport):
                 flags.add_(their_flags)
             self.stats.add(received=sum((g.numel() + f.numel()) * g.element_size() for g, f in received.values()))
             self._from_host(bucket, [(start, end), (bucket.grad_numel, bucket.buffer.numel())])
+
+    def _announce_sync(self) -> None:
+        """Trainer 0, as a synchronization starts: tell every server whether it steps in it (see :meth:`arm`)."""
+        for server in self.members.servers:
+            self.members.send_object(self._eager, server, self.timeout, Tag.GRADIENTS)
 
     def _receive_share(
         self, bucket: GradientBucket
@@ -297,3 +301,35 @@ class DedicatedServerTransport(Transport):
 
     def close(self) -> None:
         self.members.close()
+
+
+class RegroupingServerTransport(DedicatedServerTransport):
+    """The trainers' side of :class:`~lightning_dp.comm.servers.regroup.RegroupingServer`: the servers hold every
+    share; a synchronization is announced with ``SYNC`` and complete once every server replied (:meth:`wait_summed`),
+    the vote is every server's reply (:meth:`vote_of`)."""
+
+    def _announce_sync(self) -> None:
+        self.control(Control.SYNC)
+
+    def _replies(self, numel: int) -> list[Tensor]:
+        replies = [torch.zeros(numel, dtype=torch.float64) for _ in self.members.servers]
+        works = [(self.members.irecv(reply, server, Tag.REPLY), server, "receive the reply of")
+                 for reply, server in zip(replies, self.members.servers)]  # fmt: skip
+        self.members.wait_all(works, self.timeout)
+        return replies
+
+    def wait_summed(self) -> None:
+        """Wait until every server has summed this synchronization's gradients (after the pushes left)."""
+        self.wait_sent()
+        self._replies(1)
+
+    def vote_of(self, optimizer_index: int) -> tuple[float, bool]:
+        """Every server's shares of optimizer ``optimizer_index``: the sum of their squared gradient norms (in server
+        order: the same bits on every trainer) and whether any is not finite (trainer 0 asks, every trainer hears)."""
+        if self.me == 0:
+            self.control(Control.VOTE, optimizer_index)
+        replies = self._replies(2)
+        squares = 0.0
+        for reply in replies:
+            squares += float(reply[0])
+        return squares, any(float(reply[1]) != 0.0 for reply in replies)

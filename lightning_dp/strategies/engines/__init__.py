@@ -3,6 +3,7 @@
 from lightning_dp.strategies.engines.backup import BackupEngine
 from lightning_dp.strategies.engines.base import StepEngine
 from lightning_dp.strategies.engines.dedicated import DedicatedEngine
+from lightning_dp.strategies.engines.regrouping import RegroupingDedicatedEngine
 from lightning_dp.strategies.engines.stale import StaleEngine
 from lightning_dp.strategies.engines.synchronous import CentralServerEngine, ShardedServerEngine, SynchronousEngine
 
@@ -10,6 +11,7 @@ __all__ = [
     "BackupEngine",
     "CentralServerEngine",
     "DedicatedEngine",
+    "RegroupingDedicatedEngine",
     "ShardedServerEngine",
     "StaleEngine",
     "StepEngine",

@@ -79,10 +79,19 @@ class DedicatedEngine(StepEngine):
         self.eager = False
         self._static_clip: tuple[str, float] | None = None
         self._restore_clipping: Callable[[], None] | None = None
+        #: whether each server holds whole parameters (optimizers that are not element-wise, trainers not serving)
+        self.whole = False
 
     @property
     def is_trainer_zero(self) -> bool:
-        return self.strategy.global_rank == 0
+        """Whether this trainer is member 0: it starts the servers (``start_servers``) and sends the control
+        messages."""
+        return self.member_rank == 0
+
+    @property
+    def member_rank(self) -> int:
+        """This trainer's rank in the member group."""
+        return self.strategy.global_rank
 
     # ------------------------------------------------------------------ set-up
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -133,19 +142,20 @@ class DedicatedEngine(StepEngine):
             store.set("num_trainers", str(n))
             store.set("num_servers", str(k))
         started = time.perf_counter()
-        members = MemberGroup(store, strategy.global_rank, n, k, timeout)
+        members = self._join(store, n, k)
         shares = member_shares(n, k, trainers_serve=self.trainers_serve)
         optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
         # element-wise optimizers are exact on any slice: every bucket is cut over the servers, a large tensor too
-        whole = not self.trainers_serve and not all(type(o) in ELEMENTWISE_OPTIMIZERS for o in optimizers)
-        transport = DedicatedServerTransport(members, shares, whole, strategy.gradient_group, strategy.sync_stats,
-                                             timeout)  # fmt: skip
+        self.whole = not self.trainers_serve and not all(type(o) in ELEMENTWISE_OPTIMIZERS for o in optimizers)
+        transport = self._transport_type(members, shares, self.whole, strategy.gradient_group, strategy.sync_stats,
+                                         timeout)  # fmt: skip
         transport.bind(reducer.buckets)
         self.transport = strategy.transport = transport
         if self.is_trainer_zero:
             store.set("plan", pickle.dumps(self._plan(reducer, optimizers)))  # type: ignore[arg-type]  # bytes are fine
+        self._joined(store)
         owner = f"strategy {self.name!r}"
-        self.layout = ShardLayout(reducer.buckets, transport.segments, strategy.global_rank, owner)
+        self.layout = ShardLayout(reducer.buckets, transport.segments, self.member_rank, owner)
         self.optimizers = [ShardedOptimizer(o, self.layout, strategy.gradient_group, owner) for o in optimizers]
         self._groups = [len(o.param_groups) for o in optimizers]
         self.eager = self._eager_possible(optimizers)
@@ -158,6 +168,16 @@ class DedicatedEngine(StepEngine):
         strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in reducer.buckets)
         self._restore_clipping = replace_clipping(strategy.precision_plugin, self._clip_request("norm"),
                                                   self._clip_request("value"))  # fmt: skip
+
+    #: the trainers' side of the servers
+    _transport_type: type[DedicatedServerTransport] = DedicatedServerTransport
+
+    def _join(self, store: dist.Store, num_trainers: int, num_servers: int) -> MemberGroup:
+        """This trainer's member group with the servers, on the run's ``store``."""
+        return MemberGroup(store, self.member_rank, num_trainers, num_servers, self.strategy.timeout)
+
+    def _joined(self, store: dist.Store) -> None:
+        """Every member joined and the plan is in the run's ``store``."""
 
     def _eager_possible(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         """Whether nothing between backward and the step can change the update, so the servers may apply it bucket

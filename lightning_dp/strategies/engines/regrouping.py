@@ -1,0 +1,258 @@
+"""``num_servers > 0`` under ``on_rank_loss="continue"``: the dedicated servers go on with the trainers that survive a
+loss (:mod:`lightning_dp.comm.servers.regroup`)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
+from lightning_dp.comm.buckets import BucketReducer
+from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError, UnsupportedChangeError
+from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
+from lightning_dp.comm.servers.regroup import Regroup, tell_server
+from lightning_dp.comm.servers.sharded_optimizer import hyperparameters
+from lightning_dp.comm.servers.transport import RegroupingServerTransport
+from lightning_dp.comm.transports.shards import sum_everywhere
+from lightning_dp.strategies.base import DataParallelStrategy
+from lightning_dp.strategies.engines.dedicated import DedicatedEngine
+from lightning_dp.strategies.rank_loss import EXCHANGE
+
+#: seconds the leader waits for a server to take a regroup message
+TELL_SECONDS = 10.0
+
+
+class RegroupingDedicatedEngine(DedicatedEngine):
+    """:class:`DedicatedEngine` whose servers go on with the trainers that survive a loss. The servers hold every
+    share (the trainers none: a trainer's loss takes no state), and never update in backward.
+
+    A step's sync points (see :mod:`lightning_dp.strategies.rank_loss`): the exchange (every trainer's push; complete
+    once every server replied that it summed them, sealed by one value round among the trainers), the vote (every
+    server sends every trainer its shares' squared norm and NaN/inf flag; a collective), and the pull (the leader
+    asks the servers to step, once per step whatever number of times it asks, and every trainer receives the new
+    weights; sealed by one value round). After a loss the trainers' leader tells every server how the run goes on
+    and the member group forms again over the survivors; a point no survivor completed runs again (the exchange over
+    the survivors' gradients, reweighed), one that some completed travels to the others."""
+
+    def __init__(self, strategy: DataParallelStrategy, num_servers: int, start_servers: bool) -> None:
+        super().__init__(strategy, num_servers, start_servers, trainers_serve=False)
+        #: exchanges completed in this fit: the key of each step, the same on every survivor
+        self.exchanges = 0
+        #: each server's address for regroup messages, and the run's token they check
+        self.listeners: list[tuple[str, int]] = []
+        self.token = ""
+        self._connections: list[int] = []
+        self._old_members: list[MemberGroup] = []
+
+    _transport_type = RegroupingServerTransport
+
+    # ------------------------------------------------------------------ set-up
+    def check_devices(self, devices: list[torch.device]) -> None:
+        if any(device.type != "cpu" for device in devices):
+            raise ConfigurationError(
+                f"strategy {self.name!r}: on_rank_loss='continue' with num_servers={self.num_servers} runs the "
+                f"trainers on CPU devices only for now; got devices {[str(d) for d in devices]}"
+            )
+
+    def full_gradients(self, trainer: Any, readers: list[str]) -> bool:
+        if super().full_gradients(trainer, readers):
+            raise ConfigurationError(
+                f"strategy {self.name!r}: on_rank_loss='continue' with num_servers={self.num_servers} cannot send the "
+                f"averaged gradients back to the trainers, which {', '.join(readers) or 'another rank'} read before "
+                "the optimizer step: declare reads_gradients = False on callbacks that do not need them, or use "
+                "num_servers=0"
+            )
+        return False
+
+    @property
+    def member_rank(self) -> int:
+        members = self.strategy.rank_loss.members
+        return members.index(self.strategy.global_rank) if members else self.strategy.global_rank
+
+    def setup_gradient_sync(self) -> None:
+        members = self.strategy.rank_loss.members
+        if members is not None and 0 not in members:
+            raise ConfigurationError(
+                f"strategy {self.name!r}: a fit with num_servers={self.num_servers} needs global rank 0, lost "
+                "earlier in this job: the servers meet the trainers on the store it serves"
+            )
+        self.exchanges = 0
+        self._old_members = []
+        super().setup_gradient_sync()
+        rank_zero_info(
+            f"{self.name}: on_rank_loss='continue': the {self.num_servers} dedicated servers hold every share and "
+            "update after the step's vote; they go on with the trainers that survive a loss"
+        )
+
+    def _eager_possible(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        self._static_clip = None
+        return False
+
+    def _plan(self, reducer: BucketReducer, optimizers: list[torch.optim.Optimizer]) -> ServerPlan:
+        plan = super()._plan(reducer, optimizers)
+        rank_loss: Any = self.strategy.rank_loss
+        rejoin = max(60.0, 6.0 * float(rank_loss.heartbeat_timeout))
+        plan.extra["regroup"] = {"token": secrets.token_hex(16), "rejoin_timeout": rejoin}
+        return plan
+
+    def _join(self, store: dist.Store, num_trainers: int, num_servers: int) -> MemberGroup:
+        membership = self.strategy.rank_loss.membership
+        assert membership is not None
+        members, self._connections = membership.form_apart(
+            lambda: super(RegroupingDedicatedEngine, self)._join(store, num_trainers, num_servers),
+            "the member group with the servers",
+        )
+        return members
+
+    def _joined(self, store: dist.Store) -> None:
+        plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
+        self.token = plan.extra["regroup"]["token"]
+        addresses = [json.loads(store.get(f"listener/{i}")) for i in range(self.num_servers)]
+        self.listeners = [(str(host), int(port)) for host, port in addresses]
+
+    # ------------------------------------------------------------------ the step
+    def seal_exchange(self) -> None:
+        transport = self.transport
+        assert isinstance(transport, RegroupingServerTransport)
+        transport.wait_summed()
+        sum_everywhere(torch.zeros(1), self.strategy.gradient_group)
+
+    @property
+    def exchange_outcome_travels(self) -> bool:
+        return False  # every server holds the step's sums wherever any trainer completed the exchange
+
+    def point_completed(self, kind: str) -> None:
+        if kind == EXCHANGE:
+            self.exchanges += 1
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        strategy = self.strategy
+        assert self.transport is not None and strategy.reducer is not None
+        strategy.check_trainable_unchanged(optimizer)
+        index = [unwrap_optimizer(o) for o in strategy.optimizers].index(optimizer)
+        if len(optimizer.param_groups) != self._groups[index]:
+            raise UnsupportedChangeError(
+                f"strategy {self.name!r} with num_servers={self.num_servers}: {type(optimizer).__name__} gained "
+                "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
+            )
+        result = closure()
+        strategy.reducer.consume()
+        self._clip = None
+        after_closure(strategy.precision_plugin, model, optimizer)  # on_before_optimizer_step hooks, clipping
+        squares, bad = strategy.rank_loss.collective(strategy, lambda group: self._vote(index, group))
+        if bad:
+            strategy.raise_nonfinite(None)
+        control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
+                   "squares": squares, "kwargs": kwargs, "key": self.exchanges}  # fmt: skip
+        buckets = strategy.buckets_of(optimizer)
+        start = time.perf_counter()
+
+        def pull() -> None:
+            transport = self.transport
+            assert transport is not None
+            if transport.me == 0:
+                transport.control(Control.STEP, index, control)
+            for bucket in buckets:
+                bucket.pack_params(*transport.owned(bucket))
+            transport.share_weights_all(buckets)
+            for bucket in buckets:
+                bucket.unpack_params()
+            sum_everywhere(torch.zeros(1), strategy.gradient_group)
+
+        strategy.rank_loss.weight_pull(strategy, pull)
+        strategy.end_step(blocking_seconds=time.perf_counter() - start)
+        return result
+
+    def _vote(self, index: int, group: dist.ProcessGroup | None) -> tuple[float, bool]:
+        transport = self.transport
+        assert isinstance(transport, RegroupingServerTransport)
+        verdict = transport.vote_of(index)
+        sum_everywhere(torch.zeros(1), group)  # no trainer completes the vote before every trainer has it
+        return verdict
+
+    # ------------------------------------------------------------------ a loss
+    def rebuild_exchange(self) -> None:
+        """The groups over the survivors; the leader tells every server how the run goes on, and the member group
+        forms again (collective over the survivors and the servers)."""
+        strategy = self.strategy
+        strategy.rebuild_groups()
+        old = self.transport
+        if self.closed or self.stopped or old is None or strategy.reducer is None:
+            return
+        assert isinstance(old, RegroupingServerTransport)
+        membership = strategy.rank_loss.membership
+        assert membership is not None
+        n, k, me = membership.size, self.num_servers, self.member_rank
+        prefix = f"{self.token}/gen{membership.generation}"
+        if me == 0:
+            message = Regroup(membership.generation, n, membership.store_address, prefix, self.token)
+            for i, address in enumerate(self.listeners):
+                try:
+                    tell_server(address, message, TELL_SECONDS)
+                except OSError as error:
+                    raise PeerUnreachableError(
+                        f"strategy {self.name!r}: dedicated server {i} (at {address[0]}:{address[1]}) cannot be "
+                        f"reached to go on with the trainers that survived: {error}. A lost dedicated server ends the "
+                        "run (its share has no replica yet); restart from the last checkpoint"
+                    ) from error
+        message_bytes, timeout = old.members.message_bytes, strategy.timeout
+
+        def create() -> MemberGroup:
+            store = dist.TCPStore(*membership.store_address, is_master=False, timeout=timeout)
+            return MemberGroup(dist.PrefixStore(prefix, store), me, n, k, timeout, message_bytes=message_bytes)
+
+        members, self._connections = membership.form_apart(create, "the member group with the servers")
+        self._old_members.append(old.members)  # (fenced; closed with the process: a peer may still be in it)
+        transport = RegroupingServerTransport(members, member_shares(n, k, trainers_serve=False), self.whole,
+                                              strategy.gradient_group, strategy.sync_stats, timeout)  # fmt: skip
+        transport.bind(strategy.reducer.buckets)
+        if [s[-k:] for s in transport.segments] != [s[-k:] for s in old.segments]:
+            raise RuntimeError(f"strategy {self.name!r}: the servers' shares moved after a loss")
+        self.transport = strategy.transport = transport
+
+    # ------------------------------------------------------------------ checkpoints and the end
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The full optimizer state on the leader, from every server's share (the trainers hold none)."""
+        if self.closed or self.stopped or self.strategy.lightning_module is None:
+            return super().optimizer_state(optimizer)
+        if self.strategy.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED:
+            return super().optimizer_state(optimizer)
+        assert self.transport is not None
+        if self.transport.me != 0:
+            return {}
+        index = [unwrap_optimizer(o) for o in self.strategy.optimizers].index(optimizer)
+        sharded = self.optimizers[index]
+        sharded.merge_states(self.transport.server_states(index))
+        return sharded.state_dict()
+
+    def on_train_end(self) -> None:
+        if self.closed:
+            return
+        strategy = self.strategy
+        self.final_states = [self.optimizer_state(unwrap_optimizer(o)) for o in strategy.optimizers]
+        assert self.transport is not None
+        if self.transport.me == 0:
+            self.transport.stop_servers()
+        self.stopped = True
+        strategy.rank_loss.collective(strategy, lambda group: dist.barrier(group=group))
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The servers go on with the other trainers (this one leaves as a lost rank would); local servers, children
+        of this process, end with it."""
+        self.close(stop=False)
+
+    def close(self, stop: bool = True) -> None:
+        membership = self.strategy.rank_loss.membership
+        if membership is not None and self._connections:
+            membership.release(self._connections)
+        self._connections = []
+        super().close(stop)
