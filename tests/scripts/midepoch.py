@@ -162,7 +162,20 @@ class Model(L.LightningModule):
 
     def on_train_start(self):
         strategy = self.trainer.strategy
-        if args.lose_in_pull and self.global_rank == args.lose_rank:
+        if args.lose_in_pull and self.global_rank == args.lose_rank and args.num_servers:
+            transport = strategy.engine.transport
+            receive = transport.share_weights_all
+
+            def dying_receive(*a, **k):
+                """The dedicated servers' pull of --lose-at-step: this rank dies before it receives the weights."""
+                if self.trainer.global_step == args.lose_at_step:
+                    (out / "lost").touch()
+                    time.sleep(0.2)  # the servers have stepped and are sending
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return receive(*a, **k)
+
+            transport.share_weights_all = dying_receive
+        elif args.lose_in_pull and self.global_rank == args.lose_rank:
             pull = strategy.engine.weights
             exchange = pull.exchange
 

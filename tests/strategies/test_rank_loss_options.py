@@ -7,7 +7,12 @@ import pytest
 
 from lightning_dp import ParameterServerStrategy, RingAllReduceStrategy, ShardedParameterServerStrategy
 from lightning_dp.comm.errors import ConfigurationError
-from lightning_dp.strategies.engines import CentralServerEngine, ShardedServerEngine
+from lightning_dp.strategies.engines import (
+    CentralServerEngine,
+    DedicatedEngine,
+    RegroupingDedicatedEngine,
+    ShardedServerEngine,
+)
 from lightning_dp.strategies.engines.replicated import ReplicatedShardedEngine
 
 pytestmark = pytest.mark.unit
@@ -17,12 +22,11 @@ pytestmark = pytest.mark.unit
     ("cls", "options", "match"),
     [
         (ShardedParameterServerStrategy, {"staleness": 1}, "needs staleness=0"),
-        (ShardedParameterServerStrategy, {"num_servers": 1}, "needs num_servers=0"),
         (ShardedParameterServerStrategy, {"backup_workers": 1}, "needs backup_workers=0"),
         (ShardedParameterServerStrategy, {"compression": "bf16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"compression": "fp16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"balance": "throughput"}, "needs balance='none'"),
-        (ParameterServerStrategy, {"num_servers": 2}, "needs num_servers=0"),
+        (ParameterServerStrategy, {"num_servers": 1, "compression": "bf16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"process_group_backend": "nccl"}, "needs process_group_backend='gloo'"),
     ],
 )
@@ -47,6 +51,9 @@ def test_the_servers_replicate_their_state_only_when_they_must_survive_a_loss():
     assert type(ParameterServerStrategy().engine) is CentralServerEngine
     for cls in (ShardedParameterServerStrategy, ParameterServerStrategy):
         assert type(cls(on_rank_loss="continue").engine) is ReplicatedShardedEngine
+        assert type(cls(num_servers=2).engine) is DedicatedEngine
+        engine = cls(num_servers=2, on_rank_loss="continue").engine
+        assert type(engine) is RegroupingDedicatedEngine and not engine.trainers_serve  # the servers hold every share
 
 
 def test_the_replicated_servers_refuse_gpus_before_any_process_starts():
@@ -56,6 +63,10 @@ def test_the_replicated_servers_refuse_gpus_before_any_process_starts():
         engine = cls(on_rank_loss="continue").engine
         engine.check_devices([torch.device("cpu")])
         with pytest.raises(ConfigurationError, match="on_rank_loss='continue' runs the servers on CPU devices only"):
+            engine.check_devices([torch.device("cuda", 0)])
+        engine = cls(on_rank_loss="continue", num_servers=1).engine
+        engine.check_devices([torch.device("cpu")])
+        with pytest.raises(ConfigurationError, match="num_servers=1 runs the trainers on CPU devices only"):
             engine.check_devices([torch.device("cuda", 0)])
 
 
