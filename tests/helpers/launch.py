@@ -61,20 +61,20 @@ atexit.register(WARM.close)
 
 def run_script(
     script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True,
-    deaths_expected: bool = False,
+    deaths_expected: bool = False, port: int | None = None,
 ) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout. With
     ``LIGHTNING_DP_TEST_NODES=N`` in ``env``, start ``N`` processes, each a single-device node (``NODE_RANK``).
 
     With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way, and every
     process's exit code in ``.codes``. ``deaths_expected``: a process that exits non-zero gives the others no
-    shorter time to finish (a test that kills one)."""
+    shorter time to finish (a test that kills one). ``port``: the nodes' ``MASTER_PORT`` (default: a free one)."""
     full_env = {**launch_env(), **(env or {})}
     command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
     nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
     if nodes:  # Lightning's general-purpose cluster recipe: one single-device node per process, on loopback
-        port = str(free_port())
-        envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nodes),
+        main_port = str(port or free_port())
+        envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": main_port, "WORLD_SIZE": str(nodes),
                  "NODE_RANK": str(node), "LOCAL_RANK": "0"} for node in range(nodes)]  # fmt: skip
     else:
         envs = [full_env]

@@ -97,6 +97,7 @@ parser.add_argument(
     help="a callback reads the averaged gradients before each step (the servers then send them back)",
 )
 parser.add_argument("--num-servers", type=int, default=None, help="strategy option num_servers")
+parser.add_argument("--external-servers", action="store_true", help="start_servers=False: the test starts them")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -335,6 +336,8 @@ options = {
     "num_servers": args.num_servers,
 }
 options = {k: v for k, v in options.items() if v is not None}
+if args.external_servers:
+    options["start_servers"] = False
 
 
 def make_strategy():

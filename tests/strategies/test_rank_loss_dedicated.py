@@ -7,6 +7,8 @@ stepped once per step."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from lightning_dp.comm.servers.regroup import Regroup, RegroupListener, tell_server
-from tests.helpers.launch import run_script
+from tests.helpers.distributed import free_port
+from tests.helpers.launch import run_script, subprocess_env
 from tests.helpers.midepoch import read_seen, replay_loss
 from tests.helpers.replicas import close
 
@@ -149,6 +152,42 @@ def test_the_newest_regroup_wins():
     server.on_regroup(_message(3))
     server.on_regroup(_message(2))  # older than the one pending
     assert server._pending == _message(3)
+
+
+@pytest.mark.multiprocess
+def test_servers_started_apart_outlive_global_rank_0(tmp_path):
+    """One trainer per node (Lightning's general cluster environment), two servers started with ``python -m
+    lightning_dp.server``: global rank 0 (the store the servers joined on, checkpoints, logging) dies in its training
+    step; the servers go on with the two survivors, and every step equals one process on the samples trained."""
+    port = free_port()
+    servers = [subprocess.Popen([sys.executable, "-m", "lightning_dp.server", "--master-addr", "127.0.0.1",
+                                 "--master-port", str(port), "--server-index", str(i), "--num-servers", "2",
+                                 "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=subprocess_env())
+               for i in range(2)]  # fmt: skip
+    try:
+        result = run_script(
+            "midepoch", "--strategy", "sharded_ps", "--devices", "1", "--num-nodes", str(DEVICES), "--num-servers",
+            "2", "--external-servers", "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs",
+            str(EPOCHS), "--on-rank-loss", "continue", "--heartbeat-timeout", "2", "--lose-rank", "0",
+            "--lose-at-step", str(LOST_AT), "--clip-norm", str(CLIP), "--out", str(tmp_path), timeout=180,
+            check=False, deaths_expected=True, env={"LIGHTNING_DP_TEST_NODES": str(DEVICES)}, port=port,
+        )  # fmt: skip
+        outputs = [server.communicate(timeout=60)[0] for server in servers]
+    finally:
+        for server in servers:
+            server.kill()
+    assert result.codes == [-9, 0, 0], result.stdout[-5000:]
+    for i, (server, output) in enumerate(zip(servers, outputs, strict=True)):
+        assert server.returncode == 0, output[-3000:]
+        assert f"server {i} done after {STEPS} steps and 1 regroups" in output, output[-3000:]
+    survivors = [torch.load(tmp_path / f"rank{r}.pt") for r in (1, 2)]
+    assert all(s["rank_loss"]["lost_ranks"] == [0] and s["rank_loss"]["redone_steps"] == 1 for s in survivors)
+    reference = replay_loss(survivors, read_seen(tmp_path / "seen-rank0.txt"), SAMPLES, clip_norm=CLIP)
+    assert len(reference) == len(survivors[0]["history"]) == STEPS
+    for j, want in enumerate(reference):
+        assert torch.equal(survivors[0]["history"][j][2], survivors[1]["history"][j][2]), f"after batch {j}"
+        close(survivors[0]["history"][j][2], want, f"after batch {j}")
 
 
 @pytest.mark.multiprocess
