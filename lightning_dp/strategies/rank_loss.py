@@ -224,6 +224,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.recovery_seconds: list[float] = []
         self.loss_steps: list[int] = []
         self._losses: list[Loss] = []
+        #: dedicated servers lost (their indices at set-up), and the seconds from the first failure seen to the
+        #: trainers going on
+        self.lost_servers: list[int] = []
+        self.server_recovery_seconds: list[float] = []
         #: the membership's losses before this fit (a membership lives from one stage to the next)
         self._losses_before = len(self.membership.losses) if self.membership is not None else 0
 
@@ -581,10 +585,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         committed = self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0)
         self.recovery_seconds += [seconds] * len(lost)
         self.loss_steps += [committed] * len(lost)
-        rank_zero_warn(
-            f"strategy {strategy.strategy_name!r}: lost {', '.join(f'rank {x.rank} ({x.cause})' for x in lost)}; the "
-            f"job goes on with ranks {list(decision.members)} (on_rank_loss='continue')"
-        )
+        if lost:  # (a change that lost no rank: the strategy says what changed)
+            rank_zero_warn(
+                f"strategy {strategy.strategy_name!r}: lost {', '.join(f'rank {x.rank} ({x.cause})' for x in lost)}; "
+                f"the job goes on with ranks {list(decision.members)} (on_rank_loss='continue')"
+            )
         return outcome, factor
 
     def _align(self, strategy: DataParallelStrategy, decision: Decision, kind: str) -> Any:
@@ -660,6 +665,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "dropped_samples": getattr(self._batches, "dropped", 0),
             "redone_steps": self.redone_steps,
             "caught_up_steps": self.caught_up_steps,
+            "lost_servers": list(self.lost_servers),
+            "server_recovery_seconds": list(self.server_recovery_seconds),
         }
 
     def close(self) -> None:

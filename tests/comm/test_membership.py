@@ -104,6 +104,27 @@ def test_the_survivors_of_a_dead_rank_adopt_one_decision_with_what_each_committe
 
 
 @pytest.mark.unit
+def test_a_change_without_a_loss_gives_every_member_a_new_generation_of_the_same_members():
+    """A member that saw something outside the membership fail (a dedicated server) asks for a change: every other
+    member is told (a planted request that tells nobody leaves rank 1 undecided), and the decision loses no rank."""
+    net = _Network(3)
+    for r in range(3):
+        net.agreements[r].commit(4)
+    net.agreements[2].request_change("server 0 lost")
+    with pytest.raises(MembershipChange):
+        net.agreements[2].commit(5)
+    net.pump()
+    with pytest.raises(MembershipChange):
+        net.agreements[0].commit(5)  # nothing commits until the new generation is active
+    decisions = [net.outcome(r) for r in range(3)]
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert {(d.generation, d.members, d.lost) for d in decisions} == {(1, (0, 1, 2), ())}  # type: ignore[union-attr]
+    net.agreements[1].request_change("server 0 lost")  # decided but not active yet: the recovery under way covers it
+    net.pump()
+    assert net.agreements[1].generation == 1
+
+
+@pytest.mark.unit
 def test_a_leader_lost_during_the_agreement_is_replaced_by_the_next_lowest_rank():
     net = _Network(5)
     net.dead.add(0)  # rank 0 dies right after 2: it never decides, and the reports sent to it are lost

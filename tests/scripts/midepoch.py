@@ -98,6 +98,20 @@ parser.add_argument(
 )
 parser.add_argument("--num-servers", type=int, default=None, help="strategy option num_servers")
 parser.add_argument("--external-servers", action="store_true", help="start_servers=False: the test starts them")
+parser.add_argument(
+    "--lose-server",
+    type=int,
+    nargs=2,
+    default=None,
+    metavar=("SERVER", "STEP"),
+    help="trainer 0 SIGKILLs the dedicated server it started, at STEP (see --lose-server-when)",
+)
+parser.add_argument(
+    "--lose-server-when",
+    choices=("flight", "exchange", "pull"),
+    default="flight",
+    help="in the training step, after backward, or once the step's request went to the servers",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 out = Path(args.out)
@@ -154,6 +168,10 @@ class Model(L.LightningModule):
             if self.global_step == args.lose_at_step and not (args.lose_after_backward or args.lose_in_pull):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
                 os.kill(os.getpid(), signal.SIGKILL)
+        if args.lose_server and args.lose_server_when == "flight" and self.global_rank == 0:
+            if self.global_step == args.lose_server[1]:
+                kill_server()
+                time.sleep(0.3)
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.collectives:
             self.log("train_loss", loss, sync_dist=True)
@@ -163,6 +181,17 @@ class Model(L.LightningModule):
 
     def on_train_start(self):
         strategy = self.trainer.strategy
+        if args.lose_server and args.lose_server_when == "pull" and self.global_rank == 0:
+            transport = strategy.engine.transport
+            control = transport.control
+
+            def control_then_kill(kind, *a, **k):
+                """--lose-server dies once the step's request of --lose-server's step went to every server."""
+                control(kind, *a, **k)
+                if kind == 1 and self.trainer.global_step == args.lose_server[1]:  # Control.STEP
+                    kill_server()
+
+            transport.control = control_then_kill
         if args.lose_in_pull and self.global_rank == args.lose_rank and args.num_servers:
             transport = strategy.engine.transport
             receive = transport.share_weights_all
@@ -243,6 +272,25 @@ class ReadGradients(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         grads = [p.grad.flatten() for p in pl_module.parameters() if p.grad is not None]
         self.norms.append(float(torch.cat(grads).norm()) if grads else 0.0)
+
+
+def kill_server() -> None:
+    """SIGKILL the dedicated server --lose-server (a child of trainer 0)."""
+    process = trainer.strategy.engine.processes[args.lose_server[0]]
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    (out / "server-lost").touch()
+
+
+class LoseServerAfterBackward(L.Callback):
+    """--lose-server dies after trainer 0's backward of its step: every server summed the step's gradients."""
+
+    reads_gradients = False
+    reads_weights = False
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_rank == 0 and trainer.global_step == args.lose_server[1]:
+            kill_server()
 
 
 class LoseAfterBackward(L.Callback):
@@ -365,6 +413,7 @@ trainer = L.Trainer(
         ModelCheckpoint(out / "ckpt", every_n_train_steps=args.checkpoint_every, save_top_k=-1, filename="{step}"),
         *([monitor] if monitor is not None else []),
         *([LoseAfterBackward()] if args.lose_after_backward else []),
+        *([LoseServerAfterBackward()] if args.lose_server and args.lose_server_when == "exchange" else []),
         *([ReadGradients()] if args.read_gradients else []),
     ],  # fmt: skip
     enable_progress_bar=False,

@@ -1,8 +1,9 @@
 """How the survivors of a loss agree on one new membership and on what every member has committed.
 
 One :class:`Agreement` per rank, driven by its control plane's thread (:mod:`.control`): suspicions, the peers'
-messages and the clock. A change begins on a rank when it suspects a peer, hears of a suspicion, or receives a
-report or a decision: from then on no step commits there (:meth:`Agreement.commit` refuses), and it sends a report
+messages and the clock. A change begins on a rank when it suspects a peer, hears of a suspicion, receives a
+report or a decision, or is asked for one that loses no rank (:meth:`Agreement.request_change`): from then on no
+step commits there (:meth:`Agreement.commit` refuses), and it sends a report
 (the members it still hears, the last step it committed) to its leader, the lowest rank it still hears. A leader
 that has the reports of every rank it hears decides:
 
@@ -194,6 +195,19 @@ class Agreement:
             self._begin()
             self._progress()
 
+    def request_change(self, why: str) -> None:
+        """Begin a change that loses no rank (something outside the membership changed, a dedicated server was
+        lost): every member is told, reports, and the leader decides a new generation of the members that hear each
+        other. Nothing happens where a change is under way or the last one is not active yet."""
+        with self._cond:
+            if self._stale():
+                return
+            self._begin()
+            for peer in self._view():
+                if peer != self.rank:
+                    self._send(peer, {"t": "change", "gen": self.generation, "why": why})
+            self._progress()
+
     def fenced(self, why: str) -> None:
         """A member says the job went on without this rank."""
         with self._cond:
@@ -325,6 +339,9 @@ class Agreement:
                 if peer not in (self.rank, message.get("from")):
                     self._send(peer, decision.message())
             self._adopt(decision)
+        elif kind == "change" and generation == self.generation:
+            self._begin()
+            self._progress()
         elif kind == "report" and generation == self.generation:
             self._reports[int(message["rank"])] = message
             self._begin()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -53,19 +53,44 @@ def _is_connection(fd: int) -> bool:
         sock.detach()
 
 
-def connections_opened_by(create: Callable[[], T], exclude: Iterable[int] = ()) -> tuple[T, list[int]]:
+class Connection(NamedTuple):
+    """A TCP connection of a group: its descriptor and both ends' addresses (a descriptor the group closed and the
+    process reused for another socket is not the same connection: a fence leaves it alone)."""
+
+    fd: int
+    ends: tuple[Any, Any]
+
+
+def _ends(fd: int) -> tuple[Any, Any] | None:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        return sock.getsockname(), sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
+
+def connections_opened_by(create: Callable[[], T], exclude: Iterable[int] = ()) -> tuple[T, list[Connection]]:
     """Run ``create`` (which creates a gloo process group) and return its result with the TCP connections it
     opened, to :func:`fence` later. ``exclude``: descriptors another thread of this process may open meanwhile
     (they are left out)."""
     before = socket_descriptors()
     result = create()
     opened = socket_descriptors() - before - set(exclude)
-    return result, sorted(fd for fd in opened if _is_connection(fd))
+    connections = [Connection(fd, ends) for fd in sorted(opened) if _is_connection(fd) and (ends := _ends(fd))]
+    return result, connections
 
 
-def fence(connections: Iterable[int]) -> None:
-    """Shut down ``connections`` (from :func:`connections_opened_by`) for reading and writing. Never raises."""
-    for fd in connections:
+def fence(connections: Iterable[Connection]) -> None:
+    """Shut down ``connections`` (from :func:`connections_opened_by`) for reading and writing, each where its
+    descriptor is still that connection. Never raises."""
+    for fd, ends in connections:
+        if _ends(fd) != ends:  # closed, or its descriptor reused by another socket since
+            continue
         try:
             sock = socket.socket(fileno=fd)
         except OSError:

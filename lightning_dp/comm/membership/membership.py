@@ -35,7 +35,7 @@ from torch.distributed import distributed_c10d
 from lightning_dp.comm.errors import MembershipChange
 from lightning_dp.comm.membership.agreement import Agreement, Decision
 from lightning_dp.comm.membership.control import ControlPlane
-from lightning_dp.comm.membership.fence import connections_opened_by, fence
+from lightning_dp.comm.membership.fence import Connection, connections_opened_by, fence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,11 +118,13 @@ class Membership:
         self._store_at: tuple[str, int] = ("", 0)
         self._store_prefix = f"{scope}/gen0"
         self._groups: dict[str, dist.ProcessGroup] = {}
-        self._connections: list[int] = []
+        self._connections: list[Connection] = []
         self._lock = threading.Lock()
         self._old_groups: list[dist.ProcessGroup] = []
         self._served_stores: list[dist.Store] = []
         self._change_began: float | None = None
+        #: when the last change began on this rank (``time.monotonic()``; ``None`` before the first)
+        self.change_began: float | None = None
         self.control = ControlPlane(rank, list(self.original), store, scope, host, heartbeat_timeout,
                                     timeout=timeout.total_seconds())  # fmt: skip
         self.agreement = Agreement(rank, list(self.original), len(self.original), max_lost,
@@ -177,7 +179,7 @@ class Membership:
             self.check()
         return group
 
-    def guard(self, connections: list[int]) -> None:
+    def guard(self, connections: list[Connection]) -> None:
         """Fence ``connections`` (those of a group this rank formed apart, see :func:`connections_opened_by`) with
         this generation's groups when a change begins (at once, if one has begun)."""
         with self._lock:
@@ -185,7 +187,7 @@ class Membership:
         if self.agreement.changing:
             fence(connections)
 
-    def form_apart(self, create: Callable[[], T], what: str) -> tuple[T, list[int]]:
+    def form_apart(self, create: Callable[[], T], what: str) -> tuple[T, list[Connection]]:
         """``create()`` a gloo group apart from the membership's (another store, other members too), interrupted by a
         change as :meth:`group` is; returns it with its connections, fenced with this generation's groups
         (:meth:`guard`)."""
@@ -195,7 +197,7 @@ class Membership:
         self.guard(connections)
         return created, connections
 
-    def release(self, connections: list[int]) -> None:
+    def release(self, connections: list[Connection]) -> None:
         """Stop guarding ``connections`` (their group was closed: the descriptors may be reused)."""
         with self._lock:
             self._connections = [c for c in self._connections if c not in set(connections)]
@@ -238,6 +240,12 @@ class Membership:
         this rank must not apply it)."""
         self.agreement.commit(step)
 
+    def request_change(self, why: str) -> None:
+        """Start a change that loses no rank (see :meth:`Agreement.request_change`): every member's exchanges stop, and
+        :meth:`recover` returns a new generation of the same members."""
+        log.warning("rank %d: %s; the members agree on a new generation", self.rank, why)
+        self.agreement.request_change(why)
+
     def interpret(self, error: BaseException) -> BaseException:
         """What a failed exchange's ``error`` means: :class:`MembershipChange` (chained to it) where a change has
         begun or begins within :data:`INTERPRET_GRACE_SECONDS` (a lost peer), else ``error`` itself (a local error
@@ -263,6 +271,7 @@ class Membership:
         job must stop, :class:`~lightning_dp.comm.errors.FencedError` where it went on without this rank."""
         decision = self.agreement.wait()
         began = self._change_began if self._change_began is not None else time.monotonic()
+        self.change_began = began
         lost = set(self.members) - set(decision.members)
         with self._lock:
             self._old_groups.extend(self._groups.values())

@@ -31,6 +31,8 @@ class Tag(IntEnum):
     OBJECT = 16
     #: a server's reply to every trainer: a synchronization summed, an optimizer's vote
     REPLY = 17
+    #: a server's summed gradients (or weights) of its share, to the server holding its replica
+    FORWARD = 18
 
 
 #: pieces of one message travel on tags of their own: ``Tag * PIECE_TAGS + piece`` (below 2**31 for every tag)
@@ -90,6 +92,8 @@ class MemberGroup:
     ) -> None:
         self.rank, self.num_trainers, self.num_servers = rank, num_trainers, num_servers
         self.size = num_trainers + num_servers
+        #: called with the member and the error when a wait with that member fails (before the error is raised)
+        self.on_failure: Callable[[int, BaseException], None] | None = None
         if rank == 0:  # ``message_bytes``: the size an earlier group of the same run used
             store.set("message_bytes", str(message_bytes or message_bytes_from_environment()))
         #: the largest single message (trainer 0's :func:`message_bytes_from_environment`)
@@ -148,11 +152,22 @@ class MemberGroup:
                 f"{MESSAGE_BYTES_VARIABLE}"
             )
         tags = (tag * PIECE_TAGS + first_piece + k for k in range(len(pieces)))
-        return PieceWorks([op([tensor[i : i + step]], member, t) for i, t in zip(pieces, tags)])
+        try:  # (gloo refuses to post on a connection it saw close)
+            return PieceWorks([op([tensor[i : i + step]], member, t) for i, t in zip(pieces, tags)])
+        except BaseException as error:
+            if self.on_failure is not None:
+                self.on_failure(member, error)
+            raise
 
     def wait(self, work: dist.Work | None, member: int, action: str, timeout: timedelta | None = None) -> None:
-        """Wait for ``work`` (with ``member``); a lost member is named (see :func:`wait_naming_peer`)."""
-        wait_naming_peer(work, self.name(self.rank), action, self.name(member), timeout)
+        """Wait for ``work`` (with ``member``); a lost member is named (see :func:`wait_naming_peer`), and
+        :attr:`on_failure` told first."""
+        try:
+            wait_naming_peer(work, self.name(self.rank), action, self.name(member), timeout)
+        except BaseException as error:
+            if self.on_failure is not None:
+                self.on_failure(member, error)
+            raise
 
     def wait_all(self, works: Sequence[tuple[Any, int, str]], timeout: timedelta | None = None) -> None:
         """:meth:`wait` for every ``(work, member, action)`` of ``works``, in order."""

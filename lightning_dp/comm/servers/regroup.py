@@ -1,16 +1,22 @@
-"""Dedicated servers that go on with the trainers that survive a loss (``on_rank_loss="continue"``).
+"""Dedicated servers that go on when a trainer or a server is lost (``on_rank_loss="continue"``).
 
 The trainers agree on a loss among themselves (:mod:`lightning_dp.comm.membership`); the servers take no part in it.
-Their lowest survivor, the leader, then tells every server how the run goes on (:func:`tell_server`: the new
-generation, how many trainers train now, where their member group meets) on a connection of its own, which the
-server listens on from set-up (:class:`RegroupListener`). The server fences its member group, so that whatever it
-waited for fails at once, and forms the next one with the survivors. The trainers hold no share: the servers hold
-the whole state, and a trainer's loss takes none of it.
+A server's loss is seen by every trainer (its connections close) and starts a change that loses no trainer
+(:meth:`~lightning_dp.comm.membership.Membership.request_change`). Either way the trainers' lowest survivor, the
+leader, then probes every server and tells each one how the run goes on (:class:`Regroup`: the new generation, how
+many trainers train now, which servers serve which shares, where the member group meets) on a connection of its own,
+which the server listens on from set-up (:class:`RegroupListener`). The server fences its member group, so that
+whatever it waited for fails at once, and forms the next one with the survivors.
+
+The trainers hold no share: the servers hold the whole state, and a trainer's loss takes none of it. Each server's
+share has a replica on its neighbour (:func:`replica_holder`): the server forwards its summed gradients to it at every
+synchronization and the neighbour steps its copy with the same request, so a lost server's share is taken over by its
+neighbour, whose range of every bucket it adjoins (:func:`serving_after`, :func:`union_segments`).
 
 Each step is a sequence of requests from the leader that a server can answer again after a regroup
-(:class:`RegroupingServer`): ``SYNC`` (sum every trainer's gradients, acknowledge), ``VOTE`` (each share's squared
-norm and NaN/inf flag), ``STEP`` (update once per step key, whatever number of times it is asked, and send the new
-weights), ``PULL``, and the set-up's and checkpoints' requests as before.
+(:class:`RegroupingServer`): ``SYNC`` (sum every trainer's gradients, forward them to the replica, acknowledge),
+``VOTE`` (the shares' squared norm and NaN/inf flag), ``STEP`` (update each share and replica once per step key,
+whatever number of times it is asked, and send the new weights), ``PULL``, and the set-up's and checkpoints' requests.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from lightning_dp.comm.membership.fence import connections_opened_by, fence
+from lightning_dp.comm.membership.fence import Connection, connections_opened_by, fence
 from lightning_dp.comm.servers.members import MemberGroup, Tag
 from lightning_dp.comm.servers.plan import Control, ServerPlan, buckets_of
+from lightning_dp.comm.servers.replicas import ReplicaLostError
 from lightning_dp.comm.servers.server import DedicatedServer
+from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.comm.transports.shards import _average_in_rank_order
 
 #: the largest regroup message a server reads (it is a few hundred bytes)
@@ -45,23 +54,72 @@ class Regroup:
     #: the trainers' membership generation (a server follows only a newer one than it has)
     generation: int
     num_trainers: int
+    #: the servers that serve now (their indices when the run started), in member order, and the shares each serves
+    servers: tuple[int, ...]
+    serves: tuple[tuple[int, ...], ...]
     #: the store the next member group meets on, and its prefix there
     store: tuple[str, int]
     prefix: str
-    #: proof that the message comes from this run (its scope and run key), not from a stray process
+    #: proof that the message comes from this run, not from a stray process
     token: str
 
     def encode(self) -> bytes:
-        data = json.dumps({"generation": self.generation, "num_trainers": self.num_trainers,
-                           "store": list(self.store), "prefix": self.prefix, "token": self.token}).encode()  # fmt: skip
-        return struct.pack("!I", len(data)) + data
+        return _frame({"generation": self.generation, "num_trainers": self.num_trainers, "servers": list(self.servers),
+                       "serves": [list(s) for s in self.serves], "store": list(self.store), "prefix": self.prefix,
+                       "token": self.token})  # fmt: skip
 
     @classmethod
-    def decode(cls, data: bytes) -> Regroup:
-        fields = json.loads(data)
-        return cls(int(fields["generation"]), int(fields["num_trainers"]),
+    def decode(cls, fields: dict[str, Any]) -> Regroup:
+        return cls(int(fields["generation"]), int(fields["num_trainers"]), tuple(int(s) for s in fields["servers"]),
+                   tuple(tuple(int(x) for x in s) for s in fields["serves"]),
                    (str(fields["store"][0]), int(fields["store"][1])), str(fields["prefix"]),
                    str(fields["token"]))  # fmt: skip
+
+
+def _frame(fields: dict[str, Any]) -> bytes:
+    data = json.dumps(fields).encode()
+    return struct.pack("!I", len(data)) + data
+
+
+def replica_holder(server: int, num_servers: int) -> int | None:
+    """The server holding server ``server``'s replica: the next one, the last one's the one before (so that a share
+    and its holder's always adjoin in every bucket); ``None`` for a single server."""
+    if num_servers < 2:
+        return None
+    return server + 1 if server + 1 < num_servers else server - 1
+
+
+def serving_after(serves: dict[int, tuple[int, ...]], lost: set[int], num_servers: int) -> dict[int, tuple[int, ...]]:
+    """Which shares each server serves once the servers ``lost`` are gone (``serves``: before): each lost server's
+    own share moves to its replica's holder. :class:`~.replicas.ReplicaLostError` where a share has no live replica
+    (its holder lost too, a share taken over earlier, a single server)."""
+    after = {s: tuple(shares) for s, shares in serves.items() if s not in lost}
+    for server in sorted(lost):
+        holder = replica_holder(server, num_servers)
+        if serves[server] != (server,) or holder is None or holder not in after:
+            gone = ", ".join(f"share {share}" for share in serves[server])
+            raise ReplicaLostError(
+                f"dedicated server {server} was lost with {gone} of the servers' state, which has no replica on a "
+                "live server (a single server, its neighbour lost too, or a share it had taken over): restart the run "
+                "from its last checkpoint"
+            )
+        after[holder] = tuple(sorted((*after[holder], server)))
+    return after
+
+
+def union_segments(server_segments: list[list[Segment]], serves: list[tuple[int, ...]]) -> list[list[Segment]]:
+    """``[b][j]``: the range of bucket ``b`` that the ``j``-th server serving now serves, ``serves[j]`` being the
+    shares it serves and ``server_segments[b][s]`` share ``s``'s range (adjoining ranges: one range)."""
+    table = []
+    for segments in server_segments:
+        row = []
+        for shares in serves:
+            ranges = sorted(segments[s] for s in shares if segments[s][1] > segments[s][0])
+            for (_, end), (start, _) in zip(ranges, ranges[1:]):
+                assert end == start, f"shares {shares} do not adjoin: {ranges}"
+            row.append((ranges[0][0], ranges[-1][1]) if ranges else (0, 0))
+        table.append(row)
+    return table
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
@@ -74,14 +132,16 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def tell_server(address: tuple[str, int], message: Regroup, timeout: float) -> None:
-    """Send ``message`` to the server listening at ``address`` and wait for its acknowledgement;
-    :class:`ConnectionError` (an :class:`OSError`) where it cannot be reached or refuses."""
+def tell_server(address: tuple[str, int], message: Regroup | None, timeout: float, token: str = "") -> None:
+    """Send ``message`` to the server listening at ``address`` and wait for its acknowledgement (``None``: a probe
+    with ``token``, which only asks whether it is there); :class:`ConnectionError` (an :class:`OSError`) where it
+    cannot be reached or refuses."""
+    frame = message.encode() if message is not None else _frame({"probe": True, "token": token})
     with socket.create_connection(address, timeout=timeout) as sock:
-        sock.sendall(message.encode())
+        sock.sendall(frame)
         reply = _read_exactly(sock, 2)
     if reply != b"ok":
-        raise ConnectionError(f"the server at {address[0]}:{address[1]} refused the regroup message")
+        raise ConnectionError(f"the server at {address[0]}:{address[1]} refused the message")
 
 
 class RegroupListener:
@@ -107,13 +167,14 @@ class RegroupListener:
                     (size,) = struct.unpack("!I", _read_exactly(conn, 4))
                     if size > _MESSAGE_LIMIT:
                         raise ValueError(f"a regroup message of {size} bytes")
-                    message = Regroup.decode(_read_exactly(conn, size))
-                    if message.token != self.token:
+                    fields = json.loads(_read_exactly(conn, size))
+                    if fields.get("token") != self.token:
                         conn.sendall(b"no")
                         continue
-                    self.on_message(message)
+                    if not fields.get("probe"):
+                        self.on_message(Regroup.decode(fields))
                     conn.sendall(b"ok")
-                except (OSError, ValueError, KeyError):  # a stray or broken connection: not this run's
+                except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a stray: not this run's
                     continue
 
     def close(self) -> None:
@@ -128,7 +189,9 @@ class RunAborted(RuntimeError):
 
 
 class RegroupingServer(DedicatedServer):
-    """A dedicated server that goes on with the trainers that survive a loss (see the module docstring).
+    """A dedicated server that goes on when a trainer or another server is lost (see the module docstring). It serves
+    its own share (itself, as a :class:`DedicatedServer`) and the shares it took over, and holds the replicas of its
+    neighbours' shares (:func:`replica_holder`).
 
     ``connections``: the TCP connections of ``members`` (fenced when a regroup message arrives); ``rejoin_timeout``:
     seconds it waits after its member group failed for the trainers' leader to say how the run goes on, before it
@@ -138,23 +201,50 @@ class RegroupingServer(DedicatedServer):
         self,
         members: MemberGroup,
         plan: ServerPlan,
-        connections: list[int],
+        connections: list[Connection],
         rejoin_timeout: float,
         group_timeout: timedelta,
     ) -> None:
         super().__init__(members, plan)
         self.index = members.rank - members.num_trainers
+        self.num_servers = k = members.num_servers
         self.rejoin_timeout = rejoin_timeout
         self.group_timeout = group_timeout
         self.generation = 0
-        #: the last step key each optimizer stepped with (a step asked for again is answered with its weights)
-        self.stepped: dict[int, Any] = {}
+        #: the servers serving now (their indices when the run started), in member order
+        self.servers: tuple[int, ...] = tuple(range(k))
+        #: the shares this server serves, by server index: its own (itself), then those it took over
+        self.shares: dict[int, DedicatedServer] = {self.index: self}
+        #: the replicas of other servers' shares held here, by server index
+        self.replicas = {s: DedicatedServer(members, plan, member_index=members.num_trainers + s)
+                         for s in range(k) if replica_holder(s, k) == self.index}  # fmt: skip
+        #: the last step key each share (or replica) stepped optimizer ``index`` with: ``(server, index) -> key``
+        self.stepped: dict[tuple[int, int], Any] = {}
         #: regroups this server went through
         self.regroups = 0
-        self._votes: dict[int, torch.Tensor] = {}
+        self._votes: dict[int, Tensor] = {}
         self._connections = list(connections)
         self._pending: Regroup | None = None
         self._regroup_cond = threading.Condition()
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """The buckets this server serves any of, its range of each (its shares' ranges, adjoining) and the trainers'
+        receive buffers."""
+        self.ranges: dict[int, list[tuple[DedicatedServer, slice]]] = {}
+        for b in range(len(self.plan.buckets)):
+            parts = [(share, share._share_of(b)) for _, share in sorted(self.shares.items()) if b in share.served]
+            if parts:
+                self.ranges[b] = parts
+        n = self.members.num_trainers
+        self._union = {b: torch.empty(sum(p.stop - p.start for _, p in parts), dtype=self.plan.dtype)
+                       for b, parts in self.ranges.items()}  # fmt: skip
+        self._scratch = {b: [torch.empty_like(self._union[b]) for _ in range(n)] for b in self.ranges}
+        self._flag_scratch = {b: [torch.empty(len(self.plan.buckets[b]), dtype=self.plan.dtype) for _ in range(n)]
+                              for b in self.ranges}  # fmt: skip
+
+    def _member(self, server: int) -> int:
+        return self.members.num_trainers + self.servers.index(server)
 
     def on_regroup(self, message: Regroup) -> None:
         """A regroup message (on the listener's thread): kept if newer than any so far, and the member group fenced,
@@ -177,7 +267,7 @@ class RegroupingServer(DedicatedServer):
                 return
             except RunAborted:
                 raise
-            except Exception as error:  # noqa: BLE001 - a lost trainer, unless no regroup follows
+            except Exception as error:  # noqa: BLE001 - a lost trainer or server, unless no regroup follows
                 self._regroup(error)
 
     def _serve(self) -> None:
@@ -198,78 +288,126 @@ class RegroupingServer(DedicatedServer):
             elif kind == Control.STEP:
                 self._step_once(index, self.members.recv_object(0))
             elif kind == Control.PULL:
-                self._send_weights(self.served)
+                self._send_weights(list(self.ranges))
             elif kind == Control.SET_WEIGHTS:
-                works = [(self.members.irecv(self.layout.storage[self._share_of(b)], 0, Tag.WEIGHTS), b)
-                         for b in self.served]  # fmt: skip
-                for work, _ in works:
-                    self.members.wait(work, 0, "receive the weights from")
+                self._receive_weights()
             elif kind == Control.STATE:
-                self.members.send_object(self.optimizers[index].local_state(), 0)
+                self.members.send_object([p for _, share in sorted(self.shares.items())
+                                          for p in share.optimizers[index].local_state()], 0)  # fmt: skip
             elif kind == Control.LOAD:
-                self.optimizers[index].load_state_dict(self.members.recv_object(0))
+                state = self.members.recv_object(0)
+                for share in [*self.shares.values(), *self.replicas.values()]:
+                    share.optimizers[index].load_state_dict(state)
 
     def _sync(self) -> None:
-        """Average every trainer's gradients of this server's shares (the trainers that train now), take them into
-        the pieces, and tell every trainer."""
+        """Average every trainer's gradients of this server's range (the trainers that train now), forward its own
+        share's to its replica's holder (and take its neighbours' into their replicas), and tell every trainer."""
         members = self.members
         trainers = list(members.trainers)
         arriving = {b: [(members.irecv(flags, t, Tag.GRADIENTS), members.irecv(grads, t, Tag.GRADIENTS))
-                        for t, flags, grads in zip(trainers, self._flag_scratch[b], self._scratch[b])]
-                    for b in self.served}  # fmt: skip
-        for b in self.served:
-            self.flags[b].zero_()
-            for t, (flags_work, grads_work) in zip(trainers, arriving[b]):
+                        for t, flags, grads in zip(trainers, self._flag_scratch[b], self._scratch[b], strict=True)]
+                    for b in self.ranges}  # fmt: skip
+        for b, parts in self.ranges.items():
+            for t, (flags_work, grads_work) in zip(trainers, arriving[b], strict=True):
                 members.wait(flags_work, t, "receive gradients from")
                 members.wait(grads_work, t, "receive gradients from")
-            for their_flags in self._flag_scratch[b]:
-                self.flags[b].add_(their_flags)
-            _average_in_rank_order(self._scratch[b], len(trainers), self.gradients[self._share_of(b)])
-        self._take_gradients(self.layout.pieces)
+            flags = torch.stack(self._flag_scratch[b]).sum(0)
+            _average_in_rank_order(self._scratch[b], len(trainers), self._union[b])
+            offset = 0
+            for share, place in parts:
+                share.flags[b].copy_(flags)
+                share.gradients[place].copy_(self._union[b][offset : offset + place.stop - place.start])
+                offset += place.stop - place.start
+        self._forward(lambda share, b: [share.gradients[share._share_of(b)], share.flags[b]])
+        for share in [*self.shares.values(), *self.replicas.values()]:
+            share._take_gradients(share.layout.pieces)
         self._votes = {}
         self._reply(torch.ones(1, dtype=torch.float64))
 
-    def _vote(self, index: int) -> torch.Tensor:
-        """Optimizer ``index``'s shares: their squared gradient norm and whether any is not finite, as computed at the
-        first request after a synchronization (asked again after a regroup, it is the same even where the step has
-        run since)."""
+    def _forward(self, tensors: Callable[[DedicatedServer, int], list[Tensor]]) -> None:
+        """``tensors(share, b)`` of this server's own share to its replica's holder, and the same of each replica
+        held here from its server (every receive posted before any send)."""
+        members, works = self.members, []
+        for owner, replica in self.replicas.items():
+            if owner in self.servers:
+                source = self._member(owner)
+                works += [(members.irecv(t, source, Tag.FORWARD), source, "receive the replica's share from")
+                          for b in replica.served for t in tensors(replica, b)]  # fmt: skip
+        holder = replica_holder(self.index, self.num_servers)
+        if holder is not None and holder in self.servers:
+            target = self._member(holder)
+            works += [(members.isend(t, target, Tag.FORWARD), target, "forward its share to")
+                      for b in self.served for t in tensors(self, b)]  # fmt: skip
+        members.wait_all(works)
+
+    def _vote(self, index: int) -> Tensor:
+        """Optimizer ``index``'s squared gradient norm and NaN/inf flag over the shares served here, as computed at
+        the first request after a synchronization (asked again after a regroup, it is the same even where the step
+        has run since)."""
         if index not in self._votes:
-            sharded = self.optimizers[index]
-            self._votes[index] = torch.tensor([float(sharded.squared_norm()), float(sharded.has_nonfinite_gradient())],
-                                              dtype=torch.float64)  # fmt: skip
+            squares, bad = 0.0, False
+            for _, share in sorted(self.shares.items()):
+                sharded = share.optimizers[index]
+                squares += float(sharded.squared_norm())
+                bad = bad or sharded.has_nonfinite_gradient()
+            self._votes[index] = torch.tensor([squares, float(bad)], dtype=torch.float64)
         return self._votes[index]
 
-    def _reply(self, tensor: torch.Tensor) -> None:
-        works = [(self.members.isend(tensor, t, Tag.REPLY), t) for t in self.members.trainers]
-        for work, t in works:
-            self.members.wait(work, t, "reply to")
+    def _reply(self, tensor: Tensor) -> None:
+        works = [(self.members.isend(tensor, t, Tag.REPLY), t, "reply to") for t in self.members.trainers]
+        self.members.wait_all(works)
 
     def _step_once(self, index: int, control: dict[str, Any]) -> None:
-        """Update optimizer ``index``'s shares with ``control`` (the trainers' hyperparameters, clipping, the summed
-        squares of the vote, the step's key), unless it stepped with this key already; then send the new weights."""
-        sharded = self.optimizers[index]
-        if self.stepped.get(index) != control["key"]:
-            for group, hyper in zip(sharded.optimizer.param_groups, control["hyperparameters"]):
+        """Update optimizer ``index``'s part of every share and replica held here with ``control`` (the trainers'
+        hyperparameters, clipping, the vote's summed squares, the step's key), each unless it stepped with this key
+        already; then send the new weights."""
+        stepped, squares = False, control["squares"]
+
+        def verdict(_squares: float, _bad: bool) -> tuple[float, bool]:  # the trainers' vote, over every server
+            return squares, False
+
+        for server, share in [*self.shares.items(), *self.replicas.items()]:
+            if self.stepped.get((server, index)) == control["key"]:
+                continue
+            sharded = share.optimizers[index]
+            for group, hyper in zip(sharded.optimizer.param_groups, control["hyperparameters"], strict=True):
                 group.update(hyper)
-            squares = control["squares"]
-            sharded.voted_step(control["clip"], lambda _squares, _bad: (squares, False), **control["kwargs"])
-            self.stepped[index] = control["key"]
+            sharded.voted_step(control["clip"], verdict, **control["kwargs"])
+            self.stepped[(server, index)] = control["key"]
+            stepped = stepped or server in self.shares
+        if stepped:
             self.steps += 1
         spec = self.plan.optimizers[index]
-        self._send_weights([b for b in buckets_of(spec.groups, self.plan.buckets) if b in self.served])
+        self._send_weights([b for b in buckets_of(spec.groups, self.plan.buckets) if b in self.ranges])
+
+    def _gather(self, b: int) -> Tensor:
+        """This server's range of bucket ``b``'s weights, from its shares."""
+        return torch.cat([share.layout.storage[place] for share, place in self.ranges[b]])
 
     def _send_weights(self, buckets: list[int]) -> None:
-        sending: list[tuple[dist.Work | None, int]] = []
-        for b in buckets:
-            sending += self._send_to_trainers(b, Tag.WEIGHTS, self.layout.storage)
-        for work, t in sending:
-            self.members.wait(work, t, "send to")
+        members = self.members
+        works = [(members.isend(self._gather(b), t, Tag.WEIGHTS), t, "send to") for b in buckets for t in
+                 members.trainers]  # fmt: skip
+        members.wait_all(works)
+
+    def _receive_weights(self) -> None:
+        """Trainer 0's weights of this server's range, then the replicas' from their servers."""
+        incoming = {b: torch.empty_like(self._union[b]) for b in self.ranges}
+        self.members.wait_all([(self.members.irecv(incoming[b], 0, Tag.WEIGHTS), 0, "receive the weights from")
+                               for b in self.ranges])  # fmt: skip
+        for b, parts in self.ranges.items():
+            offset = 0
+            for share, place in parts:
+                share.layout.storage[place].copy_(incoming[b][offset : offset + place.stop - place.start])
+                offset += place.stop - place.start
+        self._forward(lambda share, b: [share.layout.storage[share._share_of(b)]])
 
     # ------------------------------------------------------------------ a regroup
     def _regroup(self, error: BaseException) -> None:
         """The member group failed with ``error``: wait up to :attr:`rejoin_timeout` seconds for the trainers'
-        leader to say how the run goes on, and form the next member group with the trainers that train now
-        (a newer message meanwhile abandons a formation); ``error`` is raised where none comes."""
+        leader to say how the run goes on, take over the shares it says, and form the next member group with the
+        trainers and servers that serve now (a newer message meanwhile abandons a formation); ``error`` is raised
+        where none comes."""
         deadline = time.monotonic() + self.rejoin_timeout
         while True:
             with self._regroup_cond:
@@ -282,6 +420,8 @@ class RegroupingServer(DedicatedServer):
                         ) from error
                     self._regroup_cond.wait(left)
                 message, self._pending = self._pending, None
+            if self.index not in message.servers:
+                raise RuntimeError(f"the trainers went on without dedicated server {self.index}")
             try:
                 members = self._form(message)
             except Exception as failure:  # noqa: BLE001 - a trainer lost while forming: the next message says more
@@ -293,21 +433,23 @@ class RegroupingServer(DedicatedServer):
         self.members = members
         self.generation = message.generation
         self.regroups += 1
-        n = members.num_trainers
-        self._scratch = {b: [torch.empty(self._numel(b), dtype=self.plan.dtype) for _ in range(n)]
-                         for b in self.served}  # fmt: skip
-        self._flag_scratch = {b: [torch.empty_like(self.flags[b]) for _ in range(n)] for b in self.served}
+        self.servers = message.servers
+        for server in message.serves[message.servers.index(self.index)]:
+            if server not in self.shares:  # its server is lost: the replica held here serves from now on
+                self.shares[server] = self.replicas.pop(server)
+        self.replicas = {s: replica for s, replica in self.replicas.items() if s in self.servers}
+        self._lay_out()
 
     def _form(self, message: Regroup) -> MemberGroup | None:
         """The member group of ``message``'s generation (``None`` where a newer message came first)."""
         outcome: list[Any] = []
         done = threading.Event()
-        rank = message.num_trainers + self.index
+        rank = message.num_trainers + message.servers.index(self.index)
 
         def create() -> MemberGroup:
             store = dist.TCPStore(message.store[0], message.store[1], is_master=False, timeout=self.group_timeout)
             return MemberGroup(dist.PrefixStore(message.prefix, store), rank, message.num_trainers,
-                               self.members.num_servers, self.group_timeout)  # fmt: skip
+                               len(message.servers), self.group_timeout)  # fmt: skip
 
         def run() -> None:
             try:

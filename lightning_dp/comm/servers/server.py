@@ -29,15 +29,20 @@ class DedicatedServer:
     :class:`~lightning_dp.comm.errors.PeerUnreachableError` naming the trainer."""
 
     def __init__(
-        self, members: MemberGroup, plan: ServerPlan, on_lost: Callable[[BaseException], None] | None = None
+        self,
+        members: MemberGroup,
+        plan: ServerPlan,
+        on_lost: Callable[[BaseException], None] | None = None,
+        member_index: int | None = None,
     ) -> None:
         self.members, self.plan = members, plan
         #: called (on the receiving thread) when a trainer is lost before trainer 0 said stop; by default the error
         #: waits for the serving loop
         self.on_lost = on_lost
         self.stopping = False
-        #: this server's place in the plan's segments (its member rank when the run started)
-        self.member_index = me = members.rank
+        #: this share's place in the plan's segments (the member rank of its server when the run started; another
+        #: server's for a replica of that server's share)
+        self.member_index = me = members.rank if member_index is None else member_index
         params = [torch.nn.Parameter(torch.empty(shape, dtype=plan.dtype, device="meta")) for shape in plan.shapes]
         self.buckets = [GradientBucket(b, [params[i] for i in indices]) for b, indices in enumerate(plan.buckets)]
         owner = f"{members.name(me)} ({plan.owner})"

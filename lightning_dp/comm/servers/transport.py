@@ -305,8 +305,18 @@ class DedicatedServerTransport(Transport):
 
 class RegroupingServerTransport(DedicatedServerTransport):
     """The trainers' side of :class:`~lightning_dp.comm.servers.regroup.RegroupingServer`: the servers hold every
-    share; a synchronization is announced with ``SYNC`` and complete once every server replied (:meth:`wait_summed`),
-    the vote is every server's reply (:meth:`vote_of`)."""
+    share (``segments``, where given: ``[b][m]`` as the servers serve them now, else cut by ``shares``); a
+    synchronization is announced with ``SYNC`` and complete once every server replied (:meth:`wait_summed`), the vote
+    is every server's reply (:meth:`vote_of`)."""
+
+    def __init__(self, *args: Any, segments: list[list[Segment]] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed_segments = segments
+
+    def _bind(self, buckets: Sequence[GradientBucket]) -> None:
+        super()._bind(buckets)
+        if self._fixed_segments is not None:
+            self.segments = [list(row) for row in self._fixed_segments]
 
     def _announce_sync(self) -> None:
         self.control(Control.SYNC)

@@ -81,6 +81,8 @@ class DedicatedEngine(StepEngine):
         self._restore_clipping: Callable[[], None] | None = None
         #: whether each server holds whole parameters (optimizers that are not element-wise, trainers not serving)
         self.whole = False
+        #: the servers whose exit is no failure of this run's (lost, and gone on without)
+        self.expected_exits: set[int] = set()
 
     @property
     def is_trainer_zero(self) -> bool:
@@ -117,6 +119,7 @@ class DedicatedEngine(StepEngine):
         self.run_key = next_run_key(strategy.job_scope)
         self.processes, self.transport, self.layout, self.optimizers = [], None, None, []
         self.closed, self.stopped, self.final_states = False, False, None
+        self.expected_exits = set()
         strategy.reducer = reducer = strategy.new_reducer()
         if strategy.intra_node == "shm" and strategy.ranks_on_this_node > 1:
             rank_zero_info(f"{self.name}: with num_servers={self.num_servers} buckets travel through sockets "
@@ -442,7 +445,7 @@ class DedicatedEngine(StepEngine):
         codes = stop_local_servers(self.processes, STOP_GRACE_SECONDS if stop else 5.0)
         if self.transport is not None:
             self.transport.close()
-        failed = [f"server {i} (exit code {c})" for i, c in enumerate(codes) if c != 0]
+        failed = [f"server {i} (exit code {c})" for i, c in enumerate(codes) if c != 0 and i not in self.expected_exits]
         if failed and stop:
             rank_zero_warn(f"strategy {self.strategy.strategy_name!r}: {', '.join(failed)} did not stop cleanly")
         self.processes = []

@@ -13,14 +13,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError, UnsupportedChangeError
+from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
-from lightning_dp.comm.servers.regroup import Regroup, tell_server
-from lightning_dp.comm.servers.sharded_optimizer import hyperparameters
+from lightning_dp.comm.servers.regroup import Regroup, replica_holder, serving_after, tell_server, union_segments
+from lightning_dp.comm.servers.replicas import ReplicaLostError
+from lightning_dp.comm.servers.sharded_optimizer import Segment, hyperparameters
 from lightning_dp.comm.servers.transport import RegroupingServerTransport
 from lightning_dp.comm.transports.shards import sum_everywhere
 from lightning_dp.strategies.base import DataParallelStrategy
@@ -50,8 +52,14 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         #: each server's address for regroup messages, and the run's token they check
         self.listeners: list[tuple[str, int]] = []
         self.token = ""
-        self._connections: list[int] = []
+        self._connections: list[Connection] = []
         self._old_members: list[MemberGroup] = []
+        #: the servers serving now (their indices at set-up), in member order, and which shares each serves
+        self.servers: tuple[int, ...] = ()
+        self.serves: dict[int, tuple[int, ...]] = {}
+        #: ``[b][s]``: server ``s``'s range of bucket ``b`` at set-up
+        self.server_segments: list[list[Segment]] = []
+        self._server_failed_at: float | None = None
 
     _transport_type = RegroupingServerTransport
 
@@ -116,6 +124,11 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     def _joined(self, store: dist.Store) -> None:
         plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
         self.token = plan.extra["regroup"]["token"]
+        assert self.transport is not None
+        self.servers = tuple(range(self.num_servers))
+        self.serves = {s: (s,) for s in self.servers}
+        self.server_segments = [row[-self.num_servers :] for row in self.transport.segments]
+        self.transport.members.on_failure = self._member_failed
         addresses = [json.loads(store.get(f"listener/{i}")) for i in range(self.num_servers)]
         self.listeners = [(str(host), int(port)) for host, port in addresses]
 
@@ -180,9 +193,21 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         return verdict
 
     # ------------------------------------------------------------------ a loss
+    def _member_failed(self, member: int, error: BaseException) -> None:
+        """A wait with ``member`` of the member group failed: a server's starts a change that loses no trainer (every
+        trainer stops exchanging and the leader finds out which servers are gone); a trainer's is the membership's."""
+        transport, membership = self.transport, self.strategy.rank_loss.membership
+        if transport is None or membership is None or member < transport.members.num_trainers:
+            return
+        if self._server_failed_at is None:
+            self._server_failed_at = time.monotonic()
+        server = self.servers[member - transport.members.num_trainers]
+        membership.request_change(f"dedicated server {server} failed ({type(error).__name__})")
+
     def rebuild_exchange(self) -> None:
-        """The groups over the survivors; the leader tells every server how the run goes on, and the member group
-        forms again (collective over the survivors and the servers)."""
+        """The groups over the trainers that train now; the leader finds the servers that are there (a lost one's
+        share moves to its replica's holder), tells each how the run goes on, and the member group forms again
+        (collective over the trainers and those servers)."""
         strategy = self.strategy
         strategy.rebuild_groups()
         old = self.transport
@@ -191,33 +216,68 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         assert isinstance(old, RegroupingServerTransport)
         membership = strategy.rank_loss.membership
         assert membership is not None
-        n, k, me = membership.size, self.num_servers, self.member_rank
+        n, me = membership.size, self.member_rank
+        outcome: list[Any] = [self._find_servers() if me == 0 else None]
+        dist.broadcast_object_list(outcome, group=strategy.gradient_group, group_src=0)
+        if isinstance(outcome[0], str):
+            raise ReplicaLostError(outcome[0])
+        servers, serves = outcome[0]
+        lost = [s for s in self.servers if s not in servers]
         prefix = f"{self.token}/gen{membership.generation}"
         if me == 0:
-            message = Regroup(membership.generation, n, membership.store_address, prefix, self.token)
-            for i, address in enumerate(self.listeners):
+            message = Regroup(membership.generation, n, servers, tuple(serves[s] for s in servers),
+                              membership.store_address, prefix, self.token)  # fmt: skip
+            for server in servers:
+                address = self.listeners[server]
                 try:
                     tell_server(address, message, TELL_SECONDS)
                 except OSError as error:
                     raise PeerUnreachableError(
-                        f"strategy {self.name!r}: dedicated server {i} (at {address[0]}:{address[1]}) cannot be "
-                        f"reached to go on with the trainers that survived: {error}. A lost dedicated server ends the "
-                        "run (its share has no replica yet); restart from the last checkpoint"
+                        f"strategy {self.name!r}: dedicated server {server} (at {address[0]}:{address[1]}) cannot be "
+                        f"reached any more: {error}"
                     ) from error
-        message_bytes, timeout = old.members.message_bytes, strategy.timeout
+        message_bytes, timeout, k = old.members.message_bytes, strategy.timeout, len(servers)
 
         def create() -> MemberGroup:
             store = dist.TCPStore(*membership.store_address, is_master=False, timeout=timeout)
             return MemberGroup(dist.PrefixStore(prefix, store), me, n, k, timeout, message_bytes=message_bytes)
 
         members, self._connections = membership.form_apart(create, "the member group with the servers")
+        members.on_failure = self._member_failed
         self._old_members.append(old.members)  # (fenced; closed with the process: a peer may still be in it)
+        segments = [[(0, 0)] * n + row for row in union_segments(self.server_segments, [serves[s] for s in servers])]
         transport = RegroupingServerTransport(members, member_shares(n, k, trainers_serve=False), self.whole,
-                                              strategy.gradient_group, strategy.sync_stats, timeout)  # fmt: skip
+                                              strategy.gradient_group, strategy.sync_stats, timeout,
+                                              segments=segments)  # fmt: skip
         transport.bind(strategy.reducer.buckets)
-        if [s[-k:] for s in transport.segments] != [s[-k:] for s in old.segments]:
-            raise RuntimeError(f"strategy {self.name!r}: the servers' shares moved after a loss")
         self.transport = strategy.transport = transport
+        self.servers, self.serves = servers, serves
+        if lost:
+            began = [t for t in (self._server_failed_at, membership.change_began) if t is not None]
+            seconds = time.monotonic() - min(began) if began else 0.0
+            self.expected_exits.update(lost)
+            rank_loss: Any = strategy.rank_loss
+            rank_loss.lost_servers += lost
+            rank_loss.server_recovery_seconds += [seconds] * len(lost)
+            moved = ", ".join(f"server {s}'s share to server {replica_holder(s, self.num_servers)}" for s in lost)
+            rank_zero_warn(f"strategy {self.name!r}: lost dedicated server(s) {lost}; {moved}, which held its replica "
+                           f"(recovered in {seconds:.2f} s)")  # fmt: skip
+        self._server_failed_at = None
+
+    def _find_servers(self) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]] | str:
+        """The leader: the servers that answer a probe and which shares each serves from now on (a lost server's
+        own share moves to its replica's holder), or why that cannot be."""
+        alive = []
+        for server in self.servers:
+            try:
+                tell_server(self.listeners[server], None, TELL_SECONDS, token=self.token)
+                alive.append(server)
+            except OSError:
+                continue
+        try:
+            return tuple(alive), serving_after(self.serves, set(self.servers) - set(alive), self.num_servers)
+        except ReplicaLostError as error:
+            return str(error)
 
     # ------------------------------------------------------------------ checkpoints and the end
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
