@@ -19,7 +19,7 @@ import torch
 from lightning_dp.comm.servers.regroup import Regroup, RegroupListener, tell_server
 from tests.helpers.distributed import free_port
 from tests.helpers.launch import run_script, subprocess_env
-from tests.helpers.midepoch import read_seen, replay_loss
+from tests.helpers.midepoch import read_seen, replay, replay_loss
 from tests.helpers.replicas import close
 
 DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, CLIP = 3, 4, 72, 2, 4, 0.05
@@ -120,7 +120,7 @@ def test_collectives_run_over_the_survivors(tmp_path_factory):
 
 
 def _message(generation: int, token: str = "run") -> Regroup:
-    return Regroup(generation, 2, ("127.0.0.1", 1), "prefix", token)
+    return Regroup(generation, 2, (0, 1), ((0,), (1,)), ("127.0.0.1", 1), "prefix", token)
 
 
 @pytest.mark.unit
@@ -201,3 +201,66 @@ def test_a_callback_reading_the_averaged_gradients_is_refused_at_set_up(tmp_path
     assert result.returncode != 0
     assert "cannot send the averaged gradients back to the trainers, which ReadGradients" in result.stdout
     assert not list(tmp_path.glob("ckpt/*.ckpt"))
+
+
+# ------------------------------------------------------------------------------------------------ a server lost
+#: when trainer 0 SIGKILLs dedicated server 0 of two (sharded_ps) at step LOST_AT, clipping by the global norm:
+#: - "flight": in the training step: no trainer completes the exchange, which runs again, over server 1 alone (it
+#:   took server 0's share over from its replica), with every trainer's gradients: no sample is dropped;
+#: - "exchange": after backward, both servers having summed the step and server 1 holding server 0's sums in its
+#:   replica: the step closes there (its share of the vote, its update, its weights);
+#: - "pull": once the step's request went to both servers (server 0 may have stepped or not): server 1 steps the
+#:   replica (once), and every trainer pulls the weights again.
+SERVER_LOSSES = ("flight", "exchange", "pull")
+
+
+@pytest.fixture(scope="module", params=SERVER_LOSSES)
+def server_loss(request, tmp_path_factory) -> tuple[str, list[dict], str, Path]:
+    out = tmp_path_factory.mktemp("server-loss")
+    result = run_script(
+        "midepoch", "--strategy", "sharded_ps", "--devices", str(DEVICES), "--num-servers", "2", "--intra-node",
+        "ring", "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
+        "continue", "--heartbeat-timeout", "2", "--clip-norm", str(CLIP), "--lose-server", "0", str(LOST_AT),
+        "--lose-server-when", request.param, "--out", str(out), timeout=180,
+    )  # fmt: skip
+    return request.param, [torch.load(out / f"rank{r}.pt") for r in range(DEVICES)], result.stdout, out
+
+
+@pytest.mark.multiprocess
+def test_a_lost_servers_share_is_taken_over_by_its_replica(server_loss):
+    """Every trainer goes on (none is lost), each step equals one process on every sample of its global batch, the
+    checkpoint's state is the one process's (server 0's share from its replica), and server 1 stepped once per step
+    (a planted replica that is never stepped fails the comparison)."""
+    when, ranks, output, out = server_loss
+    for r in ranks:
+        metrics = r["rank_loss"]
+        assert metrics["lost_ranks"] == [] and metrics["lost_servers"] == [0], metrics
+        assert metrics["redone_steps"] == (1 if when == "flight" else 0) and metrics["dropped_samples"] == 0, metrics
+    assert ranks[0]["rank_loss"]["server_recovery_seconds"][0] < 2.0
+    assert f"server 1 done after {STEPS} steps and 1 regroups" in output, output[-3000:]
+    assert "did not stop cleanly" not in output
+    batches = [[i for r in ranks for i in r["trained"][j]] for j in range(STEPS)]
+    assert all(sorted(batch) == sorted(set(batch)) and len(batch) == DEVICES * BATCH for batch in batches)
+    momenta: list[torch.Tensor] = []
+    reference = replay(batches, ranks[0]["history"], SAMPLES, clip_norm=CLIP, momenta=momenta)
+    for j, want in enumerate(reference):
+        for other in ranks[1:]:
+            assert torch.equal(ranks[0]["history"][j][2], other["history"][j][2]), f"after batch {j}"
+        close(ranks[0]["history"][j][2], want, f"after batch {j}")
+    saved = torch.load(out / "ckpt" / f"step={STEPS}.ckpt", weights_only=False)
+    state = saved["optimizer_states"][0]["state"]
+    close(torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)]), momenta[-1], "the momenta")
+
+
+@pytest.mark.multiprocess
+def test_a_lost_server_without_a_replica_stops_every_trainer_naming_it(tmp_path):
+    """One server (parameter_server, num_servers=1) has no neighbour to hold its replica: its loss stops every
+    trainer with ReplicaLostError naming it, within the test's timeout (no hang)."""
+    result = run_script(
+        "midepoch", "--strategy", "parameter_server", "--devices", str(DEVICES), "--num-servers", "1", "--samples",
+        str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+        "--heartbeat-timeout", "2", "--lose-server", "0", str(LOST_AT), "--out", str(tmp_path), timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert all(code != 0 for code in result.codes), result.codes
+    assert "ReplicaLostError: dedicated server 0 was lost with share 0" in result.stdout, result.stdout[-5000:]
