@@ -3,10 +3,12 @@
 
     python -m benchmarks.faults              # the example app, 4 ranks, each strategy (about 30 minutes on 2 cores)
     python -m benchmarks.faults --strategies sharded_ps --paths launcher torchrun
+    python -m benchmarks.faults --strategies sharded_ps+servers --paths launcher server torchrun --name faults_dedicated
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
-``sharded_ps``; the servers among the trainers), a checkpoint every ``--checkpoint-every`` steps.
+``sharded_ps``: the servers among the trainers; ``sharded_ps+servers``: two dedicated servers that trainer 0
+starts), a checkpoint every ``--checkpoint-every`` steps.
 The fault: the named rank SIGKILLs itself as training step ``--fault-step`` starts (in the first attempt only). The
 paths:
 
@@ -16,6 +18,8 @@ paths:
 - **emulated hosts**: 4 hosts (network namespaces joined by the delay switch, 1 Gbit/s links), one process each;
   the fault is not a kill but host 3's link cut silently (no reset reaches anyone), found by the heartbeat
   (``heartbeat_timeout`` below); the cut host stops, a minority of one (needs root);
+- **a dedicated server lost** (``+servers`` only; the strategy's launcher): trainer 0 SIGKILLs dedicated server 0
+  instead, whose share its replica on server 1 takes over;
 - **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
   process restarts and resumes from the newest checkpoint.
 
@@ -63,8 +67,8 @@ class FaultClock(pl.Callback):
     when), or (``cut``) only say it got there (``<folder>/at-fault``), for the benchmark to cut its link.
     Passed to the app as a Hydra callback (``+callbacks.fault=...``)."""
 
-    def __init__(self, folder: str, rank: int = -1, step: int = -1, cut: bool = False) -> None:
-        self.folder, self.rank, self.step, self.cut = Path(folder), rank, step, cut
+    def __init__(self, folder: str, rank: int = -1, step: int = -1, cut: bool = False, server: int = -1) -> None:
+        self.folder, self.rank, self.step, self.cut, self.server = Path(folder), rank, step, cut, server
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.strategy.global_rank == self.rank and _attempt() == 0:
@@ -72,6 +76,9 @@ class FaultClock(pl.Callback):
                 (self.folder / "at-fault").touch()
                 return
             (self.folder / "fault").write_text(f"{time.time()!r} {trainer.global_step}\n")
+            if self.server >= 0:  # the dedicated server this rank started, instead of itself
+                os.kill(trainer.strategy.engine.processes[self.server].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+                return
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -141,10 +148,13 @@ def _run_path(
 ) -> dict[str, Any]:
     folder = tmp / f"{strategy}-{path}-{'fault' if fault else 'clean'}"
     folder.mkdir()
-    lost = {"per_host": 0, "emulated": RANKS - 1}.get(path, 2)
+    lost = {"per_host": 0, "emulated": RANKS - 1, "server": 0}.get(path, 2)
     fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
-                     f"+callbacks.fault.cut={path == 'emulated'}"] if fault else []  # fmt: skip
-    overrides = [f"strategy={strategy}", *APP, *args.app,
+                     f"+callbacks.fault.cut={path == 'emulated'}",
+                     f"+callbacks.fault.server={0 if path == 'server' else -1}"] if fault else []  # fmt: skip
+    name, *options = strategy.split("+")
+    servers = [f"strategy.num_servers={SERVERS}"] if options == ["servers"] else []
+    overrides = [f"strategy={name}", *servers, *APP, *args.app,
                  f"+callbacks.model_checkpoint.every_n_train_steps={args.checkpoint_every}",
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
@@ -169,7 +179,7 @@ def _run_path(
             if (folder / "at-fault").exists() and not (folder / "fault").exists():
                 hosts.cut(lost)
                 (folder / "fault").write_text(f"{time.time()!r} {args.fault_step}\n")
-    elif path == "launcher":
+    elif path in ("launcher", "server"):
         command = [sys.executable, app, *overrides, f"trainer.devices={RANKS}", "strategy.on_rank_loss=continue"]
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
@@ -195,7 +205,7 @@ def _run_path(
     for log in logs:
         log.close()
     metrics_file = folder / "run" / "metrics.json"
-    want = [-9 if fault and i == lost else 0 for i in range(len(procs))] if apart else [0]
+    want = [-9 if fault and i == lost and path != "server" else 0 for i in range(len(procs))] if apart else [0]
     if path == "emulated" and fault:  # the cut host stops on its own, a minority of one
         want[lost] = 1
     if codes != want or not metrics_file.exists():
@@ -203,13 +213,15 @@ def _run_path(
         raise RuntimeError(f"{path} ({'fault' if fault else 'no fault'}): exit codes {codes}, expected {want}\n{tail}")
     metrics = json.loads(metrics_file.read_text())
     row: dict[str, Any] = {
-        "strategy": strategy, "path": path, "fault": fault, "lost_rank": lost if fault else None, "seconds": seconds,
+        "strategy": strategy, "path": path, "fault": fault, "lost_rank": lost if fault and path != "server" else None,
+        "lost_server": lost if fault and path == "server" else None, "seconds": seconds,
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
     if fault:
         row.update(_recovery(folder, lost, args.fault_step))
         loss = metrics.get("rank_loss") or {}
-        row["recovery_seconds_reported"] = (loss.get("recovery_seconds") or [None])[0]
+        reported = loss.get("server_recovery_seconds" if path == "server" else "recovery_seconds")
+        row["recovery_seconds_reported"] = (reported or [None])[0]
         row["dropped_samples"] = loss.get("dropped_samples")
         if path != "torchrun":
             row["steps_redone"] = loss.get("redone_steps", 0)
@@ -249,6 +261,7 @@ def main() -> None:
     parser.add_argument("--app", nargs="*", default=[], help="more overrides of the app (e.g. trainer.max_epochs=4)")
     parser.add_argument("--run-timeout", type=float, default=400.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--name", default="faults", help="the result's name (<out>/<name>.json)")
     args = parser.parse_args()
     if args.paths is None:
         args.paths = ["launcher", "per_host", *(["emulated"] if os.geteuid() == 0 else []), "torchrun"]
@@ -270,13 +283,15 @@ def main() -> None:
         row["fault_step"], row["checkpoint_every"] = args.fault_step, args.checkpoint_every
         if row["path"] == "emulated":
             row["heartbeat_timeout"] = args.heartbeat_timeout
-    save(args.out, "faults", rows, report_lines)
+    save(args.out, args.name, rows, report_lines)
 
 
-#: the strategies a run may compare (the servers among the trainers)
-STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps")
+#: the strategies a run may compare (the servers among the trainers; ``+servers``: ``SERVERS`` dedicated servers)
+STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps", "sharded_ps+servers")
+SERVERS = 2
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
+    "server": "a dedicated server lost, its replica takes over (strategy's launcher)",
     "per_host": "survivors go on (one process per host)",
     "emulated": "survivors go on (emulated hosts, link cut)",
     "torchrun": "torchrun restarts from the checkpoint",
@@ -301,19 +316,27 @@ def report_lines(rows: list[dict]) -> list[str]:
         if not r["fault"]:
             continue
         base = baselines[r["strategy"], r["path"]]
-        lost = "global 0" if r["lost_rank"] == 0 else str(r["lost_rank"])
+        if r.get("lost_server") is not None:
+            lost = f"server {r['lost_server']}"
+        else:
+            lost = "global 0" if r["lost_rank"] == 0 else str(r["lost_rank"])
         if r["path"] == "emulated":
             lost += f" (heartbeat_timeout={r['heartbeat_timeout']:g} s)"
         dropped = r.get("dropped_samples")
         reported = r.get("recovery_seconds_reported")
         agreement = f"{reported:.2f}" if reported is not None else "-"
         lines.append(
-            f"| `{r['strategy']}` | {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
+            f"| {_strategy(r['strategy'])} | {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
             f"| {r['seconds'] - base['seconds']:.1f} | {r['recovery_seconds']:.2f} | {agreement} "
             f"| {r.get('steps_redone', 0)} "
             f"| {dropped if dropped is not None else '-'} | {_accuracy(base)} / {_accuracy(r)} |"
         )
     return lines
+
+
+def _strategy(name: str) -> str:
+    strategy, *options = name.split("+")
+    return f"`{strategy}`" + (f" ({SERVERS} dedicated servers)" if options == ["servers"] else "")
 
 
 def _accuracy(row: dict) -> str:

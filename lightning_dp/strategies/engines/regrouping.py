@@ -201,7 +201,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             return
         if self._server_failed_at is None:
             self._server_failed_at = time.monotonic()
-        server = self.servers[member - transport.members.num_trainers]
+        place = member - transport.members.num_trainers
+        server = self.servers[place] if place < len(self.servers) else place
         membership.request_change(f"dedicated server {server} failed ({type(error).__name__})")
 
     def rebuild_exchange(self) -> None:
