@@ -42,5 +42,5 @@ def test_a_server_serving_two_shares_serves_one_range_of_every_bucket():
     segments = [[(0, 10), (10, 20), (20, 30)], [(0, 4), (4, 4), (4, 9)]]  # server 1 serves nothing of bucket 1
     assert union_segments(segments, [(0,), (1, 2)]) == [[(0, 10), (10, 30)], [(0, 4), (4, 9)]]
     assert union_segments(segments, [(0, 1), (2,)]) == [[(0, 20), (20, 30)], [(0, 4), (4, 9)]]
-    with pytest.raises(AssertionError, match="do not adjoin"):
+    with pytest.raises(ValueError, match="do not adjoin"):
         union_segments(segments, [(0, 2), (1,)])

@@ -116,7 +116,8 @@ def union_segments(server_segments: list[list[Segment]], serves: list[tuple[int,
         for shares in serves:
             ranges = sorted(segments[s] for s in shares if segments[s][1] > segments[s][0])
             for (_, end), (start, _) in zip(ranges, ranges[1:]):
-                assert end == start, f"shares {shares} do not adjoin: {ranges}"
+                if end != start:
+                    raise ValueError(f"shares {shares} do not adjoin in a bucket: {ranges}")
             row.append((ranges[0][0], ranges[-1][1]) if ranges else (0, 0))
         table.append(row)
     return table
@@ -161,21 +162,24 @@ class RegroupListener:
                 conn, _ = self.sock.accept()
             except OSError:  # closed
                 return
-            with conn:
-                try:
-                    conn.settimeout(10.0)
-                    (size,) = struct.unpack("!I", _read_exactly(conn, 4))
-                    if size > _MESSAGE_LIMIT:
-                        raise ValueError(f"a regroup message of {size} bytes")
-                    fields = json.loads(_read_exactly(conn, size))
-                    if fields.get("token") != self.token:
-                        conn.sendall(b"no")
-                        continue
-                    if not fields.get("probe"):
-                        self.on_message(Regroup.decode(fields))
-                    conn.sendall(b"ok")
-                except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a stray: not this run's
-                    continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True, name="lddp-server-regroup-in").start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(5.0)
+                (size,) = struct.unpack("!I", _read_exactly(conn, 4))
+                if size > _MESSAGE_LIMIT:
+                    raise ValueError(f"a regroup message of {size} bytes")
+                fields = json.loads(_read_exactly(conn, size))
+                if fields.get("token") != self.token:
+                    conn.sendall(b"no")
+                    return
+                if not fields.get("probe"):
+                    self.on_message(Regroup.decode(fields))
+                conn.sendall(b"ok")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a stray: not this run's
+                return
 
     def close(self) -> None:
         try:
@@ -222,7 +226,8 @@ class RegroupingServer(DedicatedServer):
         self.stepped: dict[tuple[int, int], Any] = {}
         #: regroups this server went through
         self.regroups = 0
-        self._votes: dict[int, Tensor] = {}
+        #: ``(server, optimizer index) -> (squared norm, any NaN/inf)`` of each share and replica, at the last sync
+        self._votes: dict[tuple[int, int], tuple[float, bool]] = {}
         self._connections = list(connections)
         self._pending: Regroup | None = None
         self._regroup_cond = threading.Condition()
@@ -319,9 +324,11 @@ class RegroupingServer(DedicatedServer):
                 share.gradients[place].copy_(self._union[b][offset : offset + place.stop - place.start])
                 offset += place.stop - place.start
         self._forward(lambda share, b: [share.gradients[share._share_of(b)], share.flags[b]])
-        for share in [*self.shares.values(), *self.replicas.values()]:
-            share._take_gradients(share.layout.pieces)
         self._votes = {}
+        for server, share in [*self.shares.items(), *self.replicas.items()]:
+            share._take_gradients(share.layout.pieces)
+            for index, sharded in enumerate(share.optimizers):
+                self._votes[(server, index)] = (float(sharded.squared_norm()), sharded.has_nonfinite_gradient())
         self._reply(torch.ones(1, dtype=torch.float64))
 
     def _forward(self, tensors: Callable[[DedicatedServer, int], list[Tensor]]) -> None:
@@ -341,20 +348,20 @@ class RegroupingServer(DedicatedServer):
         members.wait_all(works)
 
     def _vote(self, index: int) -> Tensor:
-        """Optimizer ``index``'s squared gradient norm and NaN/inf flag over the shares served here, as computed at
-        the first request after a synchronization (asked again after a regroup, it is the same even where the step
-        has run since)."""
-        if index not in self._votes:
-            squares, bad = 0.0, False
-            for _, share in sorted(self.shares.items()):
-                sharded = share.optimizers[index]
-                squares += float(sharded.squared_norm())
-                bad = bad or sharded.has_nonfinite_gradient()
-            self._votes[index] = torch.tensor([squares, float(bad)], dtype=torch.float64)
-        return self._votes[index]
+        """Optimizer ``index``'s squared gradient norm and NaN/inf flag over the shares served now, from each share's
+        values as the last synchronization left them (asked again after a regroup, a share's are the same even where
+        it has stepped since, and a share taken over brings its replica's)."""
+        squares, bad = 0.0, False
+        for server in sorted(self.shares):
+            share_squares, share_bad = self._votes[(server, index)]
+            squares += share_squares
+            bad = bad or share_bad
+        return torch.tensor([squares, float(bad)], dtype=torch.float64)
 
-    def _reply(self, tensor: Tensor) -> None:
-        works = [(self.members.isend(tensor, t, Tag.REPLY), t, "reply to") for t in self.members.trainers]
+    def _reply(self, tensor: Tensor, trainers: list[int] | None = None) -> None:
+        """Send ``tensor`` to every trainer (or to ``trainers``)."""
+        to = self.members.trainers if trainers is None else trainers
+        works = [(self.members.isend(tensor, t, Tag.REPLY), t, "reply to") for t in to]
         self.members.wait_all(works)
 
     def _step_once(self, index: int, control: dict[str, Any]) -> None:
@@ -391,7 +398,8 @@ class RegroupingServer(DedicatedServer):
         members.wait_all(works)
 
     def _receive_weights(self) -> None:
-        """Trainer 0's weights of this server's range, then the replicas' from their servers."""
+        """Trainer 0's weights of this server's range, then the replicas' from their servers; trainer 0 is told once
+        both arrived."""
         incoming = {b: torch.empty_like(self._union[b]) for b in self.ranges}
         self.members.wait_all([(self.members.irecv(incoming[b], 0, Tag.WEIGHTS), 0, "receive the weights from")
                                for b in self.ranges])  # fmt: skip
@@ -401,6 +409,7 @@ class RegroupingServer(DedicatedServer):
                 share.layout.storage[place].copy_(incoming[b][offset : offset + place.stop - place.start])
                 offset += place.stop - place.start
         self._forward(lambda share, b: [share.layout.storage[share._share_of(b)]])
+        self._reply(torch.ones(1, dtype=torch.float64), trainers=[0])  # the replicas hold the weights too
 
     # ------------------------------------------------------------------ a regroup
     def _regroup(self, error: BaseException) -> None:

@@ -328,6 +328,10 @@ class RegroupingServerTransport(DedicatedServerTransport):
         self.members.wait_all(works, self.timeout)
         return replies
 
+    def wait_weights_taken(self) -> None:
+        """Trainer 0, after :meth:`send_weights`: wait until every server (and each one's replica) holds them."""
+        self._replies(1)
+
     def wait_summed(self) -> None:
         """Wait until every server has summed this synchronization's gradients (after the pushes left)."""
         self.wait_sent()

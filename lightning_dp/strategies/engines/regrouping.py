@@ -8,7 +8,7 @@ import pickle
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
-from lightning_dp.comm.buckets import BucketReducer
+from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError, UnsupportedChangeError
 from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
@@ -27,10 +27,12 @@ from lightning_dp.comm.servers.transport import RegroupingServerTransport
 from lightning_dp.comm.transports.shards import sum_everywhere
 from lightning_dp.strategies.base import DataParallelStrategy
 from lightning_dp.strategies.engines.dedicated import DedicatedEngine
-from lightning_dp.strategies.rank_loss import EXCHANGE
+from lightning_dp.strategies.rank_loss import PULL
 
 #: seconds the leader waits for a server to take a regroup message
 TELL_SECONDS = 10.0
+#: regroups in one step that lose nothing before the failure behind them is taken for what it is
+MAX_EMPTY_REGROUPS = 3
 
 
 class RegroupingDedicatedEngine(DedicatedEngine):
@@ -47,8 +49,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
 
     def __init__(self, strategy: DataParallelStrategy, num_servers: int, start_servers: bool) -> None:
         super().__init__(strategy, num_servers, start_servers, trainers_serve=False)
-        #: exchanges completed in this fit: the key of each step, the same on every survivor
-        self.exchanges = 0
+        #: regroups since the last step completed that lost nothing (a wait on a server that fails again and again)
+        self._empty_regroups = 0
         #: each server's address for regroup messages, and the run's token they check
         self.listeners: list[tuple[str, int]] = []
         self.token = ""
@@ -93,7 +95,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                 f"strategy {self.name!r}: a fit with num_servers={self.num_servers} needs global rank 0, lost "
                 "earlier in this job: the servers meet the trainers on the store it serves"
             )
-        self.exchanges = 0
+        self._empty_regroups = 0
         self._old_members = []
         super().setup_gradient_sync()
         rank_zero_info(
@@ -108,7 +110,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     def _plan(self, reducer: BucketReducer, optimizers: list[torch.optim.Optimizer]) -> ServerPlan:
         plan = super()._plan(reducer, optimizers)
         rank_loss: Any = self.strategy.rank_loss
-        rejoin = max(60.0, 6.0 * float(rank_loss.heartbeat_timeout))
+        # the trainers recover at their next sync point, which a validation or a checkpoint may delay
+        rejoin = max(self.strategy.timeout.total_seconds(), 6.0 * float(rank_loss.heartbeat_timeout))
         plan.extra["regroup"] = {"token": secrets.token_hex(16), "rejoin_timeout": rejoin}
         return plan
 
@@ -132,6 +135,13 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         addresses = [json.loads(store.get(f"listener/{i}")) for i in range(self.num_servers)]
         self.listeners = [(str(host), int(port)) for host, port in addresses]
 
+    def send_weights(self, buckets: list[GradientBucket]) -> None:
+        super().send_weights(buckets)
+        transport = self.transport
+        assert isinstance(transport, RegroupingServerTransport)
+        if self.is_trainer_zero:  # (a server lost before its replica took them ends the run here, not silently later)
+            transport.wait_weights_taken()
+
     # ------------------------------------------------------------------ the step
     def seal_exchange(self) -> None:
         transport = self.transport
@@ -144,8 +154,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         return False  # every server holds the step's sums wherever any trainer completed the exchange
 
     def point_completed(self, kind: str) -> None:
-        if kind == EXCHANGE:
-            self.exchanges += 1
+        if kind == PULL:
+            self._empty_regroups = 0
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         strategy = self.strategy
@@ -164,8 +174,10 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         squares, bad = strategy.rank_loss.collective(strategy, lambda group: self._vote(index, group))
         if bad:
             strategy.raise_nonfinite(None)
+        # the step's key: the exchanges this fit committed, the same on every trainer (each counts its own)
+        key = cast("Any", strategy.rank_loss).committed
         control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups], "clip": self._clip,
-                   "squares": squares, "kwargs": kwargs, "key": self.exchanges}  # fmt: skip
+                   "squares": squares, "kwargs": kwargs, "key": key}  # fmt: skip
         buckets = strategy.buckets_of(optimizer)
         start = time.perf_counter()
 
@@ -198,6 +210,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         trainer stops exchanging and the leader finds out which servers are gone); a trainer's is the membership's."""
         transport, membership = self.transport, self.strategy.rank_loss.membership
         if transport is None or membership is None or member < transport.members.num_trainers:
+            return
+        if not isinstance(error, RuntimeError):  # (gloo's transport errors; not an interrupt or a local bug)
             return
         if self._server_failed_at is None:
             self._server_failed_at = time.monotonic()
@@ -232,7 +246,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                 address = self.listeners[server]
                 try:
                     tell_server(address, message, TELL_SECONDS)
-                except OSError as error:
+                except OSError as error:  # lost since the probe: the trainers agree again, and the probe finds it
+                    membership.request_change(f"dedicated server {server} did not take the regroup message")
                     raise PeerUnreachableError(
                         f"strategy {self.name!r}: dedicated server {server} (at {address[0]}:{address[1]}) cannot be "
                         f"reached any more: {error}"
@@ -264,6 +279,14 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             rank_zero_warn(f"strategy {self.name!r}: lost dedicated server(s) {lost}; {moved}, which held its replica "
                            f"(recovered in {seconds:.2f} s)")  # fmt: skip
         self._server_failed_at = None
+        if not lost and not [loss for loss in membership.losses if loss.generation == membership.generation]:
+            self._empty_regroups += 1  # nothing was lost: the wait that failed is run again
+            if self._empty_regroups > MAX_EMPTY_REGROUPS:
+                raise RuntimeError(
+                    f"strategy {self.name!r}: the trainers' exchanges with the dedicated servers failed "
+                    f"{self._empty_regroups} times in one step although every trainer and server answers: the "
+                    "failure is not a lost peer (see the errors logged before)"
+                )
 
     def _find_servers(self) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]] | str:
         """The leader: the servers that answer a probe and which shares each serves from now on (a lost server's
@@ -299,12 +322,16 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         if self.closed:
             return
         strategy = self.strategy
-        self.final_states = [self.optimizer_state(unwrap_optimizer(o)) for o in strategy.optimizers]
         assert self.transport is not None
-        if self.transport.me == 0:
+        leader = self.transport.me == 0
+        states = [self.optimizer_state(unwrap_optimizer(o)) for o in strategy.optimizers] if leader else None
+        if leader:
             self.transport.stop_servers()
         self.stopped = True
-        strategy.rank_loss.collective(strategy, lambda group: dist.barrier(group=group))
+        # every trainer keeps the final states: a later checkpoint may be written by another leader
+        members = strategy.rank_loss.members
+        source = members[0] if members else 0
+        self.final_states = strategy.rank_loss.broadcast_object(strategy, states, src=source)
 
     def on_exception(self, exception: BaseException) -> None:
         """The servers go on with the other trainers (this one leaves as a lost rank would); local servers, children
