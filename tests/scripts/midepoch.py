@@ -182,16 +182,18 @@ class Model(L.LightningModule):
     def on_train_start(self):
         strategy = self.trainer.strategy
         if args.lose_server and args.lose_server_when == "pull" and self.global_rank == 0:
-            transport = strategy.engine.transport
-            control = transport.control
+            from lightning_dp.comm.servers.transport import RegroupingServerTransport
 
-            def control_then_kill(kind, *a, **k):
-                """--lose-server dies once the step's request of --lose-server's step went to every server."""
-                control(kind, *a, **k)
-                if kind == 1 and self.trainer.global_step == args.lose_server[1]:  # Control.STEP
-                    kill_server()
+            control = RegroupingServerTransport.control
 
-            transport.control = control_then_kill
+            def control_then_kill(transport, kind, *a, **k):
+                """--lose-server dies once the step's request of --lose-server's step went to every server (on
+                every transport of this process: a regroup replaces it)."""
+                control(transport, kind, *a, **k)
+                if kind == 1 and self.trainer.global_step == args.lose_server[1] and not (out / "server-lost").exists():
+                    kill_server()  # (Control.STEP)
+
+            RegroupingServerTransport.control = control_then_kill
         if args.lose_in_pull and self.global_rank == args.lose_rank and args.num_servers:
             transport = strategy.engine.transport
             receive = transport.share_weights_all

@@ -1,8 +1,8 @@
 """``on_rank_loss="continue"`` with dedicated servers (``num_servers > 0``): a trainer lost at any point of a step
-(in flight, after its exchange, in the weight pull) takes no state with it (the servers hold every share); the
-servers go on with the survivors, and from the loss on every step is one process's step on the samples trained, the
-trainers' weights bit-identical, the optimizer state of the last checkpoint the one process's, and each server
-stepped once per step."""
+(in flight, after its exchange, in the weight pull) takes no state with it (the servers hold every share), and a
+server lost at any of those points leaves its share to its replica on a neighbour. The run goes on, and from each
+loss on every step is one process's step on the samples trained, the trainers' weights bit-identical, the optimizer
+state of the last checkpoint the one process's, and each server stepped once per step."""
 
 from __future__ import annotations
 
@@ -19,34 +19,43 @@ import torch
 from lightning_dp.comm.servers.regroup import Regroup, RegroupListener, tell_server
 from tests.helpers.distributed import free_port
 from tests.helpers.launch import run_script, subprocess_env
-from tests.helpers.midepoch import read_seen, replay, replay_loss
+from tests.helpers.midepoch import read_seen, replay_loss
 from tests.helpers.replicas import close
 
-DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, CLIP = 3, 4, 72, 2, 4, 0.05
+DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, SERVER_LOST_AT, CLIP = 3, 4, 72, 2, 4, 7, 0.05
 STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
-#: (strategy, scenario): (servers, lost trainer, clipping by norm, options); the scenarios:
-#: - "in flight": trainer 2 dies in its training step: no trainer completes the exchange, so the servers sum it
-#:   again over the two survivors' gradients (that step trains without trainer 2's samples); no clipping, so that
-#:   a server averaging over the trainers it started with fails the test;
-#: - "after its exchange": trainer 1 dies after backward, once both servers summed every trainer's gradients: the
-#:   step closes with its samples (clipped by the global norm over both servers' shares);
-#: - "in its pull": trainer 2 dies as the weight pull starts, the central server having stepped: the pull runs again
-#:   over the survivors, the server sending its weights without stepping twice; the training step logs with sync_dist
-#:   and all-gathers, over the survivors from the next step on.
+#: (strategy, where): (lost trainer, lost server, clipping by norm, options). Two dedicated servers; trainer 0 (it
+#: started them) SIGKILLs one at step SERVER_LOST_AT, after a trainer died at step LOST_AT, both at the same point:
+#: - "in flight": trainer 2 dies in its training step: no trainer completes the exchange, which the servers sum
+#:   again over the two survivors' gradients (that step trains without trainer 2's samples); no clipping, so that a
+#:   server averaging over the trainers it started with fails the test. Then server 0, in the training step: the
+#:   exchange runs again over server 1 alone (it took server 0's share over from its replica), with every trainer's
+#:   gradients;
+#: - "after the exchange": trainer 1 dies after backward, once both servers summed every trainer's gradients: the
+#:   step closes with its samples (clipped by the global norm over both servers' shares). Then server 1, after
+#:   backward: server 0 holds its sums in the replica (the last server's replica is on the one before it) and
+#:   answers the vote for both shares (it may have answered for its own before: a vote kept from then fails);
+#: - "in the pull" (``parameter_server``, the buckets cut over its two servers): trainer 2 dies as its weight pull
+#:   starts, the servers having stepped: the pull runs again over the survivors, the servers sending their weights
+#:   without stepping twice; the training step logs with sync_dist and all-gathers, over the survivors from the next
+#:   step on. Then server 1, once the step's request went to both servers: server 0 (which stepped the replica
+#:   already) does not step it again.
 SCENARIOS = {
-    ("sharded_ps", "in flight"): (2, 2, None, ("--intra-node", "ring")),
-    ("sharded_ps", "after its exchange"): (2, 1, CLIP, ("--intra-node", "ring", "--lose-after-backward")),
-    ("parameter_server", "in its pull"): (1, 2, CLIP, ("--lose-in-pull", "--collectives")),
-}
-#: (exchanges committed with the lost trainer, steps whose exchange ran again over the survivors)
-EXPECTED = {"in flight": (LOST_AT, 1), "after its exchange": (LOST_AT + 1, 0), "in its pull": (LOST_AT + 1, 0)}
+    ("sharded_ps", "in flight"): (2, 0, None, ("--intra-node", "ring")),
+    ("sharded_ps", "after the exchange"): (1, 1, CLIP, ("--intra-node", "ring", "--lose-after-backward",
+                                                       "--lose-server-when", "exchange")),
+    ("parameter_server", "in the pull"): (2, 1, CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
+                                                        "pull")),
+}  # fmt: skip
+#: (exchanges committed with the lost trainer, exchanges run again: over the trainers, then over the servers left)
+EXPECTED = {"in flight": (LOST_AT, 2), "after the exchange": (LOST_AT + 1, 0), "in the pull": (LOST_AT + 1, 0)}
 
 
 @dataclass
 class Run:
-    scenario: str
-    servers: int
+    where: str
     lost: int
+    server: int
     clip: float | None
     out: Path
     output: str
@@ -60,52 +69,55 @@ _runs: dict[tuple[str, str], Run] = {}
 def _launch(key: tuple[str, str], tmp_path_factory) -> Run:
     """The scenario's job, run once per session."""
     if key not in _runs:
-        strategy, scenario = key
-        servers, lost, clip, options = SCENARIOS[key]
+        strategy, where = key
+        lost, server, clip, options = SCENARIOS[key]
         out = tmp_path_factory.mktemp("dedicated-loss")
         clipping = ("--clip-norm", str(clip)) if clip is not None else ()
         result = run_script(
-            "midepoch", "--strategy", strategy, "--devices", str(DEVICES), "--num-servers", str(servers),
-            "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
-            "continue", "--heartbeat-timeout", "2", "--lose-rank", str(lost), "--lose-at-step", str(LOST_AT),
-            *clipping, *options, "--out", str(out), timeout=180,
+            "midepoch", "--strategy", strategy, "--devices", str(DEVICES), "--num-servers", "2", "--samples",
+            str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+            "--heartbeat-timeout", "2", "--lose-rank", str(lost), "--lose-at-step", str(LOST_AT), "--lose-server",
+            str(server), str(SERVER_LOST_AT), *clipping, *options, "--out", str(out), timeout=180,
         )  # fmt: skip
         survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
         seen = read_seen(out / f"seen-rank{lost}.txt")
-        _runs[key] = Run(scenario, servers, lost, clip, out, result.stdout, survivors, seen)
+        _runs[key] = Run(where, lost, server, clip, out, result.stdout, survivors, seen)
     return _runs[key]
 
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS), ids=[" ".join(key) for key in sorted(SCENARIOS)])
-def trainer_loss(request, tmp_path_factory) -> Run:
+def losses(request, tmp_path_factory) -> Run:
     return _launch(request.param, tmp_path_factory)
 
 
 @pytest.mark.multiprocess
-def test_the_servers_go_on_with_the_survivors(trainer_loss):
-    with_lost, redone = EXPECTED[trainer_loss.scenario]
-    for s in trainer_loss.survivors:
+def test_the_servers_go_on_with_the_survivors_and_without_the_lost_server(losses):
+    with_lost, redone = EXPECTED[losses.where]
+    for s in losses.survivors:
         metrics = s["rank_loss"]
-        assert metrics["lost_ranks"] == [trainer_loss.lost] and metrics["loss_causes"] == ["closed"], metrics
+        assert metrics["lost_ranks"] == [losses.lost] and metrics["loss_causes"] == ["closed"], metrics
         assert metrics["loss_steps"] == [with_lost] and metrics["redone_steps"] == redone, metrics
+        assert metrics["lost_servers"] == [losses.server], metrics
         assert len(s["history"]) == s["global_step"] == STEPS
-    for server in range(trainer_loss.servers):  # each stepped once per step, and regrouped once
-        assert f"server {server} done after {STEPS} steps and 1 regroups" in trainer_loss.output, trainer_loss.output
-    assert "did not stop cleanly" not in trainer_loss.output
+    assert losses.survivors[0]["rank_loss"]["server_recovery_seconds"][0] < 5.0
+    # the server left stepped once per step, and regrouped after each loss
+    assert f"server {1 - losses.server} done after {STEPS} steps and 2 regroups" in losses.output, losses.output
+    assert "did not stop cleanly" not in losses.output
 
 
 @pytest.mark.multiprocess
-def test_every_step_equals_one_process_and_the_state_lost_nothing(trainer_loss):
-    survivors = trainer_loss.survivors
+def test_every_step_equals_one_process_and_the_state_lost_nothing(losses):
+    """A planted replica that is never stepped, or a server averaging over the trainers it started with, fails."""
+    survivors = losses.survivors
     momenta: list[torch.Tensor] = []
-    reference = replay_loss(survivors, trainer_loss.seen, SAMPLES, clip_norm=trainer_loss.clip, momenta=momenta)
+    reference = replay_loss(survivors, losses.seen, SAMPLES, clip_norm=losses.clip, momenta=momenta)
     assert len(reference) == len(survivors[0]["history"]) == STEPS
     for j, want in enumerate(reference):
         got = survivors[0]["history"][j][2]
         for other in survivors[1:]:
             assert torch.equal(got, other["history"][j][2]), f"the trainers' weights differ after batch {j}"
         close(got, want, f"after batch {j}")
-    saved = torch.load(trainer_loss.out / "ckpt" / f"step={STEPS}.ckpt", weights_only=False)
+    saved = torch.load(losses.out / "ckpt" / f"step={STEPS}.ckpt", weights_only=False)
     state = saved["optimizer_states"][0]["state"]
     buffers = torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)])
     close(buffers, momenta[-1], "the momentum buffers of the last checkpoint")
@@ -113,7 +125,7 @@ def test_every_step_equals_one_process_and_the_state_lost_nothing(trainer_loss):
 
 @pytest.mark.multiprocess
 def test_collectives_run_over_the_survivors(tmp_path_factory):
-    run = _launch(("parameter_server", "in its pull"), tmp_path_factory)
+    run = _launch(("parameter_server", "in the pull"), tmp_path_factory)
     everyone, left = list(range(DEVICES)), [r for r in range(DEVICES) if r != run.lost]
     for s in run.survivors:
         assert s["gathered"] == [everyone if j <= LOST_AT else left for j in range(STEPS)]  # (lost after its step 4)
@@ -201,58 +213,6 @@ def test_a_callback_reading_the_averaged_gradients_is_refused_at_set_up(tmp_path
     assert result.returncode != 0
     assert "cannot send the averaged gradients back to the trainers, which ReadGradients" in result.stdout
     assert not list(tmp_path.glob("ckpt/*.ckpt"))
-
-
-# ------------------------------------------------------------------------------------------------ a server lost
-#: (when, which) trainer 0 SIGKILLs one of two dedicated servers (sharded_ps) at step LOST_AT, clipping by the global
-#: norm:
-#: - "flight", server 0: in the training step: no trainer completes the exchange, which runs again, over server 1
-#:   alone (it took server 0's share over from its replica), with every trainer's gradients: no sample is dropped;
-#: - "exchange", server 1: after backward, both servers having summed the step and server 0 holding server 1's sums
-#:   in its replica (the last server's replica is on the one before it): the step closes there, server 0 answering
-#:   the vote for both shares (it may have answered for its own before: a vote kept from then fails the test);
-#: - "pull", server 1: once the step's request went to both servers (server 0 stepped its share and the replica,
-#:   server 1 may have stepped or not): server 0 does not step the replica again, and every trainer pulls again.
-SERVER_LOSSES = (("flight", 0), ("exchange", 1), ("pull", 1))
-
-
-@pytest.fixture(scope="module", params=SERVER_LOSSES, ids=[f"server {s} {when}" for when, s in SERVER_LOSSES])
-def server_loss(request, tmp_path_factory) -> tuple[str, int, list[dict], str, Path]:
-    when, server = request.param
-    out = tmp_path_factory.mktemp("server-loss")
-    result = run_script(
-        "midepoch", "--strategy", "sharded_ps", "--devices", str(DEVICES), "--num-servers", "2", "--intra-node",
-        "ring", "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
-        "continue", "--heartbeat-timeout", "2", "--clip-norm", str(CLIP), "--lose-server", str(server), str(LOST_AT),
-        "--lose-server-when", when, "--out", str(out), timeout=180,
-    )  # fmt: skip
-    return when, server, [torch.load(out / f"rank{r}.pt") for r in range(DEVICES)], result.stdout, out
-
-
-@pytest.mark.multiprocess
-def test_a_lost_servers_share_is_taken_over_by_its_replica(server_loss):
-    """Every trainer goes on (none is lost), each step equals one process on every sample of its global batch, the
-    checkpoint's state is the one process's (the lost share's from its replica), and the other server stepped once
-    per step (a planted replica that is never stepped fails the comparison)."""
-    when, server, ranks, output, out = server_loss
-    for r in ranks:
-        metrics = r["rank_loss"]
-        assert metrics["lost_ranks"] == [] and metrics["lost_servers"] == [server], metrics
-        assert metrics["redone_steps"] == (1 if when == "flight" else 0) and metrics["dropped_samples"] == 0, metrics
-    assert ranks[0]["rank_loss"]["server_recovery_seconds"][0] < 5.0
-    assert f"server {1 - server} done after {STEPS} steps and 1 regroups" in output, output[-3000:]
-    assert "did not stop cleanly" not in output
-    batches = [[i for r in ranks for i in r["trained"][j]] for j in range(STEPS)]
-    assert all(sorted(batch) == sorted(set(batch)) and len(batch) == DEVICES * BATCH for batch in batches)
-    momenta: list[torch.Tensor] = []
-    reference = replay(batches, ranks[0]["history"], SAMPLES, clip_norm=CLIP, momenta=momenta)
-    for j, want in enumerate(reference):
-        for other in ranks[1:]:
-            assert torch.equal(ranks[0]["history"][j][2], other["history"][j][2]), f"after batch {j}"
-        close(ranks[0]["history"][j][2], want, f"after batch {j}")
-    saved = torch.load(out / "ckpt" / f"step={STEPS}.ckpt", weights_only=False)
-    state = saved["optimizer_states"][0]["state"]
-    close(torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)]), momenta[-1], "the momenta")
 
 
 @pytest.mark.multiprocess
