@@ -40,6 +40,7 @@ class CommSummary:
     late_gradients: int = 0
     skipped_steps: int = 0
     #: with ``on_rank_loss="continue"``: what the run lost (the strategy's ``rank_loss.metrics()``), where it lost any
+    #: rank or dedicated server
     rank_loss: dict[str, Any] | None = None
 
     def table(self) -> str:
@@ -67,6 +68,8 @@ class CommSummary:
                 lines.append(
                     f"lost rank {rank} ({cause}) after {step} steps; the survivors went on {seconds:.3f} s later"
                 )
+            for server, seconds in zip(loss.get("lost_servers", []), loss.get("server_recovery_seconds", [])):
+                lines.append(f"lost dedicated server {server}; its replica took its share over {seconds:.3f} s later")
             lines.append(f"samples of global batches no survivor trained: {loss['dropped_samples']}")
         return "\n".join(lines)
 
@@ -250,7 +253,7 @@ class CommMonitor(Callback):
         summary.skipped_steps = getattr(trainer.strategy, "skipped_steps", 0)
         rank_loss = getattr(trainer.strategy, "rank_loss", None)
         lost = rank_loss.metrics() if rank_loss is not None else {}
-        summary.rank_loss = lost if lost.get("lost_ranks") else None
+        summary.rank_loss = lost if lost.get("lost_ranks") or lost.get("lost_servers") else None
         mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}
         summary.measured = {name: (mean[name] if timed or name.startswith("bytes") else None) for name in METRICS}
         backward = mean["backward"]
