@@ -352,14 +352,15 @@ def hidden_fraction(ranks: list[dict]) -> float:
 
 def worker_command(
     model: str, strategy: str, devices: int, steps: int, warmup: int, result_dir: Path, num_nodes: int = 1,
-    accelerator: str = "cpu", backend: str | None = None,
+    accelerator: str = "cpu", backend: str | None = None, external_servers: bool = False,
 ) -> list[str]:  # fmt: skip
-    """The command that runs one measurement (Lightning starts the node's other ranks)."""
+    """The command that runs one measurement (Lightning starts the node's other ranks); ``NAME#K``'s servers are
+    started by trainer 0 on its machine, or elsewhere with ``external_servers``."""
     return [
         sys.executable, "-m", "benchmarks.end_to_end", "--worker", "--model", model, "--devices", str(devices),
         "--num-nodes", str(num_nodes), "--strategy", strategy, "--steps", str(steps), "--warmup", str(warmup),
         "--result-dir", str(result_dir), "--accelerator", accelerator, *(["--backend", backend] if backend else []),
-        *(["--external-servers"] if "#" in strategy else []),
+        *(["--external-servers"] if external_servers and "#" in strategy else []),
     ]  # fmt: skip
 
 
@@ -381,7 +382,8 @@ def run_emulated(
     servers = int(strategy.partition("#")[2].partition("@")[0] or 0)  # dedicated servers, each on a host of its own
     with emulated_hosts(hosts + servers, rate_mbit) as namespaces:
         trainers = [
-            (ns, worker_command(model, strategy, 1, steps, warmup, result_dir, hosts)) for ns in namespaces[:hosts]
+            (ns, worker_command(model, strategy, 1, steps, warmup, result_dir, hosts, external_servers=True))
+            for ns in namespaces[:hosts]
         ]
         dedicated = [(ns, server_command(f"{SUBNET}.1", env["MASTER_PORT"], j, servers))
                      for j, ns in enumerate(namespaces[hosts:])]  # fmt: skip

@@ -142,6 +142,14 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         if self.is_trainer_zero:  # (a server lost before its replica took them ends the run here, not silently later)
             transport.wait_weights_taken()
 
+    def exchange_weights(self) -> None:
+        """A timed synchronization's pull (its gradients are nobody's step), once every server replied that it
+        summed them."""
+        transport = self.transport
+        assert isinstance(transport, RegroupingServerTransport)
+        transport.wait_summed()
+        super().exchange_weights()
+
     # ------------------------------------------------------------------ the step
     def seal_exchange(self) -> None:
         transport = self.transport
