@@ -82,6 +82,8 @@ parser.add_argument("--lose-after-backward", action="store_true",
                     help="--lose-rank dies after its backward (its exchange of the step complete) instead")  # fmt: skip
 parser.add_argument("--slow-commit-rank", type=int, default=None,
                     help="this rank commits the exchange of --lose-at-step only once the lost rank died")  # fmt: skip
+parser.add_argument("--measure-exchange", action="store_true",
+                    help="every rank times a synchronization as training starts")  # fmt: skip
 parser.add_argument("--collectives", action="store_true",
                     help="each step logs its loss with sync_dist and all-gathers the ranks training")  # fmt: skip
 parser.add_argument("--validate", action="store_true", help="validate each epoch, logging with sync_dist")
@@ -181,6 +183,8 @@ class Model(L.LightningModule):
 
     def on_train_start(self):
         strategy = self.trainer.strategy
+        if args.measure_exchange:  # its gradients are nobody's step, and it leaves nothing for the first step
+            strategy.measure_exchange_seconds()
         if args.lose_server and args.lose_server_when == "pull" and self.global_rank == 0:
             from lightning_dp.comm.servers.transport import RegroupingServerTransport
 

@@ -30,7 +30,8 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 #:   again over the two survivors' gradients (that step trains without trainer 2's samples); no clipping, so that a
 #:   server averaging over the trainers it started with fails the test. Then server 0, in the training step: the
 #:   exchange runs again over server 1 alone (it took server 0's share over from its replica), with every trainer's
-#:   gradients;
+#:   gradients. Every trainer times a synchronization as training starts (the servers' replies to it must not be
+#:   taken for the first step's);
 #: - "after the exchange": trainer 1 dies after backward, once both servers summed every trainer's gradients: the
 #:   step closes with its samples (clipped by the global norm over both servers' shares). Then server 1, after
 #:   backward: server 0 holds its sums in the replica (the last server's replica is on the one before it) and
@@ -41,7 +42,7 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 #:   step on. Then server 1, once the step's request went to both servers: server 0 (which stepped the replica
 #:   already) does not step it again.
 SCENARIOS = {
-    ("sharded_ps", "in flight"): (2, 0, None, ("--intra-node", "ring")),
+    ("sharded_ps", "in flight"): (2, 0, None, ("--intra-node", "ring", "--measure-exchange")),
     ("sharded_ps", "after the exchange"): (1, 1, CLIP, ("--intra-node", "ring", "--lose-after-backward",
                                                        "--lose-server-when", "exchange")),
     ("parameter_server", "in the pull"): (2, 1, CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
