@@ -240,10 +240,9 @@ class DedicatedEngine(StepEngine):
 
         return clip
 
-    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
-        """One optimizer step with the servers (see :mod:`lightning_dp.comm.servers`)."""
+    def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
+        """``optimizer``'s index among the strategy's, once its parameters and groups are known unchanged."""
         strategy = self.strategy
-        assert self.transport is not None and self.layout is not None and strategy.reducer is not None
         strategy.check_trainable_unchanged(optimizer)
         index = [unwrap_optimizer(o) for o in strategy.optimizers].index(optimizer)
         if len(optimizer.param_groups) != self._groups[index]:
@@ -251,6 +250,13 @@ class DedicatedEngine(StepEngine):
                 f"strategy {self.name!r} with num_servers={self.num_servers}: {type(optimizer).__name__} gained "
                 "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
             )
+        return index
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        """One optimizer step with the servers (see :mod:`lightning_dp.comm.servers`)."""
+        strategy = self.strategy
+        assert self.transport is not None and self.layout is not None and strategy.reducer is not None
+        index = self._optimizer_index(optimizer)
         if self.eager:
             control = {"hyperparameters": [hyperparameters(g) for g in optimizer.param_groups],
                        "clip": self._static_clip, "kwargs": kwargs}  # fmt: skip

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
-from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError, UnsupportedChangeError
+from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
 from lightning_dp.comm.servers.regroup import Regroup, replica_holder, serving_after, tell_server, union_segments
@@ -168,13 +168,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         strategy = self.strategy
         assert self.transport is not None and strategy.reducer is not None
-        strategy.check_trainable_unchanged(optimizer)
-        index = [unwrap_optimizer(o) for o in strategy.optimizers].index(optimizer)
-        if len(optimizer.param_groups) != self._groups[index]:
-            raise UnsupportedChangeError(
-                f"strategy {self.name!r} with num_servers={self.num_servers}: {type(optimizer).__name__} gained "
-                "parameter groups after set-up, which the server processes cannot follow; add every group before fit()"
-            )
+        index = self._optimizer_index(optimizer)
         result = closure()
         strategy.reducer.consume()
         self._clip = None
