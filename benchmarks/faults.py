@@ -324,7 +324,8 @@ def report_lines(rows: list[dict]) -> list[str]:
             lost += f" (heartbeat_timeout={r['heartbeat_timeout']:g} s)"
         dropped = r.get("dropped_samples")
         reported = r.get("recovery_seconds_reported")
-        agreement = f"{reported:.2f}" if reported is not None else "-"
+        # (a lost server's reported seconds are its whole regroup, not the trainers' agreement alone)
+        agreement = f"{reported:.2f}" if reported is not None and r["path"] != "server" else "-"
         lines.append(
             f"| {_strategy(r['strategy'])} | {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
             f"| {r['seconds'] - base['seconds']:.1f} | {r['recovery_seconds']:.2f} | {agreement} "

@@ -485,6 +485,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         assert self.reducer is not None, "call it while fitting"
         codec_state = self.codec.state_dict()
         best = fastest_run(self._synchronize, self.gradient_group, self.root_device, repeats)
+        self.rank_loss.discard_saved()  # (a loss in the next step's exchange must not restore these)
         self.codec.load_state_dict(codec_state)
         self.sync_stats.reset()
         return best

@@ -136,6 +136,9 @@ class StopOnRankLoss:
     def save_gradients(self, bucket: GradientBucket) -> None:
         """``bucket`` is about to be exchanged (on the communication thread)."""
 
+    def discard_saved(self) -> None:
+        """Forget the gradients saved for an exchange that is no step's (a timed synchronization)."""
+
     def finish_gradient_sync(self, strategy: DataParallelStrategy, reducer: BucketReducer, copy_back: bool) -> None:
         """Complete the step's gradient exchange."""
         reducer.finish(copy_back=copy_back)
@@ -389,6 +392,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
             saved = self._saved[bucket.index] = torch.empty_like(bucket.buffer)
         saved.copy_(bucket.buffer)
         self._saved_this_round.add(bucket.index)
+
+    def discard_saved(self) -> None:
+        self._saved_this_round.clear()
 
     def finish_gradient_sync(self, strategy: DataParallelStrategy, reducer: BucketReducer, copy_back: bool) -> None:
         exchange = reducer.finish

@@ -448,6 +448,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "val_counted": counted, "step_ends": model.step_ends,
             "full_gradients": getattr(trainer.strategy, "full_gradients", None),
+            "final_states": getattr(getattr(trainer.strategy, "engine", None), "final_states", None),
             "gradient_norms": next((c.norms for c in trainer.callbacks if isinstance(c, ReadGradients)), None)},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip
 if args.refit_epochs:

@@ -119,9 +119,11 @@ def test_every_step_equals_one_process_and_the_state_lost_nothing(losses):
             assert torch.equal(got, other["history"][j][2]), f"the trainers' weights differ after batch {j}"
         close(got, want, f"after batch {j}")
     saved = torch.load(losses.out / "ckpt" / f"step={STEPS}.ckpt", weights_only=False)
-    state = saved["optimizer_states"][0]["state"]
-    buffers = torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)])
-    close(buffers, momenta[-1], "the momentum buffers of the last checkpoint")
+    for where, state in [("the last checkpoint", saved["optimizer_states"][0]["state"])] + [
+        (f"a survivor's final states ({i})", s["final_states"][0]["state"]) for i, s in enumerate(survivors)
+    ]:  # (every trainer keeps the final states the leader gathered: another may write a later checkpoint)
+        buffers = torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)])
+        close(buffers, momenta[-1], f"the momentum buffers of {where}")
 
 
 @pytest.mark.multiprocess

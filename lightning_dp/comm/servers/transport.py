@@ -312,6 +312,7 @@ class RegroupingServerTransport(DedicatedServerTransport):
     def __init__(self, *args: Any, segments: list[list[Segment]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fixed_segments = segments
+        self._summed = 0
 
     def _bind(self, buckets: Sequence[GradientBucket]) -> None:
         super()._bind(buckets)
@@ -320,6 +321,11 @@ class RegroupingServerTransport(DedicatedServerTransport):
 
     def _announce_sync(self) -> None:
         self.control(Control.SYNC)
+
+    @property
+    def unacknowledged(self) -> bool:
+        """Whether a synchronization started whose servers' replies were not taken (:meth:`wait_summed`)."""
+        return self.syncs > self._summed
 
     def _replies(self, numel: int) -> list[Tensor]:
         replies = [torch.zeros(numel, dtype=torch.float64) for _ in self.members.servers]
@@ -336,6 +342,7 @@ class RegroupingServerTransport(DedicatedServerTransport):
         """Wait until every server has summed this synchronization's gradients (after the pushes left)."""
         self.wait_sent()
         self._replies(1)
+        self._summed = self.syncs
 
     def vote_of(self, optimizer_index: int) -> tuple[float, bool]:
         """Every server's shares of optimizer ``optimizer_index``: the sum of their squared gradient norms (in server

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
+from lightning_dp.comm.cluster.peers import is_transport_error
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
@@ -147,7 +148,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         summed them."""
         transport = self.transport
         assert isinstance(transport, RegroupingServerTransport)
-        transport.wait_summed()
+        if transport.unacknowledged:
+            transport.wait_summed()
         super().exchange_weights()
 
     # ------------------------------------------------------------------ the step
@@ -213,7 +215,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         transport, membership = self.transport, self.strategy.rank_loss.membership
         if transport is None or membership is None or member < transport.members.num_trainers:
             return
-        if not isinstance(error, RuntimeError):  # (gloo's transport errors; not an interrupt or a local bug)
+        if not (isinstance(error, PeerUnreachableError) or is_transport_error(error)):  # a local error is no loss
             return
         if self._server_failed_at is None:
             self._server_failed_at = time.monotonic()
@@ -330,14 +332,22 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         if leader:
             self.transport.stop_servers()
         self.stopped = True
-        # every trainer keeps the final states: a later checkpoint may be written by another leader
-        members = strategy.rank_loss.members
-        source = members[0] if members else 0
-        self.final_states = strategy.rank_loss.broadcast_object(strategy, states, src=source)
+
+        def share(group: dist.ProcessGroup | None) -> list[dict] | None:
+            # every trainer keeps the final states (a later checkpoint may be written by another leader), from the
+            # lowest member that has them (none, where the leader was lost with them: optimizer_state then says so)
+            container: list[Any] = [states]
+            dist.broadcast_object_list(container, group=group, group_src=0)
+            dist.barrier(group=group)
+            return cast("list[dict] | None", container[0])
+
+        self.final_states = strategy.rank_loss.collective(strategy, share)
 
     def on_exception(self, exception: BaseException) -> None:
         """The servers go on with the other trainers (this one leaves as a lost rank would); local servers, children
-        of this process, end with it."""
+        of this process, end with it, at once (nobody tells them to stop)."""
+        for process in self.processes:
+            process.kill()
         self.close(stop=False)
 
     def close(self, stop: bool = True) -> None:
