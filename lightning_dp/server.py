@@ -105,8 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - the run failed: exit non-zero with the reason
         _log(f"{name} stops: {error}")
         return 1
-    regroups = getattr(server, "regroups", 0)
-    _log(f"{name} done after {server.steps} steps" + (f" and {regroups} regroups" if regroups else ""))
+    done = f"{name} done after {server.steps} steps"
+    if isinstance(server, RegroupingServer) and server.regroups:
+        done += f" and {server.regroups} regroups" + (f", {server.replicas_made} replicas made again"
+                                                       if server.replicas_made else "")  # fmt: skip
+    _log(done)
     return 0
 
 

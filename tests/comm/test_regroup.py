@@ -4,38 +4,50 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dp.comm.servers.regroup import replica_holder, serving_after, union_segments
+from lightning_dp.comm.servers.regroup import replica_holders, replicas_to_make, serving_after, union_segments
 from lightning_dp.comm.servers.replicas import ReplicaLostError
 
 pytestmark = pytest.mark.unit
 
 
-def test_each_share_has_its_replica_on_a_neighbour():
-    assert replica_holder(0, 1) is None
-    assert [replica_holder(s, 2) for s in range(2)] == [1, 0]
-    assert [replica_holder(s, 4) for s in range(4)] == [1, 2, 3, 2]  # the last one's: the one before it
+def test_each_servers_shares_have_their_replicas_on_a_neighbour():
+    assert replica_holders((0,)) == {}
+    assert replica_holders((0, 1)) == {0: 1, 1: 0}
+    assert replica_holders(range(4)) == {0: 1, 1: 2, 2: 3, 3: 2}  # the last one's: the one before it
+    assert replica_holders((0, 2, 3)) == {0: 2, 2: 3, 3: 2}  # over the servers serving now
     for k in range(2, 6):
-        assert all(abs(replica_holder(s, k) - s) == 1 for s in range(k))  # type: ignore[operator]
+        assert all(abs(holder - s) == 1 for s, holder in replica_holders(range(k)).items())
 
 
-def test_a_lost_servers_share_moves_to_its_replicas_holder():
+def test_a_lost_servers_shares_move_to_their_replicas_holder():
     everyone = {s: (s,) for s in range(4)}
-    assert serving_after(everyone, {1}, 4) == {0: (0,), 2: (1, 2), 3: (3,)}
-    assert serving_after(everyone, {3}, 4) == {0: (0,), 1: (1,), 2: (2, 3)}
-    assert serving_after(everyone, {0, 2}, 4) == {1: (0, 1), 3: (2, 3)}  # two losses, each replica alive
+    assert serving_after(everyone, {1}) == {0: (0,), 2: (1, 2), 3: (3,)}
+    assert serving_after(everyone, {3}) == {0: (0,), 1: (1,), 2: (2, 3)}
+    assert serving_after(everyone, {0, 2}) == {1: (0, 1), 3: (2, 3)}  # two losses, each replica alive
+    assert serving_after({0: (0,), 2: (1, 2)}, {2}) == {0: (0, 1, 2)}  # shares taken over, then replicated again
 
 
 @pytest.mark.parametrize(
-    ("serves", "lost", "k"),
+    ("serves", "lost", "unreplicated"),
     [
-        ({0: (0,)}, {0}, 1),  # a single server has no neighbour
-        ({0: (0,), 1: (1,), 2: (2,)}, {0, 1}, 3),  # server 0's replica was on server 1
-        ({0: (0, 1)}, {0}, 2),  # server 0 had taken over server 1's share, which had no replica any more
+        ({0: (0,)}, {0}, ()),  # a single server has no neighbour
+        ({0: (0,), 1: (1,), 2: (2,)}, {0, 1}, ()),  # server 0's replica was on server 1
+        ({0: (0,), 2: (1, 2)}, {2}, (1,)),  # share 1's replica on server 0 not confirmed made yet
     ],
 )
-def test_a_share_without_a_live_replica_is_named(serves, lost, k):
+def test_a_share_without_a_live_replica_is_named(serves, lost, unreplicated):
     with pytest.raises(ReplicaLostError, match="dedicated server"):
-        serving_after(serves, lost, k)
+        serving_after(serves, lost, unreplicated)
+
+
+def test_the_replicas_a_loss_leaves_missing_are_made_again_on_the_new_neighbour():
+    everyone = {s: (s,) for s in range(3)}  # replicas: 0's on 1, 1's on 2, 2's on 1
+    # server 1 lost: server 2 serves 1 and 2, their replicas go to server 0; share 0's was on server 1
+    assert replicas_to_make(everyone, serving_after(everyone, {1})) == {0: (1, 2), 2: (0,)}
+    # server 0 lost: server 1 serves 0 and 1 (their replicas to server 2, which holds 1's already); 2's stays on 1
+    assert replicas_to_make(everyone, serving_after(everyone, {0})) == {2: (0,)}
+    assert replicas_to_make(everyone, everyone) == {}  # a trainer lost: every replica stays where it is
+    assert replicas_to_make({0: (0,), 1: (1,)}, {0: (0, 1)}) == {}  # one server left: no replica to make
 
 
 def test_a_server_serving_two_shares_serves_one_range_of_every_bucket():

@@ -104,9 +104,10 @@ parser.add_argument(
     "--lose-server",
     type=int,
     nargs=2,
-    default=None,
+    action="append",
+    default=[],
     metavar=("SERVER", "STEP"),
-    help="trainer 0 SIGKILLs the dedicated server it started, at STEP (see --lose-server-when)",
+    help="trainer 0 SIGKILLs the dedicated server it started, at STEP (see --lose-server-when); repeatable",
 )
 parser.add_argument(
     "--lose-server-when",
@@ -116,6 +117,8 @@ parser.add_argument(
 )
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+#: --lose-server's steps and the server lost at each
+server_losses = {step: server for server, step in args.lose_server}
 out = Path(args.out)
 
 
@@ -171,8 +174,8 @@ class Model(L.LightningModule):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
                 os.kill(os.getpid(), signal.SIGKILL)
         if args.lose_server and args.lose_server_when == "flight" and self.global_rank == 0:
-            if self.global_step == args.lose_server[1]:
-                kill_server()
+            if self.global_step in server_losses:
+                kill_server(server_losses[self.global_step])
                 time.sleep(0.3)
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.collectives:
@@ -194,8 +197,9 @@ class Model(L.LightningModule):
                 """--lose-server dies once the step's request of --lose-server's step went to every server (on
                 every transport of this process: a regroup replaces it)."""
                 control(transport, kind, *a, **k)
-                if kind == 1 and self.trainer.global_step == args.lose_server[1] and not (out / "server-lost").exists():
-                    kill_server()  # (Control.STEP)
+                server = server_losses.get(self.trainer.global_step)
+                if kind == 1 and server is not None and not (out / f"server-lost-{server}").exists():
+                    kill_server(server)  # (Control.STEP)
 
             RegroupingServerTransport.control = control_then_kill
         if args.lose_in_pull and self.global_rank == args.lose_rank and args.num_servers:
@@ -280,12 +284,12 @@ class ReadGradients(L.Callback):
         self.norms.append(float(torch.cat(grads).norm()) if grads else 0.0)
 
 
-def kill_server() -> None:
-    """SIGKILL the dedicated server --lose-server (a child of trainer 0)."""
-    process = trainer.strategy.engine.processes[args.lose_server[0]]
+def kill_server(server: int) -> None:
+    """SIGKILL dedicated server ``server`` (a child of trainer 0)."""
+    process = trainer.strategy.engine.processes[server]
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    (out / "server-lost").touch()
+    (out / f"server-lost-{server}").touch()
 
 
 class LoseServerAfterBackward(L.Callback):
@@ -295,8 +299,8 @@ class LoseServerAfterBackward(L.Callback):
     reads_weights = False
 
     def on_after_backward(self, trainer, pl_module):
-        if trainer.global_rank == 0 and trainer.global_step == args.lose_server[1]:
-            kill_server()
+        if trainer.global_rank == 0 and trainer.global_step in server_losses:
+            kill_server(server_losses[trainer.global_step])
 
 
 class LoseAfterBackward(L.Callback):

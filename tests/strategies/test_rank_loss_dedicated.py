@@ -22,16 +22,18 @@ from tests.helpers.launch import run_script, subprocess_env
 from tests.helpers.midepoch import read_seen, replay_loss
 from tests.helpers.replicas import close
 
-DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, SERVER_LOST_AT, CLIP = 3, 4, 72, 2, 4, 7, 0.05
+DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, SERVER_LOST_AT, SECOND_SERVER_LOST_AT, CLIP = 3, 4, 72, 2, 4, 7, 10, 0.05
 STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
-#: (strategy, where): (lost trainer, lost server, clipping by norm, options). Two dedicated servers; trainer 0 (it
-#: started them) SIGKILLs one at step SERVER_LOST_AT, after a trainer died at step LOST_AT, both at the same point:
+#: (strategy, where): (lost trainer, lost servers, clipping by norm, options). Two dedicated servers (three where two
+#: are lost); trainer 0 (it started them) SIGKILLs one at step SERVER_LOST_AT (and another at SECOND_SERVER_LOST_AT),
+#: after a trainer died at step LOST_AT, all at the same point:
 #: - "in flight": trainer 2 dies in its training step: no trainer completes the exchange, which the servers sum
 #:   again over the two survivors' gradients (that step trains without trainer 2's samples); no clipping, so that a
-#:   server averaging over the trainers it started with fails the test. Then server 0, in the training step: the
-#:   exchange runs again over server 1 alone (it took server 0's share over from its replica), with every trainer's
-#:   gradients. Every trainer times a synchronization as training starts (the servers' replies to it must not be
-#:   taken for the first step's);
+#:   server averaging over the trainers it started with fails the test. Then server 1 of three, in the training step:
+#:   the exchange runs again, server 2 serving server 1's share from its replica; the replicas the loss left missing
+#:   are made again (shares 1 and 2 on server 0, share 0 on server 2), so that server 2's loss later is survived
+#:   too, server 0 serving everything from its new replicas. Every trainer times a synchronization as training
+#:   starts (the servers' replies to it must not be taken for the first step's);
 #: - "after the exchange": trainer 1 dies after backward, once both servers summed every trainer's gradients: the
 #:   step closes with its samples (clipped by the global norm over both servers' shares). Then server 1, after
 #:   backward: server 0 holds its sums in the replica (the last server's replica is on the one before it) and
@@ -42,21 +44,23 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 #:   step on. Then server 1, once the step's request went to both servers: server 0 (which stepped the replica
 #:   already) does not step it again.
 SCENARIOS = {
-    ("sharded_ps", "in flight"): (2, 0, None, ("--intra-node", "ring", "--measure-exchange")),
-    ("sharded_ps", "after the exchange"): (1, 1, CLIP, ("--intra-node", "ring", "--lose-after-backward",
-                                                       "--lose-server-when", "exchange")),
-    ("parameter_server", "in the pull"): (2, 1, CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
-                                                        "pull")),
+    ("sharded_ps", "in flight"): (2, (1, 2), None, ("--intra-node", "ring", "--measure-exchange")),
+    ("sharded_ps", "after the exchange"): (1, (1,), CLIP, ("--intra-node", "ring", "--lose-after-backward",
+                                                          "--lose-server-when", "exchange")),
+    ("parameter_server", "in the pull"): (2, (1,), CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
+                                                           "pull")),
 }  # fmt: skip
 #: (exchanges committed with the lost trainer, exchanges run again: over the trainers, then over the servers left)
-EXPECTED = {"in flight": (LOST_AT, 2), "after the exchange": (LOST_AT + 1, 0), "in the pull": (LOST_AT + 1, 0)}
+EXPECTED = {"in flight": (LOST_AT, 3), "after the exchange": (LOST_AT + 1, 0), "in the pull": (LOST_AT + 1, 0)}
+#: the survivors among the servers: (server, replicas it made again)
+SERVERS_LEFT = {"in flight": [(0, 2)], "after the exchange": [(0, 0)], "in the pull": [(0, 0)]}
 
 
 @dataclass
 class Run:
     where: str
     lost: int
-    server: int
+    servers: tuple[int, ...]
     clip: float | None
     out: Path
     output: str
@@ -71,18 +75,20 @@ def _launch(key: tuple[str, str], tmp_path_factory) -> Run:
     """The scenario's job, run once per session."""
     if key not in _runs:
         strategy, where = key
-        lost, server, clip, options = SCENARIOS[key]
+        lost, servers, clip, options = SCENARIOS[key]
         out = tmp_path_factory.mktemp("dedicated-loss")
         clipping = ("--clip-norm", str(clip)) if clip is not None else ()
+        steps = (SERVER_LOST_AT, SECOND_SERVER_LOST_AT)[: len(servers)]
+        server_losses = [x for pair in zip(servers, steps, strict=True) for x in ("--lose-server", *map(str, pair))]
         result = run_script(
-            "midepoch", "--strategy", strategy, "--devices", str(DEVICES), "--num-servers", "2", "--samples",
-            str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
-            "--heartbeat-timeout", "2", "--lose-rank", str(lost), "--lose-at-step", str(LOST_AT), "--lose-server",
-            str(server), str(SERVER_LOST_AT), *clipping, *options, "--out", str(out), timeout=180,
+            "midepoch", "--strategy", strategy, "--devices", str(DEVICES), "--num-servers", str(1 + len(servers)),
+            "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
+            "continue", "--heartbeat-timeout", "2", "--lose-rank", str(lost), "--lose-at-step", str(LOST_AT),
+            *server_losses, *clipping, *options, "--out", str(out), timeout=180,
         )  # fmt: skip
         survivors = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
         seen = read_seen(out / f"seen-rank{lost}.txt")
-        _runs[key] = Run(where, lost, server, clip, out, result.stdout, survivors, seen)
+        _runs[key] = Run(where, lost, servers, clip, out, result.stdout, survivors, seen)
     return _runs[key]
 
 
@@ -98,11 +104,13 @@ def test_the_servers_go_on_with_the_survivors_and_without_the_lost_server(losses
         metrics = s["rank_loss"]
         assert metrics["lost_ranks"] == [losses.lost] and metrics["loss_causes"] == ["closed"], metrics
         assert metrics["loss_steps"] == [with_lost] and metrics["redone_steps"] == redone, metrics
-        assert metrics["lost_servers"] == [losses.server], metrics
+        assert metrics["lost_servers"] == list(losses.servers), metrics
         assert len(s["history"]) == s["global_step"] == STEPS
-    assert losses.survivors[0]["rank_loss"]["server_recovery_seconds"][0] < 5.0
-    # the server left stepped once per step, and regrouped after each loss
-    assert f"server {1 - losses.server} done after {STEPS} steps and 2 regroups" in losses.output, losses.output
+    assert all(seconds < 5.0 for seconds in losses.survivors[0]["rank_loss"]["server_recovery_seconds"])
+    # the servers left stepped once per step, regrouped after each loss, and made the replicas a loss left missing
+    for server, made in SERVERS_LEFT[losses.where]:
+        done = f"server {server} done after {STEPS} steps and {1 + len(losses.servers)} regroups"
+        assert done + (f", {made} replicas made again" if made else "\n") in losses.output, losses.output
     assert "did not stop cleanly" not in losses.output
 
 

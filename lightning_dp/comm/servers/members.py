@@ -33,6 +33,8 @@ class Tag(IntEnum):
     REPLY = 17
     #: a server's summed gradients (or weights) of its share, to the server holding its replica
     FORWARD = 18
+    #: a share's whole state, to the server that makes a replica of it after a loss (and which replicas it wants)
+    REPLICA = 19
 
 
 #: pieces of one message travel on tags of their own: ``Tag * PIECE_TAGS + piece`` (below 2**31 for every tag)

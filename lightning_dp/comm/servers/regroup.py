@@ -9,9 +9,11 @@ which the server listens on from set-up (:class:`RegroupListener`). The server f
 whatever it waited for fails at once, and forms the next one with the survivors.
 
 The trainers hold no share: the servers hold the whole state, and a trainer's loss takes none of it. Each server's
-share has a replica on its neighbour (:func:`replica_holder`): the server forwards its summed gradients to it at every
-synchronization and the neighbour steps its copy with the same request, so a lost server's share is taken over by its
-neighbour, whose range of every bucket it adjoins (:func:`serving_after`, :func:`union_segments`).
+server's shares have their replicas on its neighbour (:func:`replica_holders`): the server forwards its summed
+gradients to it at every synchronization and the neighbour steps its copies with the same request, so a lost server's
+shares are taken over by its neighbour, whose range of every bucket they adjoin (:func:`serving_after`,
+:func:`union_segments`). After a loss every share the servers left serve has its replica made again on its server's
+new neighbour (:func:`replicas_to_make`), its state sent once by the server, so that the next loss is survived too.
 
 Each step is a sequence of requests from the leader that a server can answer again after a regroup
 (:class:`RegroupingServer`): ``SYNC`` (sum every trainer's gradients, forward them to the replica, acknowledge),
@@ -22,11 +24,12 @@ whatever number of times it is asked, and send the new weights), ``PULL``, and t
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,30 +84,55 @@ def _frame(fields: dict[str, Any]) -> bytes:
     return struct.pack("!I", len(data)) + data
 
 
-def replica_holder(server: int, num_servers: int) -> int | None:
-    """The server holding server ``server``'s replica: the next one, the last one's the one before (so that a share
-    and its holder's always adjoin in every bucket); ``None`` for a single server."""
-    if num_servers < 2:
-        return None
-    return server + 1 if server + 1 < num_servers else server - 1
+def replica_holders(servers: Sequence[int]) -> dict[int, int]:
+    """Where each server's shares have their replicas, ``servers`` being those serving now in member order: on the
+    next server, the last one's on the one before it (so that a server's shares and its holder's always adjoin in every
+    bucket); none for a single server."""
+    if len(servers) < 2:
+        return {}
+    return {s: servers[i + 1] if i + 1 < len(servers) else servers[i - 1] for i, s in enumerate(servers)}
 
 
-def serving_after(serves: dict[int, tuple[int, ...]], lost: set[int], num_servers: int) -> dict[int, tuple[int, ...]]:
-    """Which shares each server serves once the servers ``lost`` are gone (``serves``: before): each lost server's
-    own share moves to its replica's holder. :class:`~.replicas.ReplicaLostError` where a share has no live replica
-    (its holder lost too, a share taken over earlier, a single server)."""
+def serving_after(
+    serves: dict[int, tuple[int, ...]], lost: set[int], unreplicated: Collection[int] = ()
+) -> dict[int, tuple[int, ...]]:
+    """Which shares each server serves once the servers ``lost`` are gone (``serves``: before, by server in member
+    order): a lost server's shares move to its replicas' holder (:func:`replica_holders`).
+    :class:`~.replicas.ReplicaLostError` where a share has no live replica: a single server, its holder lost too, or a
+    share among ``unreplicated`` (its new replica not confirmed made yet)."""
+    holders = replica_holders(sorted(serves))
     after = {s: tuple(shares) for s, shares in serves.items() if s not in lost}
     for server in sorted(lost):
-        holder = replica_holder(server, num_servers)
-        if serves[server] != (server,) or holder is None or holder not in after:
-            gone = ", ".join(f"share {share}" for share in serves[server])
+        holder = holders.get(server)
+        without = sorted(set(serves[server]) & set(unreplicated))
+        if holder is None or holder not in after or without:
+            gone = ", ".join(f"share {share}" for share in (without or serves[server]))
             raise ReplicaLostError(
                 f"dedicated server {server} was lost with {gone} of the servers' state, which has no replica on a "
-                "live server (a single server, its neighbour lost too, or a share it had taken over): restart the run "
-                "from its last checkpoint"
+                "live server (a single server, the holder of its replicas lost too, or a replica still being made): "
+                "restart the run from its last checkpoint"
             )
-        after[holder] = tuple(sorted((*after[holder], server)))
+        after[holder] = tuple(sorted((*after[holder], *serves[server])))
     return after
+
+
+def replicas_to_make(
+    before: dict[int, tuple[int, ...]], after: dict[int, tuple[int, ...]]
+) -> dict[int, tuple[int, ...]]:
+    """``server -> shares``: the replicas each server must receive once the servers serve ``after`` instead of
+    ``before`` (both by server in member order): those of the shares whose holder changed, a share taken over by its
+    holder among them."""
+    held_before = replica_holders(sorted(before))
+    where_before = {share: held_before.get(server) for server, shares in before.items() for share in shares}
+    holders = replica_holders(sorted(after))
+    make: dict[int, tuple[int, ...]] = {}
+    for server, shares in after.items():
+        holder = holders.get(server)
+        if holder is not None:
+            moved = tuple(share for share in shares if where_before.get(share) != holder)
+            if moved:
+                make[holder] = tuple(sorted((*make.get(holder, ()), *moved)))
+    return make
 
 
 def union_segments(server_segments: list[list[Segment]], serves: list[tuple[int, ...]]) -> list[list[Segment]]:
@@ -188,14 +216,29 @@ class RegroupListener:
             pass
 
 
+def exchange_objects(members: MemberGroup, outgoing: dict[int, Any], incoming: list[int]) -> dict[int, Any]:
+    """Send each ``outgoing[member]`` to its member and receive one object from each of ``incoming``, every message
+    posted before any is waited for (two members may send each other at once); what arrived, by member."""
+    data = {m: torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for m, obj in outgoing.items()}
+    sizes = {m: torch.zeros(1, dtype=torch.int64) for m in incoming}
+    members.wait_all([(members.isend(torch.tensor([d.numel()]), m, Tag.REPLICA), m, "send a replica to") for m, d in
+                      data.items()] + [(members.irecv(sizes[m], m, Tag.REPLICA), m, "receive a replica from")
+                                       for m in incoming])  # fmt: skip
+    received = {m: torch.empty(int(sizes[m].item()), dtype=torch.uint8) for m in incoming}
+    members.wait_all([(members.isend(d, m, Tag.REPLICA), m, "send a replica to") for m, d in data.items()]
+                     + [(members.irecv(received[m], m, Tag.REPLICA), m, "receive a replica from")
+                        for m in incoming])  # fmt: skip
+    return {m: pickle.loads(t.numpy().tobytes()) for m, t in received.items()}  # noqa: S301 - members of one run
+
+
 class RunAborted(RuntimeError):
     """Trainer 0 stopped the run (``ABORT``): the server exits, it does not wait for a regroup."""
 
 
 class RegroupingServer(DedicatedServer):
     """A dedicated server that goes on when a trainer or another server is lost (see the module docstring). It serves
-    its own share (itself, as a :class:`DedicatedServer`) and the shares it took over, and holds the replicas of its
-    neighbours' shares (:func:`replica_holder`).
+    its own share (itself, as a :class:`DedicatedServer`) and the shares it took over, and holds the replicas of the
+    shares its neighbours serve (:func:`replica_holders`).
 
     ``connections``: the TCP connections of ``members`` (fenced when a regroup message arrives); ``rejoin_timeout``:
     seconds it waits after its member group failed for the trainers' leader to say how the run goes on, before it
@@ -217,11 +260,18 @@ class RegroupingServer(DedicatedServer):
         self.generation = 0
         #: the servers serving now (their indices when the run started), in member order
         self.servers: tuple[int, ...] = tuple(range(k))
-        #: the shares this server serves, by server index: its own (itself), then those it took over
+        #: the shares each server serving now serves (a share: the index of the server that served it at first)
+        self.serving: dict[int, tuple[int, ...]] = {s: (s,) for s in range(k)}
+        #: the member rank of server 0 when the run started (the plan's segments are laid out by those ranks)
+        self._first_server_member = members.num_trainers
+        #: the shares this server serves: its own (itself), then those it took over
         self.shares: dict[int, DedicatedServer] = {self.index: self}
-        #: the replicas of other servers' shares held here, by server index
-        self.replicas = {s: DedicatedServer(members, plan, member_index=members.num_trainers + s)
-                         for s in range(k) if replica_holder(s, k) == self.index}  # fmt: skip
+        #: the replicas of shares other servers serve, held here, by share
+        holders = replica_holders(self.servers)
+        self.replicas = {s: self._share(s) for s in range(k) if holders.get(s) == self.index}
+        #: replicas received from another server since the run started (after a loss)
+        self.replicas_made = 0
+        self._replicas_pending = False
         #: the last step key each share (or replica) stepped optimizer ``index`` with: ``(server, index) -> key``
         self.stepped: dict[tuple[int, int], Any] = {}
         #: regroups this server went through
@@ -251,6 +301,10 @@ class RegroupingServer(DedicatedServer):
     def _member(self, server: int) -> int:
         return self.members.num_trainers + self.servers.index(server)
 
+    def _share(self, share: int) -> DedicatedServer:
+        """A fresh copy of ``share`` (its weights and optimizer state not set yet), for a replica."""
+        return DedicatedServer(self.members, self.plan, member_index=self._first_server_member + share)
+
     def on_regroup(self, message: Regroup) -> None:
         """A regroup message (on the listener's thread): kept if newer than any so far, and the member group fenced,
         so that the serving loop stops waiting wherever it waits."""
@@ -268,6 +322,8 @@ class RegroupingServer(DedicatedServer):
         exchange waits for the trainers' regroup (:meth:`_regroup`), and raises where none comes."""
         while True:
             try:
+                if self._replicas_pending:
+                    self._make_replicas()
                 self._serve()
                 return
             except RunAborted:
@@ -332,19 +388,22 @@ class RegroupingServer(DedicatedServer):
         self._reply(torch.ones(1, dtype=torch.float64))
 
     def _forward(self, tensors: Callable[[DedicatedServer, int], list[Tensor]]) -> None:
-        """``tensors(share, b)`` of this server's own share to its replica's holder, and the same of each replica
-        held here from its server (every receive posted before any send)."""
+        """``tensors(share, b)`` of every share served here to their replicas' holder, and the same of each replica
+        held here from the server serving its share (every receive posted before any send; shares in order)."""
         members, works = self.members, []
-        for owner, replica in self.replicas.items():
-            if owner in self.servers:
-                source = self._member(owner)
-                works += [(members.irecv(t, source, Tag.FORWARD), source, "receive the replica's share from")
-                          for b in replica.served for t in tensors(replica, b)]  # fmt: skip
-        holder = replica_holder(self.index, self.num_servers)
-        if holder is not None and holder in self.servers:
+        holders = replica_holders(self.servers)
+        for server, shares in self.serving.items():
+            if server != self.index and holders.get(server) == self.index:
+                source = self._member(server)
+                works += [(members.irecv(t, source, Tag.FORWARD), source, "receive a replica's share from")
+                          for share in shares for b in self.replicas[share].served
+                          for t in tensors(self.replicas[share], b)]  # fmt: skip
+        holder = holders.get(self.index)
+        if holder is not None:
             target = self._member(holder)
-            works += [(members.isend(t, target, Tag.FORWARD), target, "forward its share to")
-                      for b in self.served for t in tensors(self, b)]  # fmt: skip
+            works += [(members.isend(t, target, Tag.FORWARD), target, "forward its shares to")
+                      for _, share in sorted(self.shares.items()) for b in share.served
+                      for t in tensors(share, b)]  # fmt: skip
         members.wait_all(works)
 
     def _vote(self, index: int) -> Tensor:
@@ -443,11 +502,64 @@ class RegroupingServer(DedicatedServer):
         self.generation = message.generation
         self.regroups += 1
         self.servers = message.servers
-        for server in message.serves[message.servers.index(self.index)]:
-            if server not in self.shares:  # its server is lost: the replica held here serves from now on
-                self.shares[server] = self.replicas.pop(server)
-        self.replicas = {s: replica for s, replica in self.replicas.items() if s in self.servers}
+        self.serving = dict(zip(message.servers, message.serves, strict=True))
+        for share in self.serving[self.index]:
+            if share not in self.shares:  # its server is lost: the replica held here serves from now on
+                self.shares[share] = self.replicas.pop(share)
+        holders = replica_holders(self.servers)
+        wanted = {share for server, shares in self.serving.items() if holders.get(server) == self.index
+                  for share in shares}  # fmt: skip
+        self.replicas = {share: replica for share, replica in self.replicas.items() if share in wanted}
+        self._replicas_pending = True
         self._lay_out()
+
+    def _make_replicas(self) -> None:
+        """Every server: ask each server whose replicas it holds for those of its shares it holds no replica of
+        (which a loss left without one), and send its holder the state of the shares it is asked for: weights,
+        gradients and flags of the last synchronization, each optimizer's state, vote and step key. A replica counts
+        once its whole state arrived (a loss meanwhile: the next regroup asks again)."""
+        holders = replica_holders(self.servers)
+        dependents = [s for s in self.servers if s != self.index and holders.get(s) == self.index]
+        wanted = {s: [share for share in self.serving[s] if share not in self.replicas] for s in dependents}
+        holder = holders.get(self.index)
+        asked = exchange_objects(self.members, {self._member(s): wanted[s] for s in dependents},
+                                 [self._member(holder)] if holder is not None else [])  # fmt: skip
+        outgoing: dict[int, Any] = {}
+        if holder is not None and asked[self._member(holder)]:
+            outgoing[self._member(holder)] = [self._share_state(share) for share in asked[self._member(holder)]]
+        arrived = exchange_objects(self.members, outgoing, [self._member(s) for s in dependents if wanted[s]])
+        for server in dependents:
+            for share, state in zip(wanted[server], arrived.get(self._member(server), []), strict=True):
+                self.replicas[share] = self._replica_from(share, state)
+                self.replicas_made += 1
+        self._replicas_pending = False
+
+    def _share_state(self, share: int) -> dict[str, Any]:
+        """What a new replica of ``share`` (served here) needs to go on as the share does."""
+        served = self.shares[share]
+        count = len(served.optimizers)
+        return {
+            "weights": served.layout.storage, "gradients": served.gradients, "flags": served.flags,
+            "optimizers": [sharded.shard.state_dict() for sharded in served.optimizers],
+            "stepped": [self.stepped.get((share, i)) for i in range(count)],
+            "votes": [self._votes.get((share, i)) for i in range(count)],
+        }  # fmt: skip
+
+    def _replica_from(self, share: int, state: dict[str, Any]) -> DedicatedServer:
+        replica = self._share(share)
+        with torch.no_grad():
+            replica.layout.storage.copy_(state["weights"])
+            replica.gradients.copy_(state["gradients"])
+            for b, flags in state["flags"].items():
+                replica.flags[b].copy_(flags)
+        for i, (sharded, optimizer_state) in enumerate(zip(replica.optimizers, state["optimizers"], strict=True)):
+            sharded.shard.load_state_dict(optimizer_state)
+            for table, value in ((self.stepped, state["stepped"][i]), (self._votes, state["votes"][i])):
+                table.pop((share, i), None)
+                if value is not None:
+                    table[(share, i)] = value
+        replica._take_gradients(replica.layout.pieces)
+        return replica
 
     def _form(self, message: Regroup) -> MemberGroup | None:
         """The member group of ``message``'s generation (``None`` where a newer message came first)."""

@@ -21,7 +21,14 @@ from lightning_dp.comm.cluster.peers import is_transport_error
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
-from lightning_dp.comm.servers.regroup import Regroup, replica_holder, serving_after, tell_server, union_segments
+from lightning_dp.comm.servers.regroup import (
+    Regroup,
+    replica_holders,
+    replicas_to_make,
+    serving_after,
+    tell_server,
+    union_segments,
+)
 from lightning_dp.comm.servers.replicas import ReplicaLostError
 from lightning_dp.comm.servers.sharded_optimizer import Segment, hyperparameters
 from lightning_dp.comm.servers.transport import RegroupingServerTransport
@@ -62,6 +69,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self.serves: dict[int, tuple[int, ...]] = {}
         #: ``[b][s]``: server ``s``'s range of bucket ``b`` at set-up
         self.server_segments: list[list[Segment]] = []
+        #: shares whose replica the servers were told to make again, until every server answered a request after it
+        self._unreplicated: set[int] = set()
         self._server_failed_at: float | None = None
 
     _transport_type = RegroupingServerTransport
@@ -131,6 +140,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         assert self.transport is not None
         self.servers = tuple(range(self.num_servers))
         self.serves = {s: (s,) for s in self.servers}
+        self._unreplicated = set()
         self.server_segments = [row[-self.num_servers :] for row in self.transport.segments]
         self.transport.members.on_failure = self._member_failed
         addresses = [json.loads(store.get(f"listener/{i}")) for i in range(self.num_servers)]
@@ -164,6 +174,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         return False  # every server holds the step's sums wherever any trainer completed the exchange
 
     def point_completed(self, kind: str) -> None:
+        self._unreplicated = set()  # every server answered: each made the replicas it was to make before serving
         if kind == PULL:
             self._empty_regroups = 0
 
@@ -225,8 +236,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
 
     def rebuild_exchange(self) -> None:
         """The groups over the trainers that train now; the leader finds the servers that are there (a lost one's
-        share moves to its replica's holder), tells each how the run goes on, and the member group forms again
-        (collective over the trainers and those servers)."""
+        shares move to their replicas' holder, and the shares left without a replica get one again), tells each how
+        the run goes on, and the member group forms again (collective over the trainers and those servers)."""
         strategy = self.strategy
         strategy.rebuild_groups()
         old = self.transport
@@ -242,6 +253,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             raise ReplicaLostError(outcome[0])
         servers, serves = outcome[0]
         lost = [s for s in self.servers if s not in servers]
+        before = self.serves
         prefix = f"{self.token}/gen{membership.generation}"
         if me == 0:
             message = Regroup(membership.generation, n, servers, tuple(serves[s] for s in servers),
@@ -271,6 +283,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                                               segments=segments)  # fmt: skip
         transport.bind(strategy.reducer.buckets)
         self.transport = strategy.transport = transport
+        made = replicas_to_make(before, serves)
+        self._unreplicated |= {share for shares in made.values() for share in shares}
+        holders = replica_holders(sorted(before))
         self.servers, self.serves = servers, serves
         if lost:
             began = [t for t in (self._server_failed_at, membership.change_began) if t is not None]
@@ -279,9 +294,12 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             rank_loss: Any = strategy.rank_loss
             rank_loss.lost_servers += lost
             rank_loss.server_recovery_seconds += [seconds] * len(lost)
-            moved = ", ".join(f"server {s}'s share to server {replica_holder(s, self.num_servers)}" for s in lost)
-            rank_zero_warn(f"strategy {self.name!r}: lost dedicated server(s) {lost}; {moved}, which held its replica "
-                           f"(recovered in {seconds:.2f} s)")  # fmt: skip
+            moved = "; ".join(f"server {s}'s shares {list(before[s])} to server {holders[s]}, which held their "
+                              "replicas" for s in lost)  # fmt: skip
+            again = "; ".join(f"shares {list(shares)} on server {s}" for s, shares in sorted(made.items()))
+            replicas = f"replicas made again of {again}" if made else "no replica left: a further loss ends the run"
+            rank_zero_warn(f"strategy {self.name!r}: lost dedicated server(s) {lost}; {moved} (recovered in "
+                           f"{seconds:.2f} s); {replicas}")  # fmt: skip
         self._server_failed_at = None
         if not lost and not [loss for loss in membership.losses if loss.generation == membership.generation]:
             self._empty_regroups += 1  # nothing was lost: the wait that failed is run again
@@ -303,7 +321,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             except OSError:
                 continue
         try:
-            return tuple(alive), serving_after(self.serves, set(self.servers) - set(alive), self.num_servers)
+            return tuple(alive), serving_after(self.serves, set(self.servers) - set(alive), self._unreplicated)
         except ReplicaLostError as error:
             return str(error)
 
