@@ -115,6 +115,11 @@ parser.add_argument(
     default="flight",
     help="in the training step, after backward, or once the step's request went to the servers",
 )
+parser.add_argument(
+    "--silent-server",
+    action="store_true",
+    help="--lose-server's servers are SIGSTOPped (silent, their connections open: a host cut off), not SIGKILLed",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: --lose-server's steps and the server lost at each
@@ -285,10 +290,13 @@ class ReadGradients(L.Callback):
 
 
 def kill_server(server: int) -> None:
-    """SIGKILL dedicated server ``server`` (a child of trainer 0)."""
+    """SIGKILL dedicated server ``server`` (a child of trainer 0), or SIGSTOP it (--silent-server)."""
     process = trainer.strategy.engine.processes[server]
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    if args.silent_server:
+        os.kill(process.pid, signal.SIGSTOP)
+    else:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
     (out / f"server-lost-{server}").touch()
 
 

@@ -35,9 +35,11 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 #:   too, server 0 serving everything from its new replicas. Every trainer times a synchronization as training
 #:   starts (the servers' replies to it must not be taken for the first step's);
 #: - "after the exchange": trainer 1 dies after backward, once both servers summed every trainer's gradients: the
-#:   step closes with its samples (clipped by the global norm over both servers' shares). Then server 1, after
-#:   backward: server 0 holds its sums in the replica (the last server's replica is on the one before it) and
-#:   answers the vote for both shares (it may have answered for its own before: a vote kept from then fails);
+#:   step closes with its samples (clipped by the global norm over both servers' shares). Then server 1 falls
+#:   silent after backward (SIGSTOPped: its connections stay open, as a host cut off leaves them), found by the
+#:   leader's probe within a heartbeat: server 0 holds its sums in the replica (the last server's replica is on the
+#:   one before it) and answers the vote for both shares (it may have answered for its own before: a vote kept from
+#:   then fails);
 #: - "in the pull" (``parameter_server``, the buckets cut over its two servers): trainer 2 dies as its weight pull
 #:   starts, the servers having stepped: the pull runs again over the survivors, the servers sending their weights
 #:   without stepping twice; the training step logs with sync_dist and all-gathers, over the survivors from the next
@@ -46,7 +48,7 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 SCENARIOS = {
     ("sharded_ps", "in flight"): (2, (1, 2), None, ("--intra-node", "ring", "--measure-exchange")),
     ("sharded_ps", "after the exchange"): (1, (1,), CLIP, ("--intra-node", "ring", "--lose-after-backward",
-                                                          "--lose-server-when", "exchange")),
+                                                          "--lose-server-when", "exchange", "--silent-server")),
     ("parameter_server", "in the pull"): (2, (1,), CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
                                                            "pull")),
 }  # fmt: skip
@@ -108,6 +110,8 @@ def test_the_servers_go_on_with_the_survivors_and_without_the_lost_server(losses
         assert len(s["history"]) == s["global_step"] == STEPS
     assert all(seconds < 5.0 for seconds in losses.survivors[0]["rank_loss"]["server_recovery_seconds"])
     # the servers left stepped once per step, regrouped after each loss, and made the replicas a loss left missing
+    if losses.where == "after the exchange":  # silent, not closed: the leader's probe found it
+        assert "dedicated server 1 did not answer a probe within 2.0 s" in losses.output, losses.output
     for server, made in SERVERS_LEFT[losses.where]:
         done = f"server {server} done after {STEPS} steps and {1 + len(losses.servers)} regroups"
         assert done + (f", {made} replicas made again" if made else "\n") in losses.output, losses.output

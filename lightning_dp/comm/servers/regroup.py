@@ -173,6 +173,45 @@ def tell_server(address: tuple[str, int], message: Regroup | None, timeout: floa
         raise ConnectionError(f"the server at {address[0]}:{address[1]} refused the message")
 
 
+class ServerWatch:
+    """Probes the dedicated servers every ``interval`` seconds and reports, once, each one that does not answer within
+    ``timeout``: a host cut off or a process stopped, which closes no connection (a process that dies closes its own,
+    and the trainers' next exchange fails at once). ``watching()``: the servers to probe now (none where this
+    trainer is not the leader); ``on_silent(server, why)`` runs on the watch's thread."""
+
+    def __init__(
+        self,
+        listeners: Sequence[tuple[str, int]],
+        token: str,
+        interval: float,
+        timeout: float,
+        watching: Callable[[], Sequence[int]],
+        on_silent: Callable[[int, str], None],
+    ) -> None:
+        self.listeners, self.token, self.interval, self.timeout = list(listeners), token, interval, timeout
+        self.watching, self.on_silent = watching, on_silent
+        #: the servers reported silent
+        self.silent: set[int] = set()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="lddp-server-watch").start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            for server in self.watching():
+                if server in self.silent:
+                    continue
+                try:
+                    tell_server(self.listeners[server], None, self.timeout, self.token)
+                except OSError as error:
+                    if self._stopped.is_set():
+                        return
+                    self.silent.add(server)
+                    self.on_silent(server, f"did not answer a probe within {self.timeout:.1f} s ({error})")
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 class RegroupListener:
     """A server's listening socket for :class:`Regroup` messages (see the module docstring), on a thread of its own;
     ``on_message(message)`` runs for each one carrying ``token``, before it is acknowledged."""

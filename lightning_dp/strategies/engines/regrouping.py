@@ -23,6 +23,7 @@ from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
 from lightning_dp.comm.servers.regroup import (
     Regroup,
+    ServerWatch,
     replica_holders,
     replicas_to_make,
     serving_after,
@@ -71,6 +72,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self.server_segments: list[list[Segment]] = []
         #: shares whose replica the servers were told to make again, until every server answered a request after it
         self._unreplicated: set[int] = set()
+        #: the leader's probe of the servers, which finds a silent one (started once the servers joined)
+        self.watch: ServerWatch | None = None
         self._server_failed_at: float | None = None
 
     _transport_type = RegroupingServerTransport
@@ -145,6 +148,23 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self.transport.members.on_failure = self._member_failed
         addresses = [json.loads(store.get(f"listener/{i}")) for i in range(self.num_servers)]
         self.listeners = [(str(host), int(port)) for host, port in addresses]
+        heartbeat = float(cast("Any", self.strategy.rank_loss).heartbeat_timeout)
+        self.watch = ServerWatch(self.listeners, self.token, heartbeat / 4, heartbeat, self._watched, self._silent)
+
+    def _watched(self) -> tuple[int, ...]:
+        """The servers the leader probes now: every one serving, until training ends."""
+        membership = self.strategy.rank_loss.membership
+        leads = membership is not None and membership.leader == self.strategy.global_rank
+        return self.servers if leads and not (self.closed or self.stopped) else ()
+
+    def _silent(self, server: int, why: str) -> None:
+        """A server did not answer the leader's probe: a change that loses no trainer, as for a server that failed."""
+        membership = self.strategy.rank_loss.membership
+        if membership is None or self.closed or self.stopped:
+            return
+        if self._server_failed_at is None:
+            self._server_failed_at = time.monotonic()
+        membership.request_change(f"dedicated server {server} {why}")
 
     def send_weights(self, buckets: list[GradientBucket]) -> None:
         super().send_weights(buckets)
@@ -314,9 +334,13 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         """The leader: the servers that answer a probe and which shares each serves from now on (a lost server's
         own share moves to its replica's holder), or why that cannot be."""
         alive = []
+        silent = self.watch.silent if self.watch is not None else set()
+        timeout = float(cast("Any", self.strategy.rank_loss).heartbeat_timeout)
         for server in self.servers:
+            if server in silent:  # (its probe timed out already)
+                continue
             try:
-                tell_server(self.listeners[server], None, TELL_SECONDS, token=self.token)
+                tell_server(self.listeners[server], None, timeout, token=self.token)
                 alive.append(server)
             except OSError:
                 continue
@@ -369,6 +393,12 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self.close(stop=False)
 
     def close(self, stop: bool = True) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+        for server in self.expected_exits:  # lost: a local one stopped or cut off would only hold up the end
+            if server < len(self.processes):
+                self.processes[server].kill()
         membership = self.strategy.rank_loss.membership
         if membership is not None and self._connections:
             membership.release(self._connections)
