@@ -3,7 +3,8 @@
 
     python -m benchmarks.faults              # the example app, 4 ranks, each strategy (about 30 minutes on 2 cores)
     python -m benchmarks.faults --strategies sharded_ps --paths launcher torchrun
-    python -m benchmarks.faults --strategies sharded_ps+servers --paths launcher server torchrun --name faults_dedicated
+    python -m benchmarks.faults --strategies sharded_ps+servers --paths launcher server server_silent torchrun \
+        --name faults_dedicated
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
@@ -19,7 +20,9 @@ paths:
   the fault is not a kill but host 3's link cut silently (no reset reaches anyone), found by the heartbeat
   (``heartbeat_timeout`` below); the cut host stops, a minority of one (needs root);
 - **a dedicated server lost** (``+servers`` only; the strategy's launcher): trainer 0 SIGKILLs dedicated server 0
-  instead, whose share its replica on server 1 takes over;
+  instead, whose share its replica on server 1 takes over; **a dedicated server silent** (``server_silent``):
+  trainer 0 SIGSTOPs it instead (its connections stay open, as a host cut off leaves them), found by the leader's
+  probe within ``heartbeat_timeout`` (below);
 - **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
   process restarts and resumes from the newest checkpoint.
 
@@ -64,11 +67,15 @@ APP = ["callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.sa
 class FaultClock(pl.Callback):
     """Records when each training step ends on each rank (``<folder>/steps-rank<r>.txt``: attempt, step, time), and
     makes rank ``rank`` SIGKILL itself as training step ``step`` starts in the first attempt (``<folder>/fault``:
-    when), or (``cut``) only say it got there (``<folder>/at-fault``), for the benchmark to cut its link.
-    Passed to the app as a Hydra callback (``+callbacks.fault=...``)."""
+    when), or (``cut``) only say it got there (``<folder>/at-fault``), for the benchmark to cut its link; or SIGKILL
+    (``silent``: SIGSTOP) the dedicated server ``server`` it started instead. Passed to the app as a Hydra callback
+    (``+callbacks.fault=...``)."""
 
-    def __init__(self, folder: str, rank: int = -1, step: int = -1, cut: bool = False, server: int = -1) -> None:
+    def __init__(
+        self, folder: str, rank: int = -1, step: int = -1, cut: bool = False, server: int = -1, silent: bool = False
+    ) -> None:
         self.folder, self.rank, self.step, self.cut, self.server = Path(folder), rank, step, cut, server
+        self.silent = silent
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.strategy.global_rank == self.rank and _attempt() == 0:
@@ -77,7 +84,8 @@ class FaultClock(pl.Callback):
                 return
             (self.folder / "fault").write_text(f"{time.time()!r} {trainer.global_step}\n")
             if self.server >= 0:  # the dedicated server this rank started, instead of itself
-                os.kill(trainer.strategy.engine.processes[self.server].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+                process = trainer.strategy.engine.processes[self.server]  # type: ignore[attr-defined]
+                os.kill(process.pid, signal.SIGSTOP if self.silent else signal.SIGKILL)
                 return
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -148,10 +156,11 @@ def _run_path(
 ) -> dict[str, Any]:
     folder = tmp / f"{strategy}-{path}-{'fault' if fault else 'clean'}"
     folder.mkdir()
-    lost = {"per_host": 0, "emulated": RANKS - 1, "server": 0}.get(path, 2)
+    server = path in SERVER_PATHS
+    lost = {"per_host": 0, "emulated": RANKS - 1}.get(path, 0 if server else 2)
     fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
-                     f"+callbacks.fault.cut={path == 'emulated'}",
-                     f"+callbacks.fault.server={0 if path == 'server' else -1}"] if fault else []  # fmt: skip
+                     f"+callbacks.fault.cut={path == 'emulated'}", f"+callbacks.fault.server={0 if server else -1}",
+                     f"+callbacks.fault.silent={path == 'server_silent'}"] if fault else []  # fmt: skip
     name, *options = strategy.split("+")
     servers = [f"strategy.num_servers={SERVERS}"] if options == ["servers"] else []
     overrides = [f"strategy={name}", *servers, *APP, *args.app,
@@ -179,8 +188,10 @@ def _run_path(
             if (folder / "at-fault").exists() and not (folder / "fault").exists():
                 hosts.cut(lost)
                 (folder / "fault").write_text(f"{time.time()!r} {args.fault_step}\n")
-    elif path in ("launcher", "server"):
+    elif path == "launcher" or server:
         command = [sys.executable, app, *overrides, f"trainer.devices={RANKS}", "strategy.on_rank_loss=continue"]
+        if path == "server_silent":
+            command += [f"strategy.heartbeat_timeout={args.heartbeat_timeout}"]
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
     elif path == "per_host":
@@ -205,7 +216,7 @@ def _run_path(
     for log in logs:
         log.close()
     metrics_file = folder / "run" / "metrics.json"
-    want = [-9 if fault and i == lost and path != "server" else 0 for i in range(len(procs))] if apart else [0]
+    want = [-9 if fault and i == lost and not server else 0 for i in range(len(procs))] if apart else [0]
     if path == "emulated" and fault:  # the cut host stops on its own, a minority of one
         want[lost] = 1
     if codes != want or not metrics_file.exists():
@@ -213,14 +224,14 @@ def _run_path(
         raise RuntimeError(f"{path} ({'fault' if fault else 'no fault'}): exit codes {codes}, expected {want}\n{tail}")
     metrics = json.loads(metrics_file.read_text())
     row: dict[str, Any] = {
-        "strategy": strategy, "path": path, "fault": fault, "lost_rank": lost if fault and path != "server" else None,
-        "lost_server": lost if fault and path == "server" else None, "seconds": seconds,
+        "strategy": strategy, "path": path, "fault": fault, "lost_rank": lost if fault and not server else None,
+        "lost_server": lost if fault and server else None, "seconds": seconds,
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
     if fault:
         row.update(_recovery(folder, lost, args.fault_step))
         loss = metrics.get("rank_loss") or {}
-        reported = loss.get("server_recovery_seconds" if path == "server" else "recovery_seconds")
+        reported = loss.get("server_recovery_seconds" if server else "recovery_seconds")
         row["recovery_seconds_reported"] = (reported or [None])[0]
         row["dropped_samples"] = loss.get("dropped_samples")
         if path != "torchrun":
@@ -255,9 +266,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--paths", nargs="+", default=None,
-                        help="launcher, per_host, emulated (needs root: network namespaces), torchrun; default: all "
-                             "(emulated only as root)")  # fmt: skip
-    parser.add_argument("--heartbeat-timeout", type=float, default=5.0, help="the emulated hosts' heartbeat_timeout")
+                        help="launcher, per_host, emulated (needs root: network namespaces), server, server_silent "
+                             "(+servers only), torchrun; default: launcher, per_host, emulated (as root only), "
+                             "torchrun")  # fmt: skip
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                        help="heartbeat_timeout of the emulated hosts and of the silent server's run")  # fmt: skip
     parser.add_argument("--app", nargs="*", default=[], help="more overrides of the app (e.g. trainer.max_epochs=4)")
     parser.add_argument("--run-timeout", type=float, default=400.0)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -281,7 +294,7 @@ def main() -> None:
                     print(rows[-1], flush=True)
     for row in rows:
         row["fault_step"], row["checkpoint_every"] = args.fault_step, args.checkpoint_every
-        if row["path"] == "emulated":
+        if row["path"] in ("emulated", "server_silent"):
             row["heartbeat_timeout"] = args.heartbeat_timeout
     save(args.out, args.name, rows, report_lines)
 
@@ -289,9 +302,12 @@ def main() -> None:
 #: the strategies a run may compare (the servers among the trainers; ``+servers``: ``SERVERS`` dedicated servers)
 STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps", "sharded_ps+servers")
 SERVERS = 2
+#: the paths that lose dedicated server 0 instead of a trainer
+SERVER_PATHS = ("server", "server_silent")
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
     "server": "a dedicated server lost, its replica takes over (strategy's launcher)",
+    "server_silent": "a dedicated server silent (SIGSTOP), found by the leader's probe (strategy's launcher)",
     "per_host": "survivors go on (one process per host)",
     "emulated": "survivors go on (emulated hosts, link cut)",
     "torchrun": "torchrun restarts from the checkpoint",
@@ -304,7 +320,8 @@ def report_lines(rows: list[dict]) -> list[str]:
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the example app "
         f"(digits, reference CNN, global batch 128), {RANKS} ranks, a checkpoint every "
-        f"{first['checkpoint_every']} steps, one rank SIGKILLed (emulated hosts: its link cut) as step "
+        f"{first['checkpoint_every']} steps, one rank or dedicated server SIGKILLed (emulated hosts: its link cut; a "
+        "silent server: SIGSTOPped) as step "
         f"{first['fault_step']} starts.",
         "",
         "| strategy | path | rank lost | seconds (no fault) | seconds (fault) | wall time lost (s) | recovery (s) "
@@ -320,12 +337,12 @@ def report_lines(rows: list[dict]) -> list[str]:
             lost = f"server {r['lost_server']}"
         else:
             lost = "global 0" if r["lost_rank"] == 0 else str(r["lost_rank"])
-        if r["path"] == "emulated":
+        if r["path"] in ("emulated", "server_silent"):
             lost += f" (heartbeat_timeout={r['heartbeat_timeout']:g} s)"
         dropped = r.get("dropped_samples")
         reported = r.get("recovery_seconds_reported")
         # (a lost server's reported seconds are its whole regroup, not the trainers' agreement alone)
-        agreement = f"{reported:.2f}" if reported is not None and r["path"] != "server" else "-"
+        agreement = f"{reported:.2f}" if reported is not None and r["path"] not in SERVER_PATHS else "-"
         lines.append(
             f"| {_strategy(r['strategy'])} | {PATHS[r['path']]} | {lost} | {base['seconds']:.1f} | {r['seconds']:.1f} "
             f"| {r['seconds'] - base['seconds']:.1f} | {r['recovery_seconds']:.2f} | {agreement} "
