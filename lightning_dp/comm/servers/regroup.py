@@ -23,6 +23,7 @@ whatever number of times it is asked, and send the new weights), ``PULL``, and t
 
 from __future__ import annotations
 
+import errno
 import json
 import pickle
 import socket
@@ -173,11 +174,18 @@ def tell_server(address: tuple[str, int], message: Regroup | None, timeout: floa
         raise ConnectionError(f"the server at {address[0]}:{address[1]} refused the message")
 
 
+def _silence(error: OSError) -> bool:
+    """Whether a probe's ``error`` says the server's host is silent: the probe timed out, or the host is unreachable."""
+    return isinstance(error, TimeoutError) or error.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+
+
 class ServerWatch:
-    """Probes the dedicated servers every ``interval`` seconds and reports, once, each one that does not answer within
-    ``timeout``: a host cut off or a process stopped, which closes no connection (a process that dies closes its own,
-    and the trainers' next exchange fails at once). ``watching()``: the servers to probe now (none where this
-    trainer is not the leader); ``on_silent(server, why)`` runs on the watch's thread."""
+    """Probes the dedicated servers every ``interval`` seconds and reports, once, each one whose probe times out after
+    ``timeout`` seconds or finds its host unreachable: a host cut off or a process stopped, which closes no
+    connection. Any other failure is not silence and is not reported: a process that died refuses the connection
+    and has closed its own (the trainers' next exchange with it fails at once), and a local error is not a lost
+    server. ``watching()``: the servers to probe now (none where this trainer is not the leader);
+    ``on_silent(server, why)`` runs on the watch's thread."""
 
     def __init__(
         self,
@@ -203,6 +211,8 @@ class ServerWatch:
                 try:
                     tell_server(self.listeners[server], None, self.timeout, self.token)
                 except OSError as error:
+                    if not _silence(error):
+                        continue
                     if self._stopped.is_set():
                         return
                     self.silent.add(server)
@@ -543,8 +553,13 @@ class RegroupingServer(DedicatedServer):
         self.servers = message.servers
         self.serving = dict(zip(message.servers, message.serves, strict=True))
         for share in self.serving[self.index]:
-            if share not in self.shares:  # its server is lost: the replica held here serves from now on
-                self.shares[share] = self.replicas.pop(share)
+            if share in self.shares:
+                continue
+            if share not in self.replicas:
+                raise ReplicaLostError(
+                    f"dedicated server {self.index} was told to serve share {share}, of which it holds no replica"
+                )
+            self.shares[share] = self.replicas.pop(share)  # its server is lost: the replica held here serves now
         holders = replica_holders(self.servers)
         wanted = {share for server, shares in self.serving.items() if holders.get(server) == self.index
                   for share in shares}  # fmt: skip

@@ -70,9 +70,10 @@ class DedicatedServer:
             offset += end - start
         self.gradients = torch.zeros_like(self.layout.storage)
         self.flags = {b: torch.zeros(len(plan.buckets[b]), dtype=plan.dtype) for b in self.served}
-        self._scratch = {b: [torch.empty(self._numel(b), dtype=plan.dtype) for _ in members.trainers]
-                         for b in self.served}  # fmt: skip
-        self._flag_scratch = {b: [torch.empty_like(self.flags[b]) for _ in members.trainers] for b in self.served}
+        #: per served bucket, each trainer's contribution as it arrives (allocated where gradients are received: not
+        #: for a replica of another server's share)
+        self._scratch: dict[int, list[Tensor]] = {}
+        self._flag_scratch: dict[int, list[Tensor]] = {}
         self._synced = 0
         self._consumed = 0
         self._sync_error: BaseException | None = None
@@ -97,7 +98,9 @@ class DedicatedServer:
 
     # ------------------------------------------------------------------ gradients, on a thread of their own
     def _receive_syncs(self) -> None:
-        members = self.members
+        members, dtype = self.members, self.plan.dtype
+        self._scratch = {b: [torch.empty(self._numel(b), dtype=dtype) for _ in members.trainers] for b in self.served}
+        self._flag_scratch = {b: [torch.empty_like(self.flags[b]) for _ in members.trainers] for b in self.served}
         try:
             while True:
                 eager = members.recv_object(0, tag=Tag.GRADIENTS)  # trainer 0 starts every synchronization

@@ -71,6 +71,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         #: ``[b][s]``: server ``s``'s range of bucket ``b`` at set-up
         self.server_segments: list[list[Segment]] = []
         #: shares whose replica the servers were told to make again, until every server answered a request after it
+        #: (a point another trainer completed before the regroup, taken from it, does not count)
         self._unreplicated: set[int] = set()
         #: the leader's probe of the servers, which finds a silent one (started once the servers joined)
         self.watch: ServerWatch | None = None
@@ -187,6 +188,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         transport = self.transport
         assert isinstance(transport, RegroupingServerTransport)
         transport.wait_summed()
+        self._unreplicated = set()  # every server replied: each made the replicas it was to make before serving
         sum_everywhere(torch.zeros(1), self.strategy.gradient_group)
 
     @property
@@ -194,7 +196,6 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         return False  # every server holds the step's sums wherever any trainer completed the exchange
 
     def point_completed(self, kind: str) -> None:
-        self._unreplicated = set()  # every server answered: each made the replicas it was to make before serving
         if kind == PULL:
             self._empty_regroups = 0
 
@@ -224,6 +225,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             for bucket in buckets:
                 bucket.pack_params(*transport.owned(bucket))
             transport.share_weights_all(buckets)
+            self._unreplicated = set()  # (as after the exchange: every server answered)
             for bucket in buckets:
                 bucket.unpack_params()
             sum_everywhere(torch.zeros(1), strategy.gradient_group)
@@ -371,6 +373,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         assert self.transport is not None
         leader = self.transport.me == 0
         states = [self.optimizer_state(unwrap_optimizer(o)) for o in strategy.optimizers] if leader else None
+        self._stop_watch()  # (a server that stops is not silent)
         if leader:
             self.transport.stop_servers()
         self.stopped = True
@@ -388,14 +391,18 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     def on_exception(self, exception: BaseException) -> None:
         """The servers go on with the other trainers (this one leaves as a lost rank would); local servers, children
         of this process, end with it, at once (nobody tells them to stop)."""
+        self._stop_watch()
         for process in self.processes:
             process.kill()
         self.close(stop=False)
 
-    def close(self, stop: bool = True) -> None:
+    def _stop_watch(self) -> None:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
+
+    def close(self, stop: bool = True) -> None:
+        self._stop_watch()
         for server in self.expected_exits:  # lost: a local one stopped or cut off would only hold up the end
             if server < len(self.processes):
                 self.processes[server].kill()
