@@ -71,6 +71,9 @@ class CommSummary:
             for server, seconds in zip(loss.get("lost_servers", []), loss.get("server_recovery_seconds", [])):
                 lines.append(f"lost dedicated server {server}; its replica took its share over {seconds:.3f} s later")
             lines.append(f"samples of global batches no survivor trained: {loss['dropped_samples']}")
+            if loss.get("lost_residuals"):
+                lines.append(f"error-feedback residuals lost with rank(s) {loss['lost_residuals']} (each at most one "
+                             "step's rounding of its contribution)")  # fmt: skip
         return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ A subclass provides :meth:`_make_transport`; a scheme whose servers run the opti
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -41,7 +42,12 @@ from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.comm.transports.shards import any_rank
 from lightning_dp.comm.transports.shm import WAITS, NodeLayout, SharedMemoryUnavailable
 from lightning_dp.strategies.balance import BALANCE, CHECKPOINT_KEY, EqualBatches, make_batches
-from lightning_dp.strategies.codec_state import choose_codec, load_codec_state, with_codec_states
+from lightning_dp.strategies.codec_state import (
+    choose_codec,
+    gather_codec_states,
+    load_codec_state,
+    with_codec_states,
+)
 from lightning_dp.strategies.inspection import nonfinite_gradient_error, refuse_sparse_gradients
 from lightning_dp.strategies.options import (
     check_choice,
@@ -384,8 +390,12 @@ class DataParallelStrategy(ProcessGroupStrategy):
             self.transport.close()
         self.transport = self._make_transport(shared)
         self.transport.bind(self.reducer.buckets)
-        self.codec = self._make_codec(self.transport, self.reducer.buckets)
-        self.codec.bind(self.reducer.buckets, self.transport)
+        codec = self._make_codec(self.transport, self.reducer.buckets)
+        if type(codec) is type(self.codec):  # the same codec over the survivors: each rank keeps its residuals
+            self.codec.rebind(self.reducer.buckets, self.transport)
+        else:
+            self.codec = codec
+            self.codec.bind(self.reducer.buckets, self.transport)
 
     def _copies_back(self) -> bool:
         """Whether this rank takes the reduced gradients into ``param.grad`` right after backward."""
@@ -527,7 +537,8 @@ class DataParallelStrategy(ProcessGroupStrategy):
         (``balance="throughput"``) for a full (not weights-only) checkpoint. Collective, as Lightning calls it on every
         rank."""
         if "optimizer_states" in checkpoint and type(self.codec) is not Codec:
-            checkpoint = with_codec_states(checkpoint, self.codec, self.world_size, self.is_global_zero)
+            gathered = self.rank_loss.collective(self, functools.partial(gather_codec_states, self.codec))
+            checkpoint = with_codec_states(checkpoint, self.codec, gathered)
         shares = self.batches.state_dict()
         if "optimizer_states" in checkpoint and shares is not None:
             checkpoint = {**checkpoint, CHECKPOINT_KEY: shares}
@@ -565,7 +576,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
         if type(self.codec) is Codec:
             return
         assert self.transport is not None and self.reducer is not None
-        problem = load_codec_state(checkpoint, self.codec, self.world_size, self.global_rank)
+        members = self.rank_loss.members  # (after a loss: the states saved are the survivors', in member order)
+        place, size = (self.global_rank, self.world_size) if not members else (members.index(self.global_rank),
+                                                                               len(members))  # fmt: skip
+        problem = load_codec_state(checkpoint, self.codec, size, place)
         if any_rank(problem is not None, self.transport.ring, self.root_device):  # every rank starts afresh alike
             if problem is not None:
                 warnings.warn(

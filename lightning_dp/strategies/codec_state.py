@@ -18,12 +18,16 @@ from lightning_dp.comm.transports import Transport
 CODEC_STATE_KEY = "lightning_dp_codec"
 
 
-def with_codec_states(
-    checkpoint: dict[str, Any], codec: Codec, world_size: int, is_global_zero: bool
-) -> dict[str, Any]:
-    """``checkpoint`` with every rank's ``codec`` state gathered on rank 0 (collective over the default group)."""
-    gathered: list[Any] | None = [None] * world_size if is_global_zero else None
-    dist.gather_object(codec.state_dict(), gathered, dst=0)
+def gather_codec_states(codec: Codec, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``codec`` state, in ``group``'s rank order, on its rank 0 (``None`` elsewhere; collective over
+    ``group``, the ranks that train now)."""
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(codec.state_dict(), gathered, group=group, group_dst=0)
+    return gathered
+
+
+def with_codec_states(checkpoint: dict[str, Any], codec: Codec, gathered: list[Any] | None) -> dict[str, Any]:
+    """``checkpoint`` with every rank's ``codec`` state (:func:`gather_codec_states`; ``None``: not on this rank)."""
     if gathered is None:
         return checkpoint
     return {**checkpoint, CODEC_STATE_KEY: {"codec": codec.name, "ranks": gathered}}

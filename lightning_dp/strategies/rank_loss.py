@@ -55,6 +55,7 @@ from lightning_dp._lightning_compat import (
     unwrap_optimizer,
 )
 from lightning_dp.comm.cluster.rendezvous import local_address_towards
+from lightning_dp.comm.codecs import make_codec
 from lightning_dp.comm.errors import ConfigurationError, MembershipChange
 from lightning_dp.comm.membership import Loss, Membership
 from lightning_dp.comm.membership.agreement import Decision
@@ -231,6 +232,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         #: trainers going on
         self.lost_servers: list[int] = []
         self.server_recovery_seconds: list[float] = []
+        #: lost ranks whose error-feedback residual (the codec's rounding not yet sent) was lost with them
+        self.lost_residuals: list[int] = []
         #: the membership's losses before this fit (a membership lives from one stage to the next)
         self._losses_before = len(self.membership.losses) if self.membership is not None else 0
 
@@ -240,7 +243,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         unsupported = {
             "staleness": (getattr(strategy, "staleness", 0), 0),
             "backup_workers": (getattr(strategy, "backup_workers", 0), 0),
-            "compression": (getattr(strategy, "compression", "none"), "none"),
             "balance": (getattr(strategy, "balance", "none"), "none"),
         }
         for option, (value, needed) in unsupported.items():
@@ -252,6 +254,19 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if strategy.strategy_name not in SURVIVING:
             raise ConfigurationError(
                 f"{name} is not supported by this strategy; strategy={' or '.join(map(repr, SURVIVING))} supports it"
+            )
+        compression = getattr(strategy, "compression", "none")
+        if compression != "none" and strategy.strategy_name != "ring_allreduce":
+            raise ConfigurationError(
+                f"{name} needs compression='none' with the parameter servers, got compression={compression!r}: the "
+                "codec's full-precision weights on each server have no replica yet (strategy='ring_allreduce' "
+                "compresses with a loss; see docs/faults.md)"
+            )
+        if compression != "none" and not make_codec(compression).survives_rank_loss:
+            raise ConfigurationError(
+                f"{name} cannot run compression={compression!r}: its low-rank factors must agree on every rank, which "
+                "a rank one exchange behind at a loss would not have; use compression='fp16' or 'bf16' (see "
+                "docs/faults.md)"
             )
         if strategy.process_group_backend == "nccl":
             raise ConfigurationError(
@@ -539,7 +554,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
 
     def _restore(self, reducer: BucketReducer, factor: float) -> None:
         """Put back this rank's own gradients into the buckets an abandoned exchange touched, times ``factor`` (their
-        weight among the survivors over the weight they were computed with)."""
+        weight among the survivors over the weight they were computed with). A codec's state stays as the abandoned
+        attempt left it: a residual then holds that attempt's rounding, sent with a later step (at most one rounding
+        of the bucket more)."""
         for bucket in reducer.buckets:
             if bucket.index in self._saved_this_round:
                 bucket.buffer.copy_(self._saved[bucket.index])
@@ -591,6 +608,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         committed = self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0)
         self.recovery_seconds += [seconds] * len(lost)
         self.loss_steps += [committed] * len(lost)
+        if strategy.codec.keeps_residuals:
+            self.lost_residuals += [loss.rank for loss in lost]
         if lost:  # (a change that lost no rank: the strategy says what changed)
             rank_zero_warn(
                 f"strategy {strategy.strategy_name!r}: lost {', '.join(f'rank {x.rank} ({x.cause})' for x in lost)}; "
@@ -673,6 +692,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "caught_up_steps": self.caught_up_steps,
             "lost_servers": list(self.lost_servers),
             "server_recovery_seconds": list(self.server_recovery_seconds),
+            "lost_residuals": list(self.lost_residuals),
         }
 
     def close(self) -> None:

@@ -63,6 +63,7 @@ parser.add_argument("--stall-at-step", type=int, default=None, help="--slow-rank
 parser.add_argument("--stall-seconds", type=float, default=0.0)
 parser.add_argument("--on-rank-loss", default=None, help="strategy option on_rank_loss")
 parser.add_argument("--intra-node", default=None, help="strategy option intra_node")
+parser.add_argument("--compression", default=None, help="strategy option compression")
 parser.add_argument("--heartbeat-timeout", type=float, default=None, help="strategy option heartbeat_timeout")
 parser.add_argument("--lose-rank", type=int, default=None,
                     help="this rank SIGKILLs itself in the training step of --lose-at-step")  # fmt: skip
@@ -400,6 +401,7 @@ options = {
     "intra_node": args.intra_node,
     "heartbeat_timeout": args.heartbeat_timeout,
     "num_servers": args.num_servers,
+    "compression": args.compression,
 }
 options = {k: v for k, v in options.items() if v is not None}
 if args.external_servers:
@@ -456,6 +458,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "monitor_table": monitor.summary.table() if monitor else None,
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if "late" in k or "skipped" in k},
             "rank_loss": trainer.strategy.rank_loss.metrics() if hasattr(trainer.strategy, "rank_loss") else None,
+            "codec": getattr(trainer.strategy, "codec", None).__class__.__name__,
             "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "val_counted": counted, "step_ends": model.step_ends,

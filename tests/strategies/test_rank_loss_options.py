@@ -24,7 +24,7 @@ pytestmark = pytest.mark.unit
         (ShardedParameterServerStrategy, {"staleness": 1}, "needs staleness=0"),
         (ShardedParameterServerStrategy, {"backup_workers": 1}, "needs backup_workers=0"),
         (ShardedParameterServerStrategy, {"compression": "bf16"}, "needs compression='none'"),
-        (RingAllReduceStrategy, {"compression": "fp16"}, "needs compression='none'"),
+        (RingAllReduceStrategy, {"compression": "powersgd"}, "low-rank factors must agree on every rank"),
         (RingAllReduceStrategy, {"balance": "throughput"}, "needs balance='none'"),
         (ParameterServerStrategy, {"num_servers": 1, "compression": "bf16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"process_group_backend": "nccl"}, "needs process_group_backend='gloo'"),
@@ -33,6 +33,11 @@ pytestmark = pytest.mark.unit
 def test_what_cannot_survive_a_loss_is_refused_when_the_strategy_is_built(cls, options, match):
     with pytest.raises(ConfigurationError, match=match):
         cls(on_rank_loss="continue", **options)
+
+
+def test_the_ring_compresses_in_16_bits_with_a_loss():
+    for compression in ("fp16", "bf16"):
+        assert RingAllReduceStrategy(on_rank_loss="continue", compression=compression).compression == compression
 
 
 def test_the_options_are_checked_by_name():

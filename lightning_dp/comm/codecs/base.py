@@ -34,6 +34,15 @@ class Codec:
     passes: ClassVar[int] = 1
     #: whether the weights the servers send back travel encoded too (or in full precision)
     encodes_weights: ClassVar[bool] = True
+    #: whether an exchange abandoned half-way can run again over the survivors of a lost rank
+    #: (``on_rank_loss="continue"``): what the abandoned attempt left in its state is at most a rounding of the
+    #: bucket, and none of its state must agree across ranks
+    survives_rank_loss: ClassVar[bool] = True
+
+    @property
+    def keeps_residuals(self) -> bool:
+        """Whether each rank carries an error-feedback residual from one step to the next (lost with the rank)."""
+        return False
 
     def bind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
         """Prepare for ``buckets`` travelling over ``transport`` (every rank, the same buckets)."""
@@ -52,6 +61,12 @@ class Codec:
     def share_weights(self, bucket: GradientBucket, transport: Transport) -> None:
         """The owners packed their updated weights into ``bucket``: leave on every rank the weights it must take."""
         transport.share(bucket)
+
+    def rebind(self, buckets: Sequence[GradientBucket], transport: Transport) -> None:
+        """:meth:`bind` to a new transport (the survivors' after a loss), keeping this rank's state."""
+        state = self.state_dict()
+        self.bind(buckets, transport)
+        self.load_state_dict(state)
 
     def wire_bytes(self, bucket: GradientBucket) -> int:
         """Bytes one rank's contribution of ``bucket`` takes on the wire (once compression is running)."""

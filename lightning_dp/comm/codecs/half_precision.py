@@ -169,6 +169,10 @@ class HalfPrecisionCodec(Codec):
             bucket.buffer[start:end].copy_(new_replica)
             self._sent[bucket.index] = new_replica
 
+    @property
+    def keeps_residuals(self) -> bool:
+        return self.error_feedback
+
     def wire_bytes(self, bucket: GradientBucket) -> int:
         return bucket.buffer.numel() * torch.empty((), dtype=self.dtype).element_size()
 

@@ -71,6 +71,9 @@ class PowerSGDCodec(Codec):
 
     passes = 2
     encodes_weights = False
+    #: its ``Q`` factors must be the same on every rank, and a rank one exchange behind after a loss would not have
+    #: the others'
+    survives_rank_loss = False
 
     name = "powersgd"
 
@@ -183,6 +186,10 @@ class PowerSGDCodec(Codec):
     def share(self, bucket: GradientBucket, transport: Transport) -> None:
         if not self._averaged_everywhere.get(bucket.index, False):
             transport.share(bucket)
+
+    @property
+    def keeps_residuals(self) -> bool:
+        return self.error_feedback
 
     def wire_bytes(self, bucket: GradientBucket) -> int:
         plan = self.plans.get(bucket.index) or _LowRankPlan(bucket, self.rank, self.min_compression_rate)
