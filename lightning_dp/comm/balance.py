@@ -171,24 +171,30 @@ class ThroughputBalancer:
         samples = sum(n for _, n in self.window)
         return statistics.median(s / n for s, n in self.window) * samples, float(samples)
 
-    def decide(self, measurements: Sequence[tuple[float, float]], at: BatchKey) -> Decision | None:
-        """From every rank's ``(seconds, samples)`` over the window (rank order), the new shares, in force from
-        ``at`` plus :attr:`lag` batches (``None``: the shares stay). Clears the window."""
+    def decide(
+        self, measurements: Sequence[tuple[float, float]], at: BatchKey, members: Sequence[int] | None = None
+    ) -> Decision | None:
+        """From the ``(seconds, samples)`` over the window of every rank (rank order), or of each of ``members`` (the
+        ranks that train now, the others' shares staying 0), the new shares, in force from ``at`` plus :attr:`lag`
+        batches (``None``: the shares stay). Clears the window."""
         self.window = []
-        if len(measurements) != self.num_ranks:
-            raise ValueError(f"{len(measurements)} measurements for {self.num_ranks} ranks")
+        ranks = list(range(self.num_ranks)) if members is None else list(members)
+        if len(measurements) != len(ranks):
+            raise ValueError(f"{len(measurements)} measurements for {len(ranks)} ranks")
         if any(seconds <= 0 or samples <= 0 for seconds, samples in measurements):
             return None
         speeds = [samples / seconds for seconds, samples in measurements]
-        shares = self.shares
+        shares = [self.shares[r] for r in ranks]
         now = max(n / v for n, v in zip(shares, speeds))  # the step's time at the current shares
         best = self.global_batch / sum(speeds)  # every rank busy for the same time
         if now - best <= max(self.tolerance * best, MIN_SAVING_SECONDS):
             return None
         target = [self.global_batch * v / sum(speeds) for v in speeds]
-        moved = [n + self.gain * (t - n) for n, t in zip(shares, target)]
-        new = tuple(apportion(self.global_batch, moved))
-        if new == shares:
+        moved = [1.0] * self.num_ranks
+        for r, n, t in zip(ranks, shares, target):
+            moved[r] = n + self.gain * (t - n)
+        new = tuple(apportion_among(self.global_batch, moved, ranks))
+        if new == self.shares:
             return None
         start = (at[0], at[1] + self.lag)
         if start <= self.latest_drawn:

@@ -406,6 +406,59 @@ class DealtBatches(ThroughputBatches):
         return dropped
 
 
+class DealtThroughputBatches(DealtBatches):
+    """``balance="throughput"`` with ``on_rank_loss="continue"``: shares by measured speed among the ranks that train
+    now (:class:`ThroughputBatches`' measurement and decisions, the speeds gathered at a sync point of the
+    membership), dealt as :class:`DealtBatches` deals them, a lost rank's share among the survivors."""
+
+    name = "throughput"
+
+    def __init__(self, strategy: Any, interval: int, tolerance: float) -> None:
+        super().__init__(strategy)
+        self.interval, self.tolerance = interval, tolerance
+        #: this rank's samples of the batch being trained
+        self._samples = 0
+
+    forward_started = ThroughputBatches.forward_started
+    backward_done = ThroughputBatches.backward_done
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        balancer, strategy = self.balancer, self.strategy
+        if balancer is not None and self._batch is not None and self._computed is not None:
+            balancer.record(self._computed, self._samples)  # the batch before, on every member alike
+            self._computed = None
+        if balancer is not None and balancer.window_full:
+            mine = balancer.measurement()
+            measurements = strategy.rank_loss.collective(
+                strategy, lambda group: gather_measurements(mine, group, strategy.root_device)
+            )
+            decision = balancer.decide(measurements, (trainer.current_epoch, batch_idx), self._members())
+            if decision is not None:
+                rank_zero_info(
+                    f"balance='throughput': from batch {decision.start[1]} of epoch {decision.start[0]} the ranks "
+                    f"train {list(decision.shares)} samples of each global batch of {balancer.global_batch}"
+                )
+        super().on_train_batch_start(trainer, batch_idx)
+        current = balancer.drawn.get((trainer.current_epoch, batch_idx)) if balancer is not None else None
+        self._samples = current[0] if current is not None else 0
+
+    def state_dict(self) -> dict | None:
+        """The schedule of shares (as :class:`ThroughputBatches`), and the kept global batch after a loss."""
+        shares = self.balancer.state_dict() if self.balancer is not None else self._saved
+        kept = super().state_dict()
+        if shares is None:
+            return kept
+        return {**shares, **(kept or {})}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        super().load_state_dict(state)
+        shares = {k: v for k, v in state.items() if k != KEPT_KEY}
+        if shares:
+            ThroughputBatches.load_state_dict(self, shares)
+
+
 def _refuse_to_keep(state: dict | None, balance: str) -> bool:
     """Whether ``state`` is the kept global batch of a job that lost ranks, which ``balance`` cannot keep (then
     say so: the resumed run's global batch is its batch size times its ranks)."""
@@ -424,6 +477,8 @@ def make_batches(strategy: Any, balance: str, interval: Any, tolerance: Any, dea
     equal shares drawn by the balanced sampler, to deal a lost rank's share (``on_rank_loss="continue"``)."""
     interval = check_count("balance_interval", interval, 1)
     tolerance = check_positive("balance_tolerance", tolerance)
+    if balance == "throughput" and dealt:
+        return DealtThroughputBatches(strategy, interval, tolerance)
     if balance == "throughput":
         return ThroughputBatches(strategy, interval, tolerance)
     if dealt:

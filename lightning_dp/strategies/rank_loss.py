@@ -243,7 +243,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         unsupported = {
             "staleness": (getattr(strategy, "staleness", 0), 0),
             "backup_workers": (getattr(strategy, "backup_workers", 0), 0),
-            "balance": (getattr(strategy, "balance", "none"), "none"),
         }
         for option, (value, needed) in unsupported.items():
             if value != needed:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import run_script
-from tests.helpers.midepoch import replay
+from tests.helpers.midepoch import read_seen, replay, replay_loss
 from tests.helpers.replicas import close
 
 pytestmark = pytest.mark.multiprocess
@@ -110,3 +110,37 @@ def test_a_mid_epoch_resume_continues_with_the_same_shares(tmp_path, slow_runs):
         for k, j in enumerate(same):
             assert resumed[rank]["trained"][k] == full[rank]["trained"][j], (rank, j)
             assert torch.equal(resumed[rank]["history"][k][2], full[rank]["history"][j][2]), (rank, j)
+
+
+def test_a_slow_rank_and_a_lost_one_the_survivors_shares_follow_their_speeds(tmp_path):
+    """Three ranks, rank 1 slow, rank 2 lost in its training step at step 6 (``on_rank_loss="continue"``): the
+    decisions before and after the loss give rank 1 less, rank 2's share goes to the survivors (0 from then on),
+    every step after the deal trains the whole global batch, and every step is one process's on the samples trained."""
+    devices, samples, lost_at = 3, 72, 6
+    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(devices), "--samples", str(samples),
+               "--batch-size", str(BATCH), "--max-epochs", "2", "--intra-node", "ring", *SLOW, "--on-rank-loss",
+               "continue", "--heartbeat-timeout", "2", "--lose-rank", "2", "--lose-at-step", str(lost_at), "--out",
+               str(tmp_path), timeout=180)  # fmt: skip
+    survivors = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert survivors[0]["rank_loss"]["lost_ranks"] == [2]
+    decisions = survivors[0]["decisions"]
+    assert decisions == survivors[1]["decisions"]
+    global_batch = BATCH * devices
+    before = [shares for start, shares in decisions if shares[2] > 0]
+    after = [shares for start, shares in decisions if shares[2] == 0]
+    assert len(before) >= 2 and after, decisions  # a decision before the loss, the deal, and the shares after it
+    assert before[-1][1] < before[-1][0] and after[-1][1] < after[-1][0], decisions  # the slow rank trains less
+    assert all(sum(shares) == global_batch for _, shares in decisions), decisions
+    sizes = [[len(batch) for batch in s["trained"]] for s in survivors]
+    steps = len(sizes[0])
+    for j, (epoch, batch, _) in enumerate(survivors[0]["history"]):  # each batch follows the schedule in force at it
+        in_force = [shares for start, shares in decisions if tuple(start) <= (epoch, batch)][-1]
+        if in_force[2] == 0:
+            assert [sizes[0][j], sizes[1][j]] == in_force[:2], (epoch, batch)
+    assert sizes[0][-1] + sizes[1][-1] == global_batch
+    reference = replay_loss(survivors, read_seen(tmp_path / "seen-rank2.txt"), samples)
+    assert len(reference) == steps == 2 * samples // global_batch
+    for j, want in enumerate(reference):
+        got = survivors[0]["history"][j][2]
+        assert torch.equal(got, survivors[1]["history"][j][2]), f"the replicas differ after batch {j}"
+        close(got, want, f"after batch {j}")

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.unit
         (ShardedParameterServerStrategy, {"backup_workers": 1}, "needs backup_workers=0"),
         (ShardedParameterServerStrategy, {"compression": "bf16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"compression": "powersgd"}, "low-rank factors must agree on every rank"),
-        (RingAllReduceStrategy, {"balance": "throughput"}, "needs balance='none'"),
         (ParameterServerStrategy, {"num_servers": 1, "compression": "bf16"}, "needs compression='none'"),
         (RingAllReduceStrategy, {"process_group_backend": "nccl"}, "needs process_group_backend='gloo'"),
     ],
@@ -35,9 +34,11 @@ def test_what_cannot_survive_a_loss_is_refused_when_the_strategy_is_built(cls, o
         cls(on_rank_loss="continue", **options)
 
 
-def test_the_ring_compresses_in_16_bits_with_a_loss():
+def test_the_ring_compresses_in_16_bits_and_every_strategy_balances_by_speed_with_a_loss():
     for compression in ("fp16", "bf16"):
         assert RingAllReduceStrategy(on_rank_loss="continue", compression=compression).compression == compression
+    for cls in (RingAllReduceStrategy, ParameterServerStrategy, ShardedParameterServerStrategy):
+        assert cls(on_rank_loss="continue", balance="throughput").balance == "throughput"
 
 
 def test_the_options_are_checked_by_name():
