@@ -41,22 +41,23 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 #:   (it may have answered for its own before: a vote kept from then fails); the replicas made again after it take
 #:   the sums of that step's exchange with them (shares 1 and 2 on server 0, stepped by that step's request). Server 2
 #:   falls silent the same way three steps later, server 0 serving everything from those replicas;
-#: - "in the pull" (``parameter_server``, the buckets cut over its two servers): trainer 2 dies as its weight pull
+#: - "in the pull" (``parameter_server``, the buckets cut over its three servers): trainer 2 dies as its weight pull
 #:   starts, the servers having stepped: the pull runs again over the survivors, the servers sending their weights
 #:   without stepping twice; the training step logs with sync_dist and all-gathers, over the survivors from the next
-#:   step on. Then server 1, once the step's request went to both servers: server 0 (which stepped the replica
-#:   already) does not step it again.
+#:   step on. Then server 1, once the step's request went to every server: server 2 (which may have stepped the
+#:   replica already) does not step it again, and the replicas made again on server 0 carry the step keys with them
+#:   (a replica stepped twice fails when server 2 is lost the same way three steps later).
 SCENARIOS = {
     ("sharded_ps", "in flight"): (2, (1, 2), None, ("--intra-node", "ring", "--measure-exchange")),
     ("sharded_ps", "after the exchange"): (1, (1, 2), CLIP, ("--intra-node", "ring", "--lose-after-backward",
                                                           "--lose-server-when", "exchange", "--silent-server")),
-    ("parameter_server", "in the pull"): (2, (1,), CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
-                                                           "pull")),
+    ("parameter_server", "in the pull"): (2, (1, 2), CLIP, ("--lose-in-pull", "--collectives", "--lose-server-when",
+                                                              "pull")),
 }  # fmt: skip
 #: (exchanges committed with the lost trainer, exchanges run again: over the trainers, then over the servers left)
 EXPECTED = {"in flight": (LOST_AT, 3), "after the exchange": (LOST_AT + 1, 0), "in the pull": (LOST_AT + 1, 0)}
 #: the survivors among the servers: (server, replicas it made again)
-SERVERS_LEFT = {"in flight": [(0, 2)], "after the exchange": [(0, 2)], "in the pull": [(0, 0)]}
+SERVERS_LEFT = {"in flight": [(0, 2)], "after the exchange": [(0, 2)], "in the pull": [(0, 2)]}
 
 
 @dataclass
