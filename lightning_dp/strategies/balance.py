@@ -432,7 +432,14 @@ class DealtThroughputBatches(DealtBatches):
             measurements = strategy.rank_loss.collective(
                 strategy, lambda group: gather_measurements(mine, group, strategy.root_device)
             )
-            decision = balancer.decide(measurements, (trainer.current_epoch, batch_idx), self._members())
+            members = self._members()
+            if len(measurements) != len(members):
+                # taken from a member that completed the gather before a loss (its decision, for the ranks then,
+                # starts after the batches the loss's deal starts at, and the deal removed it): no decision
+                balancer.window = []
+                decision = None
+            else:
+                decision = balancer.decide(measurements, (trainer.current_epoch, batch_idx), members)
             if decision is not None:
                 rank_zero_info(
                     f"balance='throughput': from batch {decision.start[1]} of epoch {decision.start[0]} the ranks "
@@ -443,12 +450,12 @@ class DealtThroughputBatches(DealtBatches):
         self._samples = current[0] if current is not None else 0
 
     def state_dict(self) -> dict | None:
-        """The schedule of shares (as :class:`ThroughputBatches`), and the kept global batch after a loss."""
-        shares = self.balancer.state_dict() if self.balancer is not None else self._saved
+        """The schedule of shares (as :class:`ThroughputBatches`); after a loss the kept global batch only, as
+        :class:`DealtBatches` keeps it (a resumed run, on any number of ranks, deals it equally and measures again)."""
         kept = super().state_dict()
-        if shares is None:
+        if kept is not None:
             return kept
-        return {**shares, **(kept or {})}
+        return self.balancer.state_dict() if self.balancer is not None else self._saved
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None:

@@ -23,6 +23,7 @@ def gather_codec_states(codec: Codec, group: dist.ProcessGroup | None) -> list[A
     ``group``, the ranks that train now)."""
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(codec.state_dict(), gathered, group=group, group_dst=0)
+    dist.barrier(group=group)  # no rank completes it before rank 0 has every state (see rank_loss's sync points)
     return gathered
 
 

@@ -554,8 +554,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
     def _restore(self, reducer: BucketReducer, factor: float) -> None:
         """Put back this rank's own gradients into the buckets an abandoned exchange touched, times ``factor`` (their
         weight among the survivors over the weight they were computed with). A codec's state stays as the abandoned
-        attempt left it: a residual then holds that attempt's rounding, sent with a later step (at most one rounding
-        of the bucket more)."""
+        attempt left it: a residual then holds that attempt's roundings instead of what it carried into the attempt
+        (a few 16-bit roundings of the bucket, not a copy kept every step for a rare redo)."""
         for bucket in reducer.buckets:
             if bucket.index in self._saved_this_round:
                 bucket.buffer.copy_(self._saved[bucket.index])
@@ -578,6 +578,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         membership = self.membership
         assert membership is not None
         started, before = time.monotonic(), membership.generation
+        residuals = strategy.codec.keeps_residuals  # (a single survivor's codec is the identity afterwards)
         outcome: Any = _REDO  # a catch-up taken in a pass that another loss interrupted still counts
         while True:
             try:
@@ -607,7 +608,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         committed = self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0)
         self.recovery_seconds += [seconds] * len(lost)
         self.loss_steps += [committed] * len(lost)
-        if strategy.codec.keeps_residuals:
+        if residuals:
             self.lost_residuals += [loss.rank for loss in lost]
         if lost:  # (a change that lost no rank: the strategy says what changed)
             rank_zero_warn(

@@ -87,6 +87,7 @@ class HalfPrecisionCodec(Codec):
         values = bucket.buffer  # gradients, then used-flags; residuals of flags are always dropped
         residual = self.residuals.get(bucket.index)
         if residual is not None:
+            residual[bucket.grad_numel :].zero_()  # (an exchange abandoned half-way may have left some)
             self._hold_unused(bucket, residual)
         values.div_(self.size)
         if residual is not None:
