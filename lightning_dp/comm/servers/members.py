@@ -195,7 +195,7 @@ class MemberGroup:
     def send_object(self, obj: Any, member: int, timeout: timedelta | None = None, tag: int = Tag.OBJECT) -> None:
         """Send ``obj`` pickled, its tensors in host memory (:func:`~lightning_dp.comm.host.to_host`: a server may
         have no GPU)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(to_host(obj))), dtype=torch.uint8)
+        data = _pickled(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         for tensor in (size, data):
             self.wait(self.isend(tensor, member, tag), member, "send a message to", timeout)
@@ -205,13 +205,34 @@ class MemberGroup:
         self.wait(self.irecv(size, member, tag), member, "receive a message from", timeout)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         self.wait(self.irecv(data, member, tag), member, "receive a message from", timeout)
-        return pickle.loads(data.numpy().tobytes())  # noqa: S301 - members of one run, on the run's private network
+        return _unpickled(data)
+
+    def exchange_objects(self, outgoing: dict[int, Any], incoming: list[int], tag: int = Tag.OBJECT) -> dict[int, Any]:
+        """Send each ``outgoing[member]`` to its member (as :meth:`send_object`) and receive one object from each of
+        ``incoming``, every message posted before any is waited for (two members may send each other at once); what
+        arrived, by member."""
+        data = {m: _pickled(obj) for m, obj in outgoing.items()}
+        sizes = {m: torch.zeros(1, dtype=torch.int64) for m in incoming}
+        self.wait_all([(self.isend(torch.tensor([d.numel()]), m, tag), m, "send a message to") for m, d in data.items()]
+                      + [(self.irecv(sizes[m], m, tag), m, "receive a message from") for m in incoming])  # fmt: skip
+        received = {m: torch.empty(int(sizes[m].item()), dtype=torch.uint8) for m in incoming}
+        self.wait_all([(self.isend(d, m, tag), m, "send a message to") for m, d in data.items()]
+                      + [(self.irecv(received[m], m, tag), m, "receive a message from") for m in incoming])  # fmt: skip
+        return {m: _unpickled(t) for m, t in received.items()}
 
     def close(self) -> None:
         try:
             self.backend.shutdown()
         except Exception:  # noqa: BLE001, S110 - peers may be gone already
             pass
+
+
+def _pickled(obj: Any) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(to_host(obj))), dtype=torch.uint8)
+
+
+def _unpickled(data: Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())  # noqa: S301 - members of one run, on the run's private network
 
 
 def run_store(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import json
-import pickle
 import socket
 import struct
 import threading
@@ -263,21 +262,6 @@ class RegroupListener:
             self.sock.close()
         except OSError:
             pass
-
-
-def exchange_objects(members: MemberGroup, outgoing: dict[int, Any], incoming: list[int]) -> dict[int, Any]:
-    """Send each ``outgoing[member]`` to its member and receive one object from each of ``incoming``, every message
-    posted before any is waited for (two members may send each other at once); what arrived, by member."""
-    data = {m: torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for m, obj in outgoing.items()}
-    sizes = {m: torch.zeros(1, dtype=torch.int64) for m in incoming}
-    members.wait_all([(members.isend(torch.tensor([d.numel()]), m, Tag.REPLICA), m, "send a replica to") for m, d in
-                      data.items()] + [(members.irecv(sizes[m], m, Tag.REPLICA), m, "receive a replica from")
-                                       for m in incoming])  # fmt: skip
-    received = {m: torch.empty(int(sizes[m].item()), dtype=torch.uint8) for m in incoming}
-    members.wait_all([(members.isend(d, m, Tag.REPLICA), m, "send a replica to") for m, d in data.items()]
-                     + [(members.irecv(received[m], m, Tag.REPLICA), m, "receive a replica from")
-                        for m in incoming])  # fmt: skip
-    return {m: pickle.loads(t.numpy().tobytes()) for m, t in received.items()}  # noqa: S301 - members of one run
 
 
 class RunAborted(RuntimeError):
@@ -576,12 +560,14 @@ class RegroupingServer(DedicatedServer):
         dependents = [s for s in self.servers if s != self.index and holders.get(s) == self.index]
         wanted = {s: [share for share in self.serving[s] if share not in self.replicas] for s in dependents}
         holder = holders.get(self.index)
-        asked = exchange_objects(self.members, {self._member(s): wanted[s] for s in dependents},
-                                 [self._member(holder)] if holder is not None else [])  # fmt: skip
+        asked = self.members.exchange_objects({self._member(s): wanted[s] for s in dependents},
+                                              [self._member(holder)] if holder is not None else [],
+                                              Tag.REPLICA)  # fmt: skip
         outgoing: dict[int, Any] = {}
         if holder is not None and asked[self._member(holder)]:
             outgoing[self._member(holder)] = [self._share_state(share) for share in asked[self._member(holder)]]
-        arrived = exchange_objects(self.members, outgoing, [self._member(s) for s in dependents if wanted[s]])
+        senders = [self._member(s) for s in dependents if wanted[s]]
+        arrived = self.members.exchange_objects(outgoing, senders, Tag.REPLICA)
         for server in dependents:
             for share, state in zip(wanted[server], arrived.get(self._member(server), []), strict=True):
                 self.replicas[share] = self._replica_from(share, state)
