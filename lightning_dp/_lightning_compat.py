@@ -41,10 +41,13 @@ __all__ = [
     "_sync_ddp_if_available",
     "_update_dataloader",
     "after_closure",
+    "dump_checkpoint",
+    "next_training_batch",
     "patch_hydra_subprocess_command",
     "replace_clipping",
     "replace_sigterm_notifier",
     "replace_step_sigterm_broadcast",
+    "set_loaded_checkpoint",
     "trainer_of",
     "unwrap_optimizer",
     "wrap_closure_of",
@@ -174,3 +177,20 @@ def replace_sigterm_notifier(trainer: Any) -> Callable[[], None]:
         connector.__dict__.pop("_sigterm_notifier_fn", None)
 
     return restore
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """What a full checkpoint of ``trainer`` holds now, in memory (Lightning's ``_CheckpointConnector``)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def set_loaded_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Have ``trainer`` restore ``checkpoint`` as a checkpoint it loaded, after the strategy's set-up (with the
+    strategy's ``restore_checkpoint_after_setup``): the modules, callbacks, loops, optimizers and schedulers."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def next_training_batch(trainer: Any) -> tuple[int, int]:
+    """``(epoch, batch index)`` of the batch the training loop takes next, at its step boundary (before it fetches
+    the batch): the batches of the epoch it has started so far."""
+    return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready

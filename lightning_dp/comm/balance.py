@@ -222,6 +222,24 @@ class ThroughputBalancer:
         self.window = []
         return decision
 
+    def include(self, joined: Sequence[int], start: BatchKey) -> Decision:
+        """Deal shares to the ``joined`` ranks (new processes in lost ranks' places) from batch ``start`` on, which no
+        rank's loader may have drawn yet: each joins with the mean share of the ranks training now, and the others'
+        keep their proportions. Every rank calls it with the same arguments."""
+        if start <= self.latest_drawn:
+            raise RuntimeError(f"the shares cannot change from batch {start}: batch {self.latest_drawn} is drawn")
+        shares = self.shares
+        training = [r for r in range(self.num_ranks) if shares[r]]
+        mean = sum(shares) / len(training)
+        weights = [float(s) if r not in joined else mean for r, s in enumerate(shares)]
+        members = sorted({*training, *joined})
+        new = tuple(apportion_among(self.global_batch, weights, members))
+        self.decisions = [d for d in self.decisions if d.start < start]
+        decision = Decision(start, new)
+        self.decisions.append(decision)
+        self.window = []
+        return decision
+
     def state_dict(self) -> dict:
         """The schedule (equal on every rank); the measurements of a window in progress are not kept."""
         return {

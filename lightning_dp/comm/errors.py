@@ -52,6 +52,11 @@ class FencedError(LightningDPError, RuntimeError):
     without it: whatever it does now changes nothing of the job's state."""
 
 
+class JoinAbandonedError(LightningDPError, RuntimeError):
+    """A new process could not join the running job (a member was lost while it was admitted or handed the job's
+    state, or no admission came in time); the job goes on without it, and it may be started again."""
+
+
 class ForeignJobError(LightningDPError, RuntimeError):
     """A process reached the rendezvous of another job (a stray rank of an earlier launch, two jobs on one port, a
     wrong shared secret) and was refused before it touched that job."""
@@ -65,6 +70,7 @@ __all__ = [
     "ConfigurationError",
     "FencedError",
     "ForeignJobError",
+    "JoinAbandonedError",
     "LightningDPError",
     "MembershipChange",
     "NonFiniteGradientError",

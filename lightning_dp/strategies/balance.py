@@ -84,6 +84,23 @@ class EqualBatches:
         that train now."""
         return 1.0
 
+    def boundary_row(self) -> list[int]:
+        """What this rank contributes, at a step boundary, to choosing where a new member's shares start."""
+        return [-1, -1, 0]
+
+    def include(self, joined: list[int], rows: list[list[int]], accumulate: int) -> BatchKey:
+        """Deal shares to the ``joined`` ranks from the first batch that no member's loader drew (``rows``: every
+        member's :meth:`boundary_row`) and that starts an optimizer step (``accumulate`` batches each); returns it."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
+
+    def join_state(self) -> dict:
+        """What a new member needs to deal the batches as the members do (handed over with the job's state)."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
+
+    def take_join_state(self, state: dict) -> None:
+        """A new member's: deal the batches as :meth:`join_state`'s members did."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
+
     def state_dict(self) -> dict | None:
         """What a full checkpoint keeps (``None``: nothing)."""
         return None
@@ -253,11 +270,13 @@ class DealtBatches(ThroughputBatches):
         self._lost_early: list[tuple[list[int], BatchKey]] = []
         #: ``(global batch, order ranks)`` kept from a checkpoint written after a loss (``None``: Lightning's)
         self._kept: tuple[int, int] | None = None
+        #: a new member's: the members' schedule of shares was handed over (the training loader takes it as it is)
+        self._joined = False
 
     def reset(self) -> None:
         super().reset()
         self._dropping, self._counted, self.dropped, self._committed_key = None, set(), 0, (-1, -1)
-        self._lost_early, self._kept = [], None
+        self._lost_early, self._kept, self._joined = [], None, False
 
     def _global_batch(self, batch_size: int) -> tuple[int, int]:
         if self._kept is None:
@@ -299,7 +318,7 @@ class DealtBatches(ThroughputBatches):
             fresh = self.balancer is None
             loader = super().training_loader(trainer, dataloader)
             membership = self.strategy.rank_loss.membership
-            if fresh and self.balancer is not None and membership is not None:
+            if fresh and self.balancer is not None and membership is not None and not self._joined:
                 # ranks an earlier stage of the job lost (a fit after a fit that lost them): no share from the start
                 gone = sorted(set(membership.original) - set(membership.members))
                 if gone:
@@ -392,9 +411,7 @@ class DealtBatches(ThroughputBatches):
         dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64), group=strategy.control_group)
         rows = [t.tolist() for t in everyone]
         committed = max((r[0], r[1]) for r in rows)
-        latest = max((r[2], r[3]) for r in rows)
-        per_epoch = max(r[4] for r in rows)
-        start = (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
+        start = _first_undrawn([r[2:] for r in rows])
         if balancer is None:
             self._lost_early.append((list(lost), start))
             return 0
@@ -404,6 +421,37 @@ class DealtBatches(ThroughputBatches):
         dropped = sum(self._count_dropped(key) for key in sorted(balancer.drawn) if self._batch and key <= self._batch)
         self.dropped += dropped
         return dropped
+
+    def boundary_row(self) -> list[int]:
+        balancer = self.balancer
+        return [*balancer.latest_drawn, balancer.batches_per_epoch or 0] if balancer is not None else [-1, -1, 0]
+
+    def include(self, joined: list[int], rows: list[list[int]], accumulate: int) -> BatchKey:
+        epoch, index = _first_undrawn(rows)
+        per_epoch = max(r[2] for r in rows)
+        index = -(-index // accumulate) * accumulate  # an optimizer step's first batch
+        start = (epoch + 1, 0) if per_epoch and index >= per_epoch else (epoch, index)
+        assert self.balancer is not None  # (at a step boundary of the fit)
+        self.balancer.include(joined, start)
+        return start
+
+    def join_state(self) -> dict:
+        assert self.balancer is not None
+        return {"schedule": self.balancer.state_dict(), "kept": list(self._kept) if self._kept else None}
+
+    def take_join_state(self, state: dict) -> None:
+        self.balancer = None
+        self._saved = state["schedule"]
+        self._kept = (int(state["kept"][0]), int(state["kept"][1])) if state["kept"] else None
+        self._joined = True
+
+
+def _first_undrawn(rows: list[list[int]]) -> BatchKey:
+    """The first batch after every member's latest drawn one (``rows``: each member's ``[epoch, batch, batches per
+    epoch]``)."""
+    latest = max((r[0], r[1]) for r in rows)
+    per_epoch = max(r[2] for r in rows)
+    return (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
 
 
 class DealtThroughputBatches(DealtBatches):

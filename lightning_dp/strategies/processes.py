@@ -353,6 +353,19 @@ class ProcessGroupStrategy(DDPStrategy):
         members = self.rank_loss.members
         return src if members is None or src in members else members[0]
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A new process joining a running job restores the state its members hand it once its set-up admitted it."""
+        return self.rank_loss.restores_after_setup
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint at ``checkpoint_path``, or in a new process joining a running job the state its members
+        handed it (which wins over a checkpoint the command names: the job has moved on since)."""
+        live = self.rank_loss.live_checkpoint()
+        return live if live is not None else super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         stop_silencing()  # the loop has checked whether the resumed loader resumes by now

@@ -19,11 +19,20 @@
   From the first batch no loader has drawn yet, the lost rank's share of each global batch is dealt among the
   survivors (:meth:`~lightning_dp.comm.balance.ThroughputBalancer.exclude`), so every step is again the step of the
   whole global batch, with the same learning rate.
+
+  A new process started in a lost rank's place (the same command) joins at a step boundary. It runs Lightning's
+  set-up alone, then asks the members to join; at every step boundary the members learn which new processes every
+  one of them hears, deal each such process a share from the first batch no loader has drawn
+  (:meth:`~lightning_dp.comm.balance.ThroughputBalancer.include`), and at the boundary before that batch admit it
+  (:meth:`~lightning_dp.comm.membership.Membership.admit`) and hand it the job's state from live peers, chunked
+  across them (:mod:`~lightning_dp.comm.membership.handover`): Lightning's checkpoint in memory, which it restores as
+  a loaded checkpoint, and where the members stand. Its first step is the members' next.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import sys
@@ -38,7 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import distributed_c10d
@@ -48,17 +57,27 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_dp._lightning_compat import (
     _update_dataloader,
+    dump_checkpoint,
+    next_training_batch,
     replace_sigterm_notifier,
     replace_step_sigterm_broadcast,
     reset_evaluation_data,
+    set_loaded_checkpoint,
     trainer_of,
     unwrap_optimizer,
 )
-from lightning_dp.comm.cluster.rendezvous import local_address_towards
+from lightning_dp.comm.cluster.rendezvous import (
+    DIRECTORY_KEY,
+    job_store,
+    local_address_towards,
+    proof_of,
+    replaces_lost_rank,
+)
 from lightning_dp.comm.codecs import make_codec
-from lightning_dp.comm.errors import ConfigurationError, MembershipChange
-from lightning_dp.comm.membership import Loss, Membership
+from lightning_dp.comm.errors import ConfigurationError, JoinAbandonedError, MembershipChange
+from lightning_dp.comm.membership import Join, Loss, Membership, form_group
 from lightning_dp.comm.membership.agreement import Decision
+from lightning_dp.comm.membership.handover import Path, hand_over
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.strategies.options import check_choice, check_count, check_positive
 
@@ -80,6 +99,10 @@ _REDO = object()
 SURVIVING = ("ring_allreduce", "parameter_server", "sharded_ps")
 #: the default ``heartbeat_timeout``: long enough for a loaded machine's scheduler, short enough to matter
 DEFAULT_HEARTBEAT_SECONDS = 10.0
+#: where the handed-over checkpoint keeps where the members stand (popped before Lightning restores it)
+JOIN_KEY = "lightning_dp_join"
+#: ranks a step boundary's offer can name (one bit each of an int64)
+MAX_JOIN_RANK = 62
 
 
 class StopOnRankLoss:
@@ -120,6 +143,15 @@ class StopOnRankLoss:
 
     def on_exception(self) -> None:
         """The run fails on this rank (before teardown)."""
+
+    @property
+    def restores_after_setup(self) -> bool:
+        """Whether Lightning restores a checkpoint after the strategy's set-up (a new process's handed-over state)."""
+        return False
+
+    def live_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint handed over to a new process by the members, until its first step (``None``: none)."""
+        return None
 
     def check_fit(self, strategy: DataParallelStrategy) -> None:
         """Refuse a model, optimizer or trainer setting that cannot survive a loss (at set-up)."""
@@ -201,6 +233,12 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.membership: Membership | None = None
         #: the membership this strategy's stages used last (its first stage counts the losses from there)
         self._attached: Membership | None = None
+        #: a new process, until its first step: where its collectives run alone (``None``: a member's)
+        self._newcomer: _Newcomer | None = None
+        #: the new processes dealt a share of the batches, and the batch it starts at (admitted at its boundary)
+        self._pending: tuple[list[int], tuple[int, int]] | None = None
+        #: admitted new members not handed the job's state yet
+        self._welcoming: set[int] = set()
         self._reset()
         self._reset_counters()
 
@@ -231,11 +269,18 @@ class ContinueOnRankLoss(StopOnRankLoss):
         #: dedicated servers lost (their indices at set-up), and the seconds from the first failure seen to the
         #: trainers going on
         self.lost_servers: list[int] = []
+        self._joins: list[Join] = []
         self.server_recovery_seconds: list[float] = []
         #: lost ranks whose error-feedback residual (the codec's rounding not yet sent) was lost with them
         self.lost_residuals: list[int] = []
-        #: the membership's losses before this fit (a membership lives from one stage to the next)
+        #: per admission: the seconds the members paused for it (from the admission to the state handed over), and
+        #: the bytes this rank moved in its handover; a new process's seconds from asking to join to its state
+        self.join_pause_seconds: list[float] = []
+        self.handover_bytes: list[int] = []
+        self.join_seconds: float | None = None
+        #: the membership's losses and joins before this fit (a membership lives from one stage to the next)
         self._losses_before = len(self.membership.losses) if self.membership is not None else 0
+        self._joins_before = len(self.membership.joins) if self.membership is not None else 0
 
     # ------------------------------------------------------------------ set-up
     def check_options(self, strategy: ProcessGroupStrategy) -> None:
@@ -298,16 +343,30 @@ class ContinueOnRankLoss(StopOnRankLoss):
         job = f"{scope}@{id(dist.group.WORLD)}"  # (this process's key only: the scope is what every rank shares)
         self._reset()
         membership = _live.get(job)
-        if membership is None:
+        store = job_store(strategy.job_scope)
+        if membership is None and replaces_lost_rank(strategy.job_scope):
+            assert store is not None
+            address = _group_address(env.main_address)
+            membership = Membership.join(strategy.global_rank, store, DIRECTORY_KEY, address, self.heartbeat_timeout,
+                                         backend, strategy.timeout, proof_of(scope))  # fmt: skip
+            _keep_live(job, membership)
+            self._newcomer = _Newcomer(strategy.global_rank, strategy.timeout)
+        elif membership is None:
             membership = Membership(
-                strategy.global_rank, list(range(world)), distributed_c10d._get_default_store(),
+                strategy.global_rank, list(range(world)), store or distributed_c10d._get_default_store(),
                 f"{scope}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
-                max_lost, backend, strategy.timeout,
+                max_lost, backend, strategy.timeout, proof_of(scope), DIRECTORY_KEY if store is not None else None,
+                refuses_joins=self._join_refusal(strategy),
             )  # fmt: skip
             _keep_live(job, membership)
         if self._attached is not membership:  # this strategy's first stage: the losses before it are not its own
             self._losses_before = len(membership.losses)
+            self._joins_before = len(membership.joins) if self._newcomer is None else 0
             self._attached = membership
+        if self._newcomer is not None:  # alone until the members admit it (at the end of its set-up)
+            self.membership = membership
+            self._members, self._started = membership.members, membership.original
+            return self._newcomer.group, self._newcomer.group
         self.membership = membership
         groups = self._stage_groups(strategy)
         self._members, self._started = membership.members, membership.original
@@ -334,6 +393,25 @@ class ContinueOnRankLoss(StopOnRankLoss):
             rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
         self.position = membership.agreement.committed
         return groups
+
+    @staticmethod
+    def _join_refusal(strategy: ProcessGroupStrategy) -> str | None:
+        """Why a new process cannot join this strategy's running job (``None``: it can)."""
+        name = f"strategy={strategy.strategy_name!r}"
+        if strategy.strategy_name != "ring_allreduce":
+            return f"{name} does not admit a new process yet (strategy='ring_allreduce' does)"
+        if getattr(strategy, "compression", "none") != "none":
+            return f"{name} with compression={strategy.compression!r} does not admit a new process yet"  # type: ignore[attr-defined]
+        if getattr(strategy, "balance", "none") != "none":
+            return f"{name} with balance={strategy.balance!r} does not admit a new process yet"  # type: ignore[attr-defined]
+        return None
+
+    @property
+    def restores_after_setup(self) -> bool:
+        return self._newcomer is not None
+
+    def live_checkpoint(self) -> dict[str, Any] | None:
+        return self._newcomer.checkpoint if self._newcomer is not None else None
 
     @property
     def members(self) -> tuple[int, ...] | None:
@@ -379,9 +457,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         # Lightning's SIGTERM broadcast before every step (and its signal handler's) run on the default group, which
         # a lost rank leaves broken: the flag is combined over the ranks training now instead
         self._undo += [
-            replace_step_sigterm_broadcast(trainer, lambda: _stop_if_terminated(strategy, trainer)),
+            replace_step_sigterm_broadcast(trainer, lambda: self._at_boundary(strategy, trainer)),
             replace_sigterm_notifier(trainer),
         ]
+        if self._newcomer is not None:
+            self._join(strategy, trainer)
 
     def setup_stage(self, strategy: DataParallelStrategy, module: torch.nn.Module) -> None:
         # a torchmetrics metric syncs on the default group, which a lost rank leaves broken: it syncs over the ranks
@@ -451,6 +531,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return
 
     def collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
+        if self._newcomer is not None:  # a new process before its first step: alone (see the module docstring)
+            return run(self._newcomer.group)
         if self.membership is None:  # after the fit (a checkpoint saved later): over the last members, as they are
             return run(strategy.control_group)
         while True:
@@ -500,6 +582,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         return tensor.clone()
 
     def broadcast_object(self, strategy: ProcessGroupStrategy, obj: T, src: int) -> T:
+        if self._newcomer is not None:  # alone: its own
+            return obj
+
         # an all-gather, not a broadcast: no rank completes it before every rank has reached it (see _recover)
         def run(group: dist.ProcessGroup | None) -> T:
             everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -509,6 +594,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         return self.collective(strategy, run)
 
     def broadcast_buffers(self, strategy: ProcessGroupStrategy, buffers: list[Tensor]) -> None:
+        if self._newcomer is not None:
+            return
         source = strategy.source_rank(0)
 
         def run(group: dist.ProcessGroup | None) -> list[Tensor]:
@@ -580,19 +667,35 @@ class ContinueOnRankLoss(StopOnRankLoss):
         started, before = time.monotonic(), membership.generation
         residuals = strategy.codec.keeps_residuals  # (a single survivor's codec is the identity afterwards)
         outcome: Any = _REDO  # a catch-up taken in a pass that another loss interrupted still counts
+        # a new process waits for its admission as long as a peer may stay silent
+        wait = strategy.timeout.total_seconds() if self._newcomer is not None else None
         while True:
             try:
-                decision = membership.recover()
+                decision = membership.recover(wait)
+                self._welcoming |= set(decision.joined)
                 strategy.rebuild_exchange()
                 aligned = self._align(strategy, decision, kind)
                 if aligned is not _REDO:
                     outcome = aligned
                 lost = [loss for loss in membership.losses if loss.generation > before]
-                strategy.batches.exclude([loss.rank for loss in lost])  # (a rank already dealt out again: no change)
+                # a new process dealt a share but not admitted (the change lost a rank, or a member does not hear it)
+                abandoned = [r for r in (self._pending[0] if self._pending else []) if r not in membership.members]
+                if self._pending is not None and (abandoned or decision.joined):
+                    self._pending = None
+                if lost or abandoned:  # (a rank already dealt out again: no change)
+                    strategy.batches.exclude([loss.rank for loss in lost] + abandoned)
                 strategy.after_recovery([loss.rank for loss in lost])
+                if self._welcoming & set(membership.members):
+                    self._welcome(strategy, max(decision.committed.values()))
+                self._welcoming.clear()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
                 change = membership.interpret(error)
+                if self._newcomer is not None and not isinstance(error, JoinAbandonedError):
+                    raise JoinAbandonedError(
+                        f"rank {strategy.global_rank}: the job changed while this process joined it ({change}); it "
+                        "leaves without having joined, and may be started again"
+                    ) from error
                 if not isinstance(change, MembershipChange):
                     if change is error:
                         raise
@@ -675,11 +778,127 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.membership.agreement.committed = latest  # what this rank reports if another loss follows
         return result
 
+    # ------------------------------------------------------------------ new members
+    def _at_boundary(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
+        """Before every training step (Lightning's SIGTERM broadcast, replaced): whether any member received SIGTERM
+        (then every member stops at the same step), which new processes every member hears (each is dealt a share
+        from the first batch no loader has drawn), and at the boundary before that batch their admission."""
+        if self._newcomer is not None:  # a new process's first step: the members took this boundary at its admission
+            self._newcomer.release(strategy)
+            self._newcomer = None
+            return
+        membership = self.membership
+        assert membership is not None
+        offered = sorted(membership.candidates() - set(membership.members)) if self._pending is None else []
+        row = [1 if getattr(trainer, "received_sigterm", False) else 0,
+               sum(1 << r for r in offered if r <= MAX_JOIN_RANK), *strategy.batches.boundary_row()]  # fmt: skip
+
+        def combine(group: dist.ProcessGroup | None) -> list[list[int]]:
+            everyone = [torch.empty(len(row), dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(everyone, torch.tensor(row, dtype=torch.int64), group=group)
+            return [t.tolist() for t in everyone]
+
+        rows = self.collective(strategy, combine)
+        if any(r[0] for r in rows):
+            raise SIGTERMException()
+        if self._pending is not None and next_training_batch(trainer) >= self._pending[1]:
+            self._admit(strategy)
+        heard = functools.reduce(lambda a, b: a & b, (r[1] for r in rows))
+        joining = [r for r in range(MAX_JOIN_RANK + 1) if heard >> r & 1 and r not in membership.members]
+        if self._pending is None and joining:
+            joined = joining[:1]  # (one at a time: each one admitted is heard by the next)
+            start = strategy.batches.include(joined, [r[2:] for r in rows], trainer.accumulate_grad_batches)
+            self._pending = (joined, start)
+            rank_zero_info(
+                f"strategy {strategy.strategy_name!r}: a new process asks to join as rank {joined[0]}; it trains from "
+                f"batch {start[1]} of epoch {start[0]} on"
+            )
+
+    def _admit(self, strategy: DataParallelStrategy) -> None:
+        """Admit the new processes dealt a share from the batch that comes next, and hand them the job's state (every
+        member at this step boundary)."""
+        assert self._pending is not None and self.membership is not None
+        began = time.monotonic()
+        self.membership.admit(set(self._pending[0]))
+        joined = len(self.membership.joins)
+        self._recover(strategy, COLLECTIVE)
+        if len(self.membership.joins) > joined:
+            self.join_pause_seconds.append(time.monotonic() - began)
+
+    def _join(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
+        """A new process, at the end of its set-up: ask the members to join, wait for their admission and take the
+        job's state from them (restored by Lightning as a loaded checkpoint)."""
+        assert self.membership is not None
+        began = time.monotonic()
+        self.membership.ask_to_join()
+        self.position = -1  # (behind every member: a sync point a member completes alone is taken from it)
+        self._recover(strategy, COLLECTIVE)
+        self.join_seconds = time.monotonic() - began
+
+    def _welcome(self, strategy: DataParallelStrategy, latest: int) -> None:
+        """Hand the job's state to the admitted new members from the others, chunked across them (collective over the
+        members; for the others a sync point, so that a loss meanwhile runs it again over the survivors)."""
+        membership = self.membership
+        assert membership is not None and strategy.gradient_group is not None
+        trainer = trainer_of(strategy.lightning_module)
+        me = strategy.global_rank
+        if self._newcomer is not None:
+            recipients = sorted(self._welcoming & set(membership.members))
+            donors = [r for r in membership.members if r not in self._welcoming]
+            state, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, None, _replicated)
+            self.handover_bytes.append(moved.bytes)
+            self._take_state(strategy, trainer, state)
+            return
+
+        def run(group: dist.ProcessGroup | None) -> None:
+            recipients = sorted(self._welcoming & set(membership.members))
+            donors = [r for r in membership.members if r not in self._welcoming]
+            if not recipients:  # (lost before it was handed anything)
+                return
+
+            def state() -> Any:
+                return self._state_to_hand_over(strategy, trainer, full=me == donors[0])
+
+            assert strategy.gradient_group is not None
+            _, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, state, _replicated)
+            self.handover_bytes.append(moved.bytes)
+
+        self.collective(strategy, run)
+
+    def _state_to_hand_over(self, strategy: DataParallelStrategy, trainer: Any, full: bool) -> dict[str, Any]:
+        """This member's state for a new one: Lightning's checkpoint in memory and where the members stand
+        (``full``, the source), or only the replicas' weights and optimizer states (another donor)."""
+        if not full:
+            return {"state_dict": strategy.lightning_module_state_dict(),
+                    "optimizer_states": [strategy.optimizer_state(o) for o in strategy.optimizers]}  # fmt: skip
+        checkpoint = dump_checkpoint(trainer)
+        checkpoint[JOIN_KEY] = {"position": self.position, "committed": self.committed,
+                                "batches": strategy.batches.join_state()}  # fmt: skip
+        return checkpoint
+
+    def _take_state(self, strategy: DataParallelStrategy, trainer: Any, checkpoint: dict[str, Any]) -> None:
+        """A new member's: stand where the members stand, and have Lightning restore their checkpoint."""
+        assert self._newcomer is not None and self.membership is not None
+        where = checkpoint.pop(JOIN_KEY)
+        self.position = int(where["position"]) + 1  # (the handover: a sync point of the members')
+        self.committed = int(where["committed"])
+        self._last = (COLLECTIVE, None)
+        self.membership.agreement.committed = self.position
+        strategy.batches.take_join_state(where["batches"])
+        self._newcomer.checkpoint = checkpoint
+        set_loaded_checkpoint(trainer, checkpoint)
+        self._newcomer.hold(strategy)
+
     # ------------------------------------------------------------------ what the run lost
     @property
     def losses(self) -> list[Loss]:
         """Every rank this fit went on without."""
         return list(self.membership.losses[self._losses_before :]) if self.membership is not None else self._losses
+
+    @property
+    def joins(self) -> list[Join]:
+        """Every new process this fit admitted."""
+        return list(self.membership.joins[self._joins_before :]) if self.membership is not None else self._joins
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -693,6 +912,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "lost_servers": list(self.lost_servers),
             "server_recovery_seconds": list(self.server_recovery_seconds),
             "lost_residuals": list(self.lost_residuals),
+            "joined_ranks": [join.rank for join in self.joins],
+            "join_steps": [join.step for join in self.joins],
+            "join_pause_seconds": list(self.join_pause_seconds),
+            "join_seconds": self.join_seconds,
+            "handover_bytes": list(self.handover_bytes),
         }
 
     def close(self) -> None:
@@ -700,7 +924,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         this rank says goodbye."""
         super().close()
         if self.membership is not None:
-            self._losses = self.losses
+            self._losses, self._joins = self.losses, self.joins
             self.membership = None
 
     def _close(self, farewell: bool) -> None:
@@ -740,17 +964,36 @@ class MembersSampler(DistributedSampler):
         return self.num_samples
 
 
-def _stop_if_terminated(strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
-    """Before a step: whether any rank training now received SIGTERM (Lightning's broadcast of rank 0's flag, as a
-    collective every rank takes part in); then every rank stops at the same step."""
+def _replicated(path: Path) -> bool:
+    """Whether a tensor of the handed-over checkpoint is equal on every member: the weights and optimizer states."""
+    return bool(path) and path[0] in ("state_dict", "optimizer_states")
 
-    def combine(group: dist.ProcessGroup | None) -> int:
-        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return int(flag.item())
 
-    if strategy.rank_loss.collective(strategy, combine):
-        raise SIGTERMException()
+class _Newcomer:
+    """A new process before its first step: the group of itself alone, on which its set-up's collectives run, and
+    the checkpoint the members handed it. Between its admission and its first step Lightning restores that
+    checkpoint and starts the loop, whose collectives the members ran long ago: they run alone too, the strategy's
+    groups held aside until then (:meth:`hold`, :meth:`release`)."""
+
+    _count = 0
+
+    def __init__(self, rank: int, timeout: Any) -> None:
+        _Newcomer._count += 1
+        self.group = form_group((rank,), rank, dist.PrefixStore("newcomer", dist.HashStore()),
+                                f"lightning_dp/newcomer/{_Newcomer._count}", "gloo", timeout)  # fmt: skip
+        self.checkpoint: dict[str, Any] | None = None
+        self._held: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None
+
+    def hold(self, strategy: ProcessGroupStrategy) -> None:
+        """Set the members' groups aside: the strategy's collectives run alone."""
+        self._held = (strategy.gradient_group, strategy._control_group)
+        strategy.gradient_group = strategy._control_group = self.group
+
+    def release(self, strategy: ProcessGroupStrategy) -> None:
+        """The strategy's collectives run over the members again."""
+        if self._held is not None:
+            strategy.gradient_group, strategy._control_group = self._held
+            self._held = None
 
 
 class MembersGather:

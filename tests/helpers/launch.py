@@ -61,14 +61,16 @@ atexit.register(WARM.close)
 
 def run_script(
     script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True,
-    deaths_expected: bool = False, port: int | None = None,
+    deaths_expected: bool = False, port: int | None = None, replace_killed: bool = False,
 ) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout. With
     ``LIGHTNING_DP_TEST_NODES=N`` in ``env``, start ``N`` processes, each a single-device node (``NODE_RANK``).
 
     With ``check`` a non-zero exit raises; the output (stdout and stderr) is in ``.stdout`` either way, and every
     process's exit code in ``.codes``. ``deaths_expected``: a process that exits non-zero gives the others no
-    shorter time to finish (a test that kills one). ``port``: the nodes' ``MASTER_PORT`` (default: a free one)."""
+    shorter time to finish (a test that kills one). ``port``: the nodes' ``MASTER_PORT`` (default: a free one).
+    ``replace_killed``: a node killed by a signal is started again, once, with the same command and
+    ``LIGHTNING_DP_TEST_REPLACEMENT=1`` (its code comes after the others' in ``.codes``)."""
     full_env = {**launch_env(), **(env or {})}
     command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
     nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
@@ -79,7 +81,7 @@ def run_script(
     else:
         envs = [full_env]
     codes, outputs, timed_out = run_processes(command, envs, timeout, failure_grace=None if deaths_expected else
-                                              FAILURE_GRACE_SECONDS)  # fmt: skip
+                                              FAILURE_GRACE_SECONDS, replace_killed=replace_killed)  # fmt: skip
     out = _joined(outputs)
     if timed_out:
         raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
@@ -98,12 +100,12 @@ FAILURE_GRACE_SECONDS = 10.0
 
 def run_processes(
     command: list[str], envs: list[dict], timeout: float, cwd: Path = REPO,
-    failure_grace: float | None = FAILURE_GRACE_SECONDS,
+    failure_grace: float | None = FAILURE_GRACE_SECONDS, replace_killed: bool = False,
 ) -> tuple[list[int], list[str], bool]:  # fmt: skip
     """Run ``command`` once per environment in ``envs`` (each in a session of its own, output to a file, not a
     pipe that could fill; started by :data:`WARM`) and wait for all: ``(exit codes, outputs, timed out)``. Once one
     exits non-zero the others get ``failure_grace`` seconds (``None``: no less than ``timeout``); at ``timeout`` all
-    are killed, and nothing is left running either way."""
+    are killed, and nothing is left running either way. ``replace_killed``: see :func:`run_script`."""
     logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]
     procs: list[subprocess.Popen | WarmProcess] = []
     deadline = time.monotonic() + timeout
@@ -112,7 +114,14 @@ def run_processes(
         with COUNTER.one_launch():
             for env, log in zip(envs, logs, strict=True):
                 procs.append(WARM.start(command, env, cwd, log))
+        replaced: set[int] = set()
         while any(p.poll() is None for p in procs):
+            for i, env in enumerate(envs):
+                code = procs[i].poll() if replace_killed and i not in replaced else None
+                if code is not None and code < 0:
+                    replaced.add(i)
+                    logs.append(tempfile.TemporaryFile(mode="w+"))
+                    procs.append(WARM.start(command, {**env, "LIGHTNING_DP_TEST_REPLACEMENT": "1"}, cwd, logs[-1]))
             if time.monotonic() > deadline:
                 timed_out = True
                 break

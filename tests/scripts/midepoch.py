@@ -123,6 +123,8 @@ parser.add_argument(
 )
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
+#: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
+REPLACEMENT = os.environ.get("LIGHTNING_DP_TEST_REPLACEMENT") == "1"
 #: --lose-server's steps and the server lost at each
 server_losses = {step: server for server, step in args.lose_server}
 out = Path(args.out)
@@ -169,13 +171,13 @@ class Model(L.LightningModule):
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
         later = args.lose_later or (None, None)
-        if args.record_seen or self.global_rank in (args.lose_rank, later[0]):
+        if (args.record_seen or self.global_rank in (args.lose_rank, later[0])) and not REPLACEMENT:
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
         if self.global_rank == later[0] and self.global_step == later[1]:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
-        if args.lose_rank is not None and self.global_rank == args.lose_rank:
+        if args.lose_rank is not None and self.global_rank == args.lose_rank and not REPLACEMENT:
             if self.global_step == args.lose_at_step and not (args.lose_after_backward or args.lose_in_pull):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
                 os.kill(os.getpid(), signal.SIGKILL)

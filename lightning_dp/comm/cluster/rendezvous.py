@@ -12,6 +12,11 @@ never reads another job's addresses. Rank 0 publishes the job's record (its id a
 optional shared secret) before anything else; every other rank checks it against what its launcher told it
 (:meth:`JobRecord.check`) and refuses to join another job with :class:`~lightning_dp.comm.errors.ForeignJobError`.
 
+A job that survives the loss of a rank keeps a directory of its members in the store (see
+:mod:`lightning_dp.comm.membership`). A process that finds one there is a new process taking a lost rank's place: it
+joins no default group (the members' was formed once, without it) but a placeholder that refuses every collective
+(:class:`AbsentDefaultGroup`), and joins the members' own groups once they admit it.
+
 The store has no authentication: whoever reaches its port can read its keys. The job checks keep mistakes out
 (stray ranks, two jobs on one port, a restart), not attackers; binding narrowly keeps the store off other
 networks, and the cluster's private network must still be trusted.
@@ -38,7 +43,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -180,12 +185,74 @@ def init_bound_process_group(
 
     base = _store(main_address, address, main_port, rank, world_size, timeout)
     scope = join_job(base, rank, node_rank, local_rank, f"{main_address}:{main_port}", timeout)
-    # under the job's scope, the prefix init_process_group gives its own store: never torchrun's agent's keys, nor
-    # those of an earlier attempt, job or stray rank on this port
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{scope}/default_pg", base), rank=rank,
-                            world_size=world_size, timeout=timeout)  # fmt: skip
+    _job_stores[scope] = dist.PrefixStore(f"{scope}/job", base)
+    if _job_stores[scope].check([DIRECTORY_KEY]):  # the job runs: this process takes a lost rank's place
+        log.warning("rank %d: the job at %s:%s is running; this process asks to join it", rank, main_address, main_port)
+        _replacing.add(scope)
+        init_absent_default_group(rank, world_size)
+    else:
+        # under the job's scope, the prefix init_process_group gives its own store: never torchrun's agent's keys,
+        # nor those of an earlier attempt, job or stray rank on this port
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{scope}/default_pg", base), rank=rank,
+                                world_size=world_size, timeout=timeout)  # fmt: skip
     register_close_at_exit()
     return scope
+
+
+#: where, in a job's store (:func:`job_store`), the job's membership keeps its directory
+DIRECTORY_KEY = "membership/directory"
+#: the backend name of :class:`AbsentDefaultGroup`
+ABSENT_BACKEND = "lightning_dp_absent"
+_job_stores: dict[str, dist.Store] = {}
+_replacing: set[str] = set()
+
+
+def job_store(scope: str | None) -> dist.Store | None:
+    """The store every process of the job ``scope`` reaches, under the job's scope (``None``: this process did not
+    join ``scope`` itself)."""
+    return _job_stores.get(scope) if scope is not None else None
+
+
+def replaces_lost_rank(scope: str | None) -> bool:
+    """Whether this process found the job ``scope`` running, and joins it in a lost rank's place."""
+    return scope in _replacing
+
+
+def proof_of(text: str) -> str:
+    """The proof that this process holds the job's shared secret (:data:`SECRET_VARIABLE`), bound to ``text``
+    (empty without a secret)."""
+    return _proof(text)
+
+
+class AbsentDefaultGroup(dist.ProcessGroup):
+    """The default group of a process that joins a running job: it has the rank and size of the job's ranks, so
+    that torch and Lightning see a distributed process, and every collective on it raises (the job's traffic runs
+    on the membership's groups)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return ABSENT_BACKEND
+
+    def _absent(self, *args: object, **kwargs: object) -> Any:
+        raise RuntimeError(
+            "a process that joined a running job has no default process group (the members formed theirs without "
+            "it): this collective must run on the group the strategy gives it"
+        )
+
+    allreduce = allreduce_coalesced = broadcast = allgather = _allgather_base = reduce_scatter = barrier = _absent
+    _reduce_scatter_base = send = recv = recv_anysource = gather = scatter = alltoall_base = _absent
+
+
+def init_absent_default_group(rank: int, world_size: int) -> None:
+    """Make an :class:`AbsentDefaultGroup` with ``rank`` and ``world_size`` this process's default group."""
+    if ABSENT_BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            ABSENT_BACKEND, lambda store, group_rank, group_size, timeout: AbsentDefaultGroup(group_rank, group_size),
+            devices=["cpu", "cuda"],
+        )  # fmt: skip
+    dist.init_process_group(ABSENT_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
 #: seconds :func:`close_groups_at_exit` waits for the process groups to close, and for gloo's worker threads to let

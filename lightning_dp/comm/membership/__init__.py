@@ -8,12 +8,13 @@ that ends a process group's waits at once (:mod:`.fence`).
 from lightning_dp.comm.membership.agreement import Agreement, Decision, choose_members, quorum_problem
 from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import connections_opened_by, fence
-from lightning_dp.comm.membership.membership import Loss, Membership, form_group
+from lightning_dp.comm.membership.membership import Join, Loss, Membership, form_group, read_directory
 
 __all__ = [
     "Agreement",
     "ControlPlane",
     "Decision",
+    "Join",
     "Loss",
     "Membership",
     "choose_members",
@@ -21,4 +22,5 @@ __all__ = [
     "fence",
     "form_group",
     "quorum_problem",
+    "read_directory",
 ]

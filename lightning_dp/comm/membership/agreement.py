@@ -9,9 +9,12 @@ that has the reports of every rank it hears decides:
 
 - the members are the reporters, less one of each pair that cannot hear each other (the higher rank goes), so that
   every member hears every other;
-- the job goes on only with a strict majority of its original ranks (a minority side of a partition never trains
-  on as a second job) and no more ranks lost than the run allows (``max_lost``); otherwise every reporter is told
-  to stop, naming the lost ranks;
+- the job goes on only with a strict majority of its original ranks and of the previous generation's (a minority
+  side of a partition never trains on as a second job) and no more ranks lost than the run allows (``max_lost``);
+  otherwise every reporter is told to stop, naming the lost ranks;
+- a change asked for to admit new processes (:meth:`Agreement.admit`, every member asking for the same ones) admits
+  those every reporter hears, unless the change also loses a rank: then it admits nobody (the members deal the
+  batches again and may ask once more);
 - the decision (the new generation, the members, what each committed, the store its groups meet on) goes to every
   member. A rank left out is told it is fenced.
 
@@ -49,11 +52,14 @@ class Decision:
     lost: tuple[int, ...]
     #: why each lost rank was suspected (as its reporters saw it)
     causes: dict[int, str] = field(default_factory=dict)
+    #: members of this generation that were not members of the previous one (admitted new processes)
+    joined: tuple[int, ...] = ()
 
     def message(self) -> dict[str, Any]:
         return {"t": "decision", "gen": self.generation, "members": list(self.members),
                 "committed": {str(k): v for k, v in self.committed.items()}, "store": list(self.store),
-                "lost": list(self.lost), "causes": {str(k): v for k, v in self.causes.items()}}  # fmt: skip
+                "lost": list(self.lost), "causes": {str(k): v for k, v in self.causes.items()},
+                "joined": list(self.joined)}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> Decision:
@@ -62,6 +68,7 @@ class Decision:
             {int(k): int(v) for k, v in message["committed"].items()},
             (str(message["store"][0]), int(message["store"][1])), tuple(int(r) for r in message["lost"]),
             {int(k): str(v) for k, v in message.get("causes", {}).items()},
+            tuple(int(r) for r in message.get("joined", [])),
         )  # fmt: skip
 
 
@@ -76,8 +83,17 @@ def choose_members(views: dict[int, set[int]]) -> list[int]:
     return members
 
 
-def quorum_problem(members: list[int], original: int, max_lost: int, lost: list[int]) -> str | None:
-    """Why ``members`` may not go on as the job (``None``: they may)."""
+def quorum_problem(
+    members: list[int], original: int, max_lost: int, lost: list[int], previous: tuple[int, ...] = ()
+) -> str | None:
+    """Why ``members`` may not go on as the job (``None``: they may); ``previous``: the last generation's members."""
+    kept = [r for r in members if r in previous]
+    if previous and 2 * len(kept) <= len(previous):
+        return (
+            f"only {len(kept)} of the last generation's {len(previous)} ranks ({kept}) can reach each other, not a "
+            f"strict majority: this side of the partition stops (ranks out of reach: {lost}), so that no two sides "
+            "train on as two jobs"
+        )
     if 2 * len(members) <= original:
         return (
             f"only {len(members)} of the job's {original} ranks ({members}) can reach each other, not a strict "
@@ -96,7 +112,9 @@ class Agreement:
     """The agreement state of rank ``rank`` (see the module docstring). ``send(peer, message)`` queues a message on
     the control plane; ``serve_store()`` starts a store for the next generation's groups on this rank and returns
     its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when a change begins here, and
-    ``on_adopt(decision)`` when this rank adopts a decision (both under the agreement's lock: keep them short)."""
+    ``on_adopt(decision)`` when this rank adopts a decision (both under the agreement's lock: keep them short);
+    ``candidates()`` names the new processes this rank hears that ask to join. With ``joining`` this is such a
+    process: a member of nothing until it adopts the first decision that admits it."""
 
     def __init__(
         self,
@@ -109,10 +127,17 @@ class Agreement:
         serve_store: Callable[[], tuple[str, int]],
         on_change: Callable[[], None],
         on_adopt: Callable[[Decision], None] = lambda decision: None,
+        candidates: Callable[[], set[int]] = set,
+        joining: bool = False,
     ) -> None:
         self.rank = rank
         self.generation = 0
         self.members = tuple(sorted(members))
+        self._candidates = candidates
+        #: waiting to be admitted (see ``joining``)
+        self.joining = joining
+        #: the new processes the training side asked to admit in the change under way
+        self._admitting: set[int] = set()
         self._started_with = self.members
         self.original = original
         self.max_lost = max_lost
@@ -174,10 +199,12 @@ class Agreement:
         with self._cond:
             self.active = generation
 
-    def wait(self) -> Decision:
-        """Block until the change under way is decided; the decision, or the agreement's failure raised."""
+    def wait(self, timeout: float | None = None) -> Decision:
+        """Block until the change under way is decided; the decision, or the agreement's failure raised (a
+        :class:`~lightning_dp.comm.errors.QuorumLostError` after ``timeout`` seconds, if given)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._decision is not None or self._failure is not None)
+            if not self._cond.wait_for(lambda: self._decision is not None or self._failure is not None, timeout):
+                raise QuorumLostError(f"rank {self.rank}: no decision of the members within {timeout:.0f} s")
             if self._failure is not None:
                 raise self._failure
             assert self._decision is not None
@@ -188,7 +215,7 @@ class Agreement:
     def suspect(self, peer: int, cause: str, direct: bool) -> None:
         """This rank suspects ``peer`` (``direct``), or heard that another rank does."""
         with self._cond:
-            if peer == self.rank or peer not in self.members:  # a rank already left out: no new change
+            if self.joining or peer == self.rank or peer not in self.members:  # a rank left out already: no change
                 return
             if direct:
                 self._suspected.setdefault(peer, cause)
@@ -207,6 +234,26 @@ class Agreement:
                 if peer != self.rank:
                     self._send(peer, {"t": "change", "gen": self.generation, "why": why})
             self._progress()
+
+    def admit(self, ranks: set[int]) -> None:
+        """Begin a change that admits the new processes ``ranks`` (every member asks for the same ones, at the same
+        sync point): they join if every member hears them and no rank is lost in the change. Nothing happens where a
+        decision is not taken up yet."""
+        with self._cond:
+            if self._failure is not None or self.generation != self.active:
+                return
+            self._admitting |= set(ranks)
+            if self._changing_since is None:
+                self._begin()
+                for peer in self._view():
+                    if peer != self.rank:
+                        self._send(peer, {"t": "change", "gen": self.generation, "admit": sorted(ranks)})
+            self._progress()
+
+    def refused(self, error: BaseException) -> None:
+        """A member refused this process's connection: it does not join."""
+        with self._cond:
+            self._fail(error)
 
     def fenced(self, why: str) -> None:
         """A member says the job went on without this rank."""
@@ -254,13 +301,15 @@ class Agreement:
         if self._failure is not None or self._changing_since is None:
             return
         view = self._view()
-        problem = quorum_problem(view, self.original, self.max_lost, sorted(set(self._started_with) - set(view)))
+        problem = quorum_problem(view, self.original, self.max_lost, sorted(set(self._started_with) - set(view)),
+                                 self.members)  # fmt: skip
         if problem is not None:
             self._fail(QuorumLostError(f"rank {self.rank}: {problem}"))
             return
         leader = min(view)
         report = {"t": "report", "gen": self.generation, "rank": self.rank, "view": view,
-                  "committed": self.committed, "causes": {str(k): v for k, v in self._suspected.items()}}  # fmt: skip
+                  "committed": self.committed, "causes": {str(k): v for k, v in self._suspected.items()},
+                  "hears": sorted(self._candidates())}  # fmt: skip
         if leader == self.rank:
             self._reports[self.rank] = report
             self._reported_to = self.rank
@@ -276,7 +325,8 @@ class Agreement:
         reports = {r: self._reports[r] for r in view}
         members = choose_members({r: set(m["view"]) for r, m in reports.items()})
         lost = sorted(set(self.members) - set(members))
-        problem = quorum_problem(members, self.original, self.max_lost, sorted(set(self._started_with) - set(members)))
+        problem = quorum_problem(members, self.original, self.max_lost, sorted(set(self._started_with) - set(members)),
+                                 self.members)  # fmt: skip
         if problem is not None:
             for peer in reports:
                 if peer != self.rank:
@@ -288,9 +338,13 @@ class Agreement:
             causes.update({int(k): v for k, v in m["causes"].items() if int(k) in lost})
         for r in lost:
             causes.setdefault(r, "cannot reach every member")
-        decision = Decision(self.generation + 1, tuple(members), {r: int(reports[r]["committed"]) for r in members},
-                            self._serve_store(), tuple(lost), causes)  # fmt: skip
-        for peer in reports:
+        # new processes join a change that loses no rank, where every member hears them
+        heard = [set(m.get("hears", ())) for m in reports.values()]
+        joined = [] if lost else sorted(r for r in self._admitting if all(r in h for h in heard))
+        committed = {r: int(reports[r]["committed"]) for r in members}
+        decision = Decision(self.generation + 1, tuple(sorted(members + joined)), committed, self._serve_store(),
+                            tuple(lost), causes, tuple(joined))  # fmt: skip
+        for peer in [*reports, *joined]:
             if peer != self.rank:
                 self._send(peer, decision.message())
         self._adopt(decision)
@@ -304,6 +358,8 @@ class Agreement:
             return
         self.generation = decision.generation
         self.members = decision.members
+        self.joining = False
+        self._admitting = set()
         self._on_adopt(decision)
         # a member whose connection to this rank closed already (its leader, lost after it sent the decision) stays
         # suspected: the next change starts now, not after a heartbeat's silence (a silence may have ended since)
@@ -327,6 +383,11 @@ class Agreement:
         if self._failure is not None:
             return
         generation = int(message.get("gen", -1))
+        if self.joining:  # a process waiting to join hears of one thing only: the decision that admits it
+            if message.get("t") == "decision" and self.rank in message.get("joined", []):
+                self._begin()
+                self._adopt(Decision.from_message(message))
+            return
         if generation > self.generation + (1 if message.get("t") == "decision" else 0):
             self._later.append(message)
             return
@@ -340,6 +401,7 @@ class Agreement:
                     self._send(peer, decision.message())
             self._adopt(decision)
         elif kind == "change" and generation == self.generation:
+            self._admitting |= {int(r) for r in message.get("admit", [])}
             self._begin()
             self._progress()
         elif kind == "report" and generation == self.generation:

@@ -8,12 +8,17 @@ forward) keeps answering. It also carries the few small messages of the membersh
 (:mod:`.agreement`), so that agreeing never depends on a process group, nor on a store that could die with the
 rank serving it.
 
-Frames are JSON objects behind a 4-byte length; every connection starts with a hello naming the job's scope and the
-rank, and a connection from another job is closed at once.
+Frames are JSON objects behind a 4-byte length. Every connection starts with a hello naming the job's scope, the
+rank, the process's incarnation (a random id, new in every process) and the proof of the job's optional shared secret.
+A connection from another job, or without the secret, is refused; so is a rank the job declared lost, by its
+incarnation: the process that was fenced never comes back, while a new process in its place (a replacement, see
+:meth:`ControlPlane.connect_as_joiner`) is held as a *candidate* until the members admit it
+(:meth:`ControlPlane.admit`).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import selectors
@@ -21,13 +26,14 @@ import socket
 import struct
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from lightning_dp.comm.errors import PeerUnreachableError
+from lightning_dp.comm.errors import ForeignJobError, PeerUnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,9 @@ class ControlHandler(Protocol):
     def fenced(self, why: str) -> None:
         """A peer said the job declared this rank lost."""
 
+    def refused(self, error: BaseException) -> None:
+        """A member refused this process's connection (it does not belong to the job, or its rank is taken)."""
+
     def receive(self, message: Message) -> None:
         """Any other message from a peer (``message["from"]`` names it)."""
 
@@ -66,6 +75,17 @@ class _Peer:
     outbound: bytearray = field(default_factory=bytearray)
 
 
+def endpoint(address: str, port: int, incarnation: str) -> str:
+    """What a rank publishes for its peers to dial: ``host:port/incarnation``."""
+    return f"{address}:{port}/{incarnation}"
+
+
+def parse_endpoint(text: str) -> tuple[str, str]:
+    """``(host:port, incarnation)`` of an :func:`endpoint`."""
+    host_port, _, incarnation = text.partition("/")
+    return host_port, incarnation
+
+
 def _frame(message: Message) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
     return _LENGTH.pack(len(body)) + body
@@ -77,7 +97,9 @@ class ControlPlane:
     Built collectively: every rank listens on ``host`` (the address its process groups use), publishes the
     endpoint under ``scope`` in ``store`` and connects to every lower rank; the constructor returns once every
     peer is connected, or raises :class:`~lightning_dp.comm.errors.PeerUnreachableError` after ``timeout``
-    seconds.
+    seconds. ``proof`` is the job's proof of its shared secret (empty without one): a hello without the same proof
+    is refused. With ``joining`` the plane of a process that replaces a lost rank is built: it listens and
+    publishes its endpoint, and connects nowhere until :meth:`connect_as_joiner`.
 
     Suspicions are sticky: a suspected peer stays suspected (its frames are ignored) until :meth:`retire` drops it
     or :meth:`clear` forgives it after an agreement kept it. What it learns goes to the :class:`ControlHandler` given
@@ -93,16 +115,31 @@ class ControlPlane:
         host: str,
         heartbeat_timeout: float,
         timeout: float = 60.0,
+        proof: str = "",
+        joining: bool = False,
     ) -> None:
         self.rank = rank
         self.scope = scope
+        #: this process's incarnation: a rank declared lost is refused by it, a new process in its place is not
+        self.incarnation = uuid.uuid4().hex
+        self._proof = proof
+        self._timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
         self._period = heartbeat_timeout / HEARTBEATS_PER_TIMEOUT
         self._lock = threading.Lock()
         self._peers: dict[int, _Peer] = {}
         self._expected = {r for r in ranks if r != rank}
+        #: the ranks of the job (a new process may take only one of their places)
+        self._slots = set(ranks)
         self._suspected: dict[int, str] = {}
         self._retired: set[int] = set()
+        #: each connected peer's incarnation, and those of the ranks declared lost (refused for good)
+        self._incarnations: dict[int, str] = {}
+        self._fenced_incarnations: set[str] = set()
+        #: processes that asked to join in a lost rank's place, by rank: their incarnation (not members yet)
+        self._candidates: dict[int, str] = {}
+        #: why a member refused this process's connection (a joiner's), once one has
+        self.refusal: BaseException | None = None
         #: why the job declared this rank lost, once a peer has said so (``None`` while it is a member)
         self.fenced: str | None = None
         self._handler: ControlHandler | None = None
@@ -128,17 +165,37 @@ class ControlPlane:
         self._thread = threading.Thread(target=self._run, name=f"lddp-control-{rank}", daemon=True)
         self._thread.start()
         address, port = self._listener.getsockname()[:2]
-        store.set(f"{scope}/control/{rank}", f"{address}:{port}")
+        store.set(f"{scope}/control/{rank}", endpoint(address, port, self.incarnation))
+        if joining:
+            self._expected = set()
+            return
         deadline = time.monotonic() + timeout
         for peer in sorted(r for r in self._expected if r < rank):
             store.wait([f"{scope}/control/{peer}"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
-            host_port = store.get(f"{scope}/control/{peer}").decode()
-            self._dial(peer, host_port, deadline)
+            host_port, incarnation = parse_endpoint(store.get(f"{scope}/control/{peer}").decode())
+            self._dial(peer, host_port, deadline, incarnation)
+        self._wait_connected(deadline)
+
+    def connect_as_joiner(self, members: list[int], store: dist.Store) -> None:
+        """Dial every member (their endpoints in ``store``) with a hello that asks to join in this rank's place; returns
+        once every one has accepted this process as a candidate, else raises
+        :class:`~lightning_dp.comm.errors.PeerUnreachableError` (a member out of reach) or
+        :class:`~lightning_dp.comm.errors.ForeignJobError` (refused)."""
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            self._expected = set(members)
+        for peer in sorted(members):
+            host_port, incarnation = parse_endpoint(store.get(f"{self.scope}/control/{peer}").decode())
+            self._dial(peer, host_port, deadline, incarnation, join=True)
+        self._wait_connected(deadline)
+
+    def _wait_connected(self, deadline: float) -> None:
         with self._connected:
             if not self._connected.wait_for(lambda: set(self._peers) >= self._expected, deadline - time.monotonic()):
                 missing = sorted(self._expected - set(self._peers))
                 raise PeerUnreachableError(
-                    f"rank {rank}: the control plane could not connect to rank(s) {missing} within {timeout:.0f} s"
+                    f"rank {self.rank}: the control plane could not connect to rank(s) {missing} within "
+                    f"{self._timeout:.0f} s"
                 )
 
     # ------------------------------------------------------------------ connections
@@ -148,7 +205,7 @@ class ControlPlane:
             socks = [self._listener, self._waker_read, self._waker_write] + [p.sock for p in self._peers.values()]
         return {s.fileno() for s in socks if s.fileno() >= 0}
 
-    def _dial(self, peer: int, host_port: str, deadline: float) -> None:
+    def _dial(self, peer: int, host_port: str, deadline: float, incarnation: str, join: bool = False) -> None:
         host, port = host_port.rsplit(":", 1)
         while True:
             try:
@@ -161,8 +218,9 @@ class ControlPlane:
                     ) from error
                 time.sleep(0.05)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(_frame({"t": "hello", "job": self.scope, "rank": self.rank}))
-        self._adopt(peer, sock)
+        hello = {"t": "hello", "job": self.scope, "rank": self.rank, "inc": self.incarnation, "proof": self._proof}
+        sock.sendall(_frame({**hello, "join": True} if join else hello))
+        self._adopt(peer, sock, incarnation)
 
     def _accept(self) -> None:
         try:
@@ -203,17 +261,39 @@ class ControlPlane:
             log.warning("control plane of rank %d: refused a connection from another job (%s)", self.rank, hello)
             sock.close()
             return
-        with self._lock:
-            retired = peer in self._retired
-            known = isinstance(peer, int) and peer in self._expected and peer not in self._peers
-        if retired:
+        if not isinstance(peer, int) or not hmac.compare_digest(str(hello.get("proof", "")), self._proof):
+            log.warning("control plane of rank %d: refused rank %s without the job's shared secret", self.rank, peer)
             sock.setblocking(True)
-            self._refuse(sock, "this rank was declared lost by the job; it may only join again as a new member")
+            self._refuse(sock, "refused", "it does not hold the job's shared secret (LIGHTNING_DP_JOB_SECRET)")
+            return
+        incarnation = str(hello.get("inc", ""))
+        with self._lock:
+            fenced = incarnation in self._fenced_incarnations or (peer in self._retired and not hello.get("join"))
+            member = peer in self._expected or peer == self.rank
+            known = member and peer not in self._peers
+            taken = peer in self._candidates and peer in self._peers
+        if fenced:
+            sock.setblocking(True)
+            self._refuse(sock, "fenced", "this rank was declared lost by the job; only a new process may join")
+        elif hello.get("join"):
+            if peer not in self._slots:
+                sock.setblocking(True)
+                self._refuse(sock, "refused", f"rank {peer} is not a rank of this job (ranks {sorted(self._slots)})")
+                return
+            if member or taken:
+                held = "a live member of the job" if member else "asked for by another process already"
+                sock.setblocking(True)
+                self._refuse(sock, "refused", f"rank {peer} is {held}: a process cannot join in its place")
+                return
+            log.warning("control plane of rank %d: a new process asks to join as rank %d", self.rank, peer)
+            with self._lock:
+                self._candidates[peer] = incarnation
+                self._suspected.pop(peer, None)  # (the suspicion of the process it replaces)
+            self._adopt(peer, sock, incarnation)
         elif not known:
             sock.close()
         else:
-            assert isinstance(peer, int)
-            self._adopt(peer, sock)
+            self._adopt(peer, sock, incarnation)
 
     def _drop_hello(self, sock: socket.socket) -> None:
         self._hellos.pop(sock, None)
@@ -231,18 +311,21 @@ class ControlPlane:
             self._to_close.append((state.sock, why))
         self._wake()
 
-    def _refuse(self, sock: socket.socket, why: str) -> None:
+    def _refuse(self, sock: socket.socket, kind: str, why: str) -> None:
+        """Tell the process at ``sock`` it is ``kind`` (``"fenced"``: declared lost, ``"refused"``: not admitted to
+        the job) and why, then close."""
         try:
             sock.settimeout(1.0)
-            sock.sendall(_frame({"t": "fenced", "why": why}))
+            sock.sendall(_frame({"t": kind, "why": why, "by": self.rank}))
         except OSError:
             pass
         sock.close()
 
-    def _adopt(self, peer: int, sock: socket.socket) -> None:
+    def _adopt(self, peer: int, sock: socket.socket, incarnation: str) -> None:
         sock.setblocking(False)
         with self._connected:
             self._peers[peer] = _Peer(peer, sock, time.monotonic())
+            self._incarnations[peer] = incarnation
             self._to_register.append((sock, peer))
             self._connected.notify_all()
         self._wake()
@@ -282,12 +365,27 @@ class ControlPlane:
             for peer in peers:
                 self._suspected.pop(peer, None)
 
+    def candidates(self) -> set[int]:
+        """The ranks whose new processes are connected here and ask to join."""
+        with self._lock:
+            return {r for r in self._candidates if r in self._peers and r not in self._suspected}
+
+    def admit(self, peers: set[int]) -> None:
+        """``peers`` (candidates, or for a joiner the members that admitted it) are members from now on."""
+        with self._lock:
+            for peer in peers:
+                self._candidates.pop(peer, None)
+                self._retired.discard(peer)
+                self._suspected.pop(peer, None)
+            self._expected |= peers
+
     def retire(self, peers: set[int], why: str) -> None:
-        """Drop ``peers`` for good: each is told why (if it still listens) and its connection closes; a retired
-        rank that dials again is refused with the same message."""
+        """Drop ``peers`` for good: each is told why (if it still listens) and its connection closes; the process
+        that was each of them (its incarnation) is refused if it dials again, with the same message."""
         with self._lock:
             self._retired |= peers
             self._expected -= peers
+            self._fenced_incarnations |= {self._incarnations[p] for p in peers if p in self._incarnations}
             dropped = [self._peers.pop(p) for p in peers if p in self._peers]
         for state in dropped:
             with self._lock:
@@ -331,6 +429,11 @@ class ControlPlane:
 
     def _suspect(self, peer: int, cause: str, direct: bool = True) -> None:
         with self._lock:
+            candidate = direct and peer in self._candidates
+        if candidate:  # a process that asked to join and went: it never was a member
+            self._drop_candidate(peer, cause)
+            return
+        with self._lock:
             if direct:
                 if peer in self._suspected or peer in self._retired:
                     return
@@ -343,6 +446,15 @@ class ControlPlane:
                 self.send(other, {"t": "suspect", "rank": peer, "by": self.rank, "cause": cause})
         if handler is not None:
             handler.suspect(peer, cause, direct)
+
+    def _drop_candidate(self, peer: int, cause: str) -> None:
+        log.warning("control plane of rank %d: the process asking to join as rank %d went (%s)", self.rank, peer, cause)
+        with self._lock:
+            self._candidates.pop(peer, None)
+            state = self._peers.pop(peer, None)
+        if state is not None:
+            self._unregister(state.sock)
+            state.sock.close()
 
     def _depart(self, state: _Peer) -> None:
         """``state``'s rank leaves the job on purpose (it finished): its connection closing is no loss. What this
@@ -371,6 +483,18 @@ class ControlPlane:
         if handler is not None:
             handler.fenced(why)
 
+    def _refused(self, why: str) -> None:
+        error = ForeignJobError(why)
+        with self._lock:
+            if self.refusal is not None:
+                return
+            self.refusal = error
+            handler = self._handler
+            self._connected.notify_all()
+        log.warning("control plane of rank %d: %s", self.rank, why)
+        if handler is not None:
+            handler.refused(error)
+
     def _run(self) -> None:
         next_beat = last_pass = time.monotonic()
         while True:
@@ -388,7 +512,7 @@ class ControlPlane:
             for sock, why in to_close:
                 self._unregister(sock)
                 sock.setblocking(True)
-                self._refuse(sock, why)
+                self._refuse(sock, "fenced", why)
             for state in writers:
                 try:
                     self._selector.modify(state.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, state.rank)
@@ -460,7 +584,11 @@ class ControlPlane:
             log.info("control plane of rank %d: connection to rank %d ended: %s", self.rank, peer, error)
             self._unregister(state.sock)
             with self._lock:
+                candidate = peer in self._candidates
                 suspected = peer in self._suspected or peer in self._retired or self._leaving
+            if candidate:
+                self._drop_candidate(peer, "closed")
+                return
             if not suspected:
                 self._suspect(peer, "closed")
 
@@ -489,6 +617,8 @@ class ControlPlane:
                 self._suspect(int(message["rank"]), f"{message.get('cause')} at rank {message.get('by')}", False)
             elif kind == "fenced":
                 self._fenced(str(message.get("why", "")))
+            elif kind == "refused":
+                self._refused(f"rank {message.get('by')} refused rank {self.rank}: {message.get('why', '')}")
             else:
                 with self._lock:
                     handler = self._handler

@@ -15,12 +15,17 @@ means. When a rank is lost:
 4. :meth:`Membership.recover` returns the decision, and the new generation's groups meet on a store served by that
    generation's leader.
 
-What the survivors then do with their state (redo the step, catch up from a member that committed more) is the
-caller's: the membership knows ranks, steps and groups, not models.
+A new process in a lost rank's place joins the same way (:meth:`Membership.join`): it finds the job's current
+members in the directory the leader keeps in the job's store, dials each of them as a candidate, and the members admit
+it with a change that loses no rank (:meth:`Membership.admit`), from which it is a member like the others.
+
+What the survivors then do with their state (redo the step, catch up from a member that committed more, hand a new
+member the job's state) is the caller's: the membership knows ranks, steps and groups, not models.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -32,7 +37,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from lightning_dp.comm.errors import MembershipChange
+from lightning_dp.comm.errors import ConfigurationError, MembershipChange, QuorumLostError
 from lightning_dp.comm.membership.agreement import Agreement, Decision
 from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import Connection, connections_opened_by, fence
@@ -62,6 +67,17 @@ class Loss:
     recovery_seconds: float
 
 
+@dataclass(frozen=True)
+class Join:
+    """A new process the job admitted in a rank's place."""
+
+    rank: int
+    #: the generation that admitted it
+    generation: int
+    #: the progress the job had when it was admitted (as :attr:`Loss.step`)
+    step: int
+
+
 def form_group(members: tuple[int, ...], me: int, store: dist.Store, name: str, backend: str,
                timeout: timedelta) -> dist.ProcessGroup:  # fmt: skip
     """A process group over the global ranks ``members`` that meets on ``store`` (not the default group's), with
@@ -88,6 +104,10 @@ class Membership:
         max_lost: how many of ``ranks`` the job may lose in all before it stops.
         backend: the backend of the groups (``"gloo"``).
         timeout: how long a group's operations may wait (the strategy's timeout).
+        proof: the proof of the job's shared secret (empty without one): a process without it is refused.
+        directory: the key in ``store`` under which the leader keeps the job's directory (its members now, for new
+            processes to find them; ``None``: no directory, nobody joins).
+        refuses_joins: why the job takes no new process (``None``: it takes them), said to one that asks.
     """
 
     def __init__(
@@ -101,9 +121,17 @@ class Membership:
         max_lost: int,
         backend: str = "gloo",
         timeout: timedelta = timedelta(minutes=5),
+        proof: str = "",
+        directory: str | None = None,
+        joining: bool = False,
+        refuses_joins: str | None = None,
     ) -> None:
         self.rank = rank
         self.original = tuple(sorted(ranks))
+        self.max_lost = max_lost
+        self._directory = directory
+        self._directory_store = store
+        self._refuses_joins = refuses_joins
         self.scope = scope
         self.host = host
         self.backend = backend
@@ -112,8 +140,9 @@ class Membership:
         #: the current generation's members and generation number (changed by :meth:`recover`)
         self.members: tuple[int, ...] = self.original
         self.generation = 0
-        #: every rank the job went on without, in order
+        #: every rank the job went on without, and every new process it admitted, in order
         self.losses: list[Loss] = []
+        self.joins: list[Join] = []
         self._store: dist.Store | None = store
         self._store_at: tuple[str, int] = ("", 0)
         self._store_prefix = f"{scope}/gen0"
@@ -122,16 +151,93 @@ class Membership:
         self._lock = threading.Lock()
         self._old_groups: list[dist.ProcessGroup] = []
         self._served_stores: list[dist.Store] = []
+        #: where this rank served the last store it served
+        self._served_at: tuple[str, int] = ("", 0)
         self._change_began: float | None = None
         #: when the last change began on this rank (``time.monotonic()``; ``None`` before the first)
         self.change_began: float | None = None
+        if joining:
+            self.members = (rank,)
+            self.generation = -1
         self.control = ControlPlane(rank, list(self.original), store, scope, host, heartbeat_timeout,
-                                    timeout=timeout.total_seconds())  # fmt: skip
-        self.agreement = Agreement(rank, list(self.original), len(self.original), max_lost,
+                                    timeout=timeout.total_seconds(), proof=proof, joining=joining)  # fmt: skip
+        self.agreement = Agreement(rank, list(self.members), len(self.original), max_lost,
                                    timeout=max(10.0, 3 * heartbeat_timeout), send=self.control.send,
                                    serve_store=self._serve_store, on_change=self._on_change,
-                                   on_adopt=self._on_adopt)  # fmt: skip
+                                   on_adopt=self._on_adopt, candidates=self.control.candidates,
+                                   joining=joining)  # fmt: skip
         self.control.attach(self.agreement)
+        if not joining and self.leader == rank:
+            self._publish_directory()
+
+    @classmethod
+    def join(
+        cls,
+        rank: int,
+        store: dist.Store,
+        directory: str,
+        host: str,
+        heartbeat_timeout: float,
+        backend: str = "gloo",
+        timeout: timedelta = timedelta(minutes=5),
+        proof: str = "",
+    ) -> Membership:
+        """The membership of a new process taking rank ``rank``'s place in the running job whose directory is at
+        ``directory`` in ``store`` (see :func:`read_directory`): it listens, and is a member of nothing until
+        :meth:`ask_to_join` and the members' admission (:meth:`recover`)."""
+        record = read_directory(store, directory)
+        if record is None:
+            raise RuntimeError(f"rank {rank}: no running job's directory at {directory!r}")
+        if record.get("refuses_joins"):
+            raise ConfigurationError(
+                f"rank {rank}: the job is running and takes no new process: {record['refuses_joins']}. Restart the "
+                "whole job from its last checkpoint instead"
+            )
+        return cls(rank, list(record["original"]), store, str(record["scope"]), host, heartbeat_timeout,
+                   int(record["max_lost"]), backend, timeout, proof, directory, joining=True)  # fmt: skip
+
+    # ------------------------------------------------------------------ joining
+    def ask_to_join(self) -> None:
+        """A joining process's request: once the job no longer counts this rank as a member (its loss is settled),
+        dial every member as a candidate. Raises where a member is out of reach or refuses it."""
+        assert self._directory is not None
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            record = read_directory(self._directory_store, self._directory)
+            members = [int(r) for r in record["members"]] if record is not None else []
+            if members and self.rank not in members:
+                break
+            if time.monotonic() > deadline:
+                raise QuorumLostError(
+                    f"rank {self.rank}: the job still counts rank {self.rank} as a member after "
+                    f"{self.timeout.total_seconds():.0f} s (is another process running as rank {self.rank}?)"
+                )
+            time.sleep(0.1)
+        log.warning("rank %d: asking the job's members %s to join", self.rank, members)
+        self.control.connect_as_joiner(members, self._directory_store)
+
+    def candidates(self) -> set[int]:
+        """The new processes every connection of this rank hears asking to join."""
+        return self.control.candidates()
+
+    def admit(self, ranks: set[int]) -> None:
+        """Start a change that admits the new processes ``ranks`` (every member asks for the same ones at the same
+        sync point); :meth:`recover` returns the decision, which names those admitted in ``joined``."""
+        log.warning("rank %d: the members admit new process(es) for rank(s) %s", self.rank, sorted(ranks))
+        self.agreement.admit(set(ranks))
+
+    def _publish_directory(self) -> None:
+        """Keep the job's members now where a new process finds them (the leader; best effort: a store that died with
+        its rank only means no process can join until a restart)."""
+        if self._directory is None:
+            return
+        record = {"scope": self.scope, "generation": self.generation, "members": list(self.members),
+                  "original": list(self.original), "max_lost": self.max_lost,
+                  "refuses_joins": self._refuses_joins}  # fmt: skip
+        try:
+            self._directory_store.set(self._directory, json.dumps(record))
+        except (RuntimeError, OSError) as error:
+            log.warning("rank %d: could not publish the job's directory: %s", self.rank, error)
 
     # ------------------------------------------------------------------ the current generation
     @property
@@ -264,12 +370,13 @@ class Membership:
             time.sleep(0.01)
 
     # ------------------------------------------------------------------ recovery
-    def recover(self) -> Decision:
+    def recover(self, timeout: float | None = None) -> Decision:
         """Wait for the survivors' decision and move to its generation: the lost ranks are retired (a later
         message of theirs is refused), the old groups stay fenced, and the next :meth:`group` call forms the new
         generation's groups over the members. Raises :class:`~lightning_dp.comm.errors.QuorumLostError` where the
-        job must stop, :class:`~lightning_dp.comm.errors.FencedError` where it went on without this rank."""
-        decision = self.agreement.wait()
+        job must stop (or no decision came within ``timeout`` seconds, if given),
+        :class:`~lightning_dp.comm.errors.FencedError` where it went on without this rank."""
+        decision = self.agreement.wait(timeout)
         began = self._change_began if self._change_began is not None else time.monotonic()
         self.change_began = began
         lost = set(self.members) - set(decision.members)
@@ -279,7 +386,8 @@ class Membership:
             self._connections = []
             self.members = decision.members
             self.generation = decision.generation
-            self._store = self._served_stores[-1] if decision.members[0] == self.rank else None
+            served = self._served_stores[-1] if self._served_stores else None
+            self._store = served if served is not None and decision.store == self._served_at else None
             self._store_at = decision.store
             self._store_prefix = f"{self.scope}/gen{decision.generation}"
             self._change_began = None
@@ -288,8 +396,13 @@ class Membership:
         seconds = time.monotonic() - began
         for rank in sorted(lost):
             self.losses.append(Loss(rank, decision.causes.get(rank, "lost"), decision.generation, step, seconds))
-        log.warning("rank %d: the job goes on with ranks %s (generation %d) without rank(s) %s",
-                    self.rank, list(decision.members), decision.generation, sorted(lost))  # fmt: skip
+        self.joins += [Join(rank, decision.generation, step) for rank in decision.joined]
+        log.warning("rank %d: the job goes on with ranks %s (generation %d)%s%s",
+                    self.rank, list(decision.members), decision.generation,
+                    f" without rank(s) {sorted(lost)}" if lost else "",
+                    f", new process(es) for rank(s) {list(decision.joined)}" if decision.joined else "")  # fmt: skip
+        if self.leader == self.rank:
+            self._publish_directory()
         return decision
 
     def _on_adopt(self, decision: Decision) -> None:
@@ -298,6 +411,7 @@ class Membership:
         lost = set(decision.lost)
         named = ", ".join(f"rank {r} ({decision.causes.get(r, 'lost')})" for r in sorted(lost))
         self.control.retire(lost, f"declared lost in generation {decision.generation}: {named}")
+        self.control.admit(set(decision.joined) - {self.rank})
         self.control.clear(set(decision.members))
 
     def _on_change(self) -> None:
@@ -312,9 +426,22 @@ class Membership:
         """Serve the next generation's store on this rank (its leader)."""
         store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
         self._served_stores = [*self._served_stores[-1:], store]
-        return self.host, int(store.port)
+        self._served_at = (self.host, int(store.port))
+        return self._served_at
 
     def close(self, farewell: bool = True) -> None:
         """Leave: the control plane closes. With ``farewell`` the others are told this rank finished (no loss);
         without, they see it go as a lost rank (it failed)."""
         self.control.close(farewell)
+
+
+def read_directory(store: dist.Store, key: str) -> dict[str, Any] | None:
+    """The job directory at ``key`` in ``store`` (its membership's scope, generation, members, original ranks and
+    ``max_lost``), or ``None`` where no job with a membership published one."""
+    try:
+        if not store.check([key]):
+            return None
+        record = json.loads(store.get(key))
+    except (RuntimeError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
