@@ -277,6 +277,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         #: the bytes this rank moved in its handover; a new process's seconds from asking to join to its state
         self.join_pause_seconds: list[float] = []
         self.handover_bytes: list[int] = []
+        #: per admission, the exchanges this fit had committed before the new member's first
+        self.join_steps: list[int] = []
         self.join_seconds: float | None = None
         #: the membership's losses and joins before this fit (a membership lives from one stage to the next)
         self._losses_before = len(self.membership.losses) if self.membership is not None else 0
@@ -686,7 +688,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     strategy.batches.exclude([loss.rank for loss in lost] + abandoned)
                 strategy.after_recovery([loss.rank for loss in lost])
                 if self._welcoming & set(membership.members):
-                    self._welcome(strategy, max(decision.committed.values()))
+                    self._welcome(strategy)
+                    if self._newcomer is None:
+                        self.join_steps.append(self.committed)
+                        self.join_pause_seconds.append(time.monotonic() - (membership.change_began or started))
                 self._welcoming.clear()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
@@ -818,12 +823,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         """Admit the new processes dealt a share from the batch that comes next, and hand them the job's state (every
         member at this step boundary)."""
         assert self._pending is not None and self.membership is not None
-        began = time.monotonic()
         self.membership.admit(set(self._pending[0]))
-        joined = len(self.membership.joins)
         self._recover(strategy, COLLECTIVE)
-        if len(self.membership.joins) > joined:
-            self.join_pause_seconds.append(time.monotonic() - began)
 
     def _join(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
         """A new process, at the end of its set-up: ask the members to join, wait for their admission and take the
@@ -835,7 +836,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._recover(strategy, COLLECTIVE)
         self.join_seconds = time.monotonic() - began
 
-    def _welcome(self, strategy: DataParallelStrategy, latest: int) -> None:
+    def _welcome(self, strategy: DataParallelStrategy) -> None:
         """Hand the job's state to the admitted new members from the others, chunked across them (collective over the
         members; for the others a sync point, so that a loss meanwhile runs it again over the survivors)."""
         membership = self.membership
@@ -882,6 +883,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         where = checkpoint.pop(JOIN_KEY)
         self.position = int(where["position"]) + 1  # (the handover: a sync point of the members')
         self.committed = int(where["committed"])
+        self.join_steps.append(self.committed)
         self._last = (COLLECTIVE, None)
         self.membership.agreement.committed = self.position
         strategy.batches.take_join_state(where["batches"])
@@ -913,7 +915,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "server_recovery_seconds": list(self.server_recovery_seconds),
             "lost_residuals": list(self.lost_residuals),
             "joined_ranks": [join.rank for join in self.joins],
-            "join_steps": [join.step for join in self.joins],
+            "join_steps": list(self.join_steps),
             "join_pause_seconds": list(self.join_pause_seconds),
             "join_seconds": self.join_seconds,
             "handover_bytes": list(self.handover_bytes),

@@ -212,6 +212,134 @@ def test_more_losses_than_allowed_stop_every_survivor_naming_them():
         assert "[3, 4]" in str(outcome)
 
 
+def _admission(lose_during: int | None = None, heard_by: tuple[int, ...] = (0, 1, 3, 4)) -> tuple[_Network, Agreement]:
+    """Five ranks lose rank 2; a new process for rank 2 (heard by ``heard_by``) asks to join and every member asks to
+    admit it at the same point; ``lose_during``: a member lost in that change."""
+    net = _Network(5)
+    net.lose(2)
+    net.pump()
+    for r in (0, 1, 3, 4):
+        net.agreements[r].activate(net.agreements[r].generation)
+        net.agreements[r]._candidates = lambda r=r: {2} if r in heard_by else set()  # type: ignore[assignment]
+    joiner = Agreement(2, [2], 5, 5, timeout=5.0, send=net._sender(2), serve_store=lambda: ("host2", 1002),
+                       on_change=lambda: None, joining=True)  # fmt: skip
+    net.dead.discard(2)
+    net.agreements[2] = joiner
+    for r in (0, 1, 3, 4):
+        net.agreements[r].commit(9)
+        net.agreements[r].admit({2})
+    if lose_during is not None:
+        net.lose(lose_during)
+        net.agreements[2].suspect(lose_during, "closed", True)  # (ignored: it is no member yet)
+    net.pump()
+    return net, joiner
+
+
+@pytest.mark.unit
+def test_a_new_process_every_member_hears_is_admitted_in_a_change_that_loses_no_rank():
+    net, joiner = _admission()
+    decisions = [net.outcome(r) for r in range(5)]
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert {(d.generation, d.members, d.joined, d.lost) for d in decisions} == {(2, (0, 1, 2, 3, 4), (2,), ())}  # type: ignore[union-attr]
+    assert decisions[0].committed == {0: 9, 1: 9, 3: 9, 4: 9}  # type: ignore[union-attr]  (the new process reports none)
+    assert not joiner.joining and joiner.members == (0, 1, 2, 3, 4) and joiner.generation == 2
+
+
+@pytest.mark.unit
+def test_a_new_process_not_heard_by_every_member_or_in_a_change_that_loses_a_rank_is_not_admitted():
+    net, joiner = _admission(heard_by=(0, 1, 3))  # rank 4 does not hear it
+    assert {(d.members, d.joined) for d in (net.outcome(r) for r in (0, 1, 3, 4))} == {((0, 1, 3, 4), ())}  # type: ignore[union-attr]
+    assert joiner.joining and isinstance(net.outcome(2), RuntimeError)  # undecided: it waits
+    net, joiner = _admission(lose_during=4)
+    assert {(d.members, d.joined, d.lost) for d in (net.outcome(r) for r in (0, 1, 3))} == {((0, 1, 3), (), (4,))}  # type: ignore[union-attr]
+    assert joiner.joining
+
+
+@pytest.mark.unit
+def test_a_side_without_a_majority_of_the_last_generation_stops_even_with_one_of_the_first():
+    # a job grown back to four after losing one of three: two against two is no majority of the last generation
+    assert "last generation" in str(quorum_problem([0, 1], 3, 3, [2, 3], previous=(0, 1, 2, 3)))
+    assert quorum_problem([0, 1, 2], 3, 3, [3], previous=(0, 1, 2, 3)) is None
+
+
+def _hello(port: int, **fields: Any) -> dict[str, Any] | None:
+    """Dial a control plane on loopback with a hello of ``fields``; its answer (``None``: closed without one)."""
+    import json
+    import socket
+    import struct
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        body = json.dumps({"t": "hello", **fields}).encode()
+        sock.sendall(struct.pack("!I", len(body)) + body)
+        data = b""
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) >= 4 and len(data) >= 4 + struct.unpack("!I", data[:4])[0]:
+                break
+    if len(data) < 4:
+        return None
+    message = json.loads(data[4 : 4 + struct.unpack("!I", data[:4])[0]])
+    return None if message.get("t") == "hb" else message
+
+
+@pytest.mark.unit
+def test_a_replacement_is_a_candidate_while_strays_wrong_secrets_and_the_fenced_process_are_refused():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores = [master, *(dist.TCPStore("127.0.0.1", master.port, is_master=False) for _ in range(2))]
+    planes: list[ControlPlane | None] = [None, None, None]
+
+    def start(rank: int) -> None:
+        planes[rank] = ControlPlane(rank, [0, 1, 2], stores[rank], "join", "127.0.0.1", 5.0, timeout=20, proof="p")
+
+    starters = [threading.Thread(target=start, args=(r,)) for r in range(3)]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    member, lost = planes[0], planes[2]
+    assert member is not None and planes[1] is not None and lost is not None
+    port = int(stores[0].get("join/control/0").decode().split("/")[0].rsplit(":", 1)[1])
+    fenced_incarnation = lost.incarnation
+    lost.close(farewell=False)
+    for plane in planes[:2]:
+        assert plane is not None
+        plane.retire({2}, "declared lost in generation 1")
+    hello = {"job": "join", "rank": 2, "proof": "p"}
+    # the lost process itself, dialing again (even asking to join) is fenced by its incarnation
+    answer = _hello(port, **hello, inc=fenced_incarnation, join=True)
+    assert answer is not None and answer["t"] == "fenced", answer
+    # another job's process, one without the secret, a rank that is no rank of the job, a live member's rank
+    assert _hello(port, **{**hello, "job": "other"}, inc="x", join=True) is None
+    answer = _hello(port, **{**hello, "proof": "q"}, inc="x", join=True)
+    assert answer is not None and answer["t"] == "refused" and "shared secret" in answer["why"], answer
+    answer = _hello(port, **{**hello, "rank": 7}, inc="x", join=True)
+    assert answer is not None and answer["t"] == "refused" and "not a rank of this job" in answer["why"], answer
+    answer = _hello(port, **{**hello, "rank": 1}, inc="x", join=True)
+    assert answer is not None and answer["t"] == "refused" and "live member" in answer["why"], answer
+    assert member.candidates() == set()
+    # a new process in rank 2's place: a candidate on every member, until they admit it
+    store = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    joiner = ControlPlane(2, [0, 1, 2], store, "join", "127.0.0.1", 5.0, timeout=20, proof="p", joining=True)
+    joiner.connect_as_joiner([0, 1], store)
+    deadline = time.monotonic() + 5
+    while not all(p is not None and p.candidates() == {2} for p in planes[:2]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [p.candidates() for p in planes[:2] if p is not None] == [{2}, {2}]
+    # a second process for the same rank is refused while the first asks
+    answer = _hello(port, **hello, inc="y", join=True)
+    assert answer is not None and answer["t"] == "refused" and "another process" in answer["why"], answer
+    for plane in planes[:2]:
+        assert plane is not None
+        plane.admit({2})
+        assert plane.candidates() == set() and plane.send(2, {"t": "ping"})
+    for plane in (joiner, *planes[:2]):
+        assert plane is not None
+        plane.close()
+
+
 class _Recorder:
     """A control plane's handler that records what it is told."""
 
@@ -222,6 +350,9 @@ class _Recorder:
         self.suspicions.append((peer, cause))
 
     def fenced(self, why: str) -> None:
+        pass
+
+    def refused(self, error: BaseException) -> None:
         pass
 
     def receive(self, message: dict[str, Any]) -> None:

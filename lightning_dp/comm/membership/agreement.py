@@ -200,11 +200,11 @@ class Agreement:
             self.active = generation
 
     def wait(self, timeout: float | None = None) -> Decision:
-        """Block until the change under way is decided; the decision, or the agreement's failure raised (a
-        :class:`~lightning_dp.comm.errors.QuorumLostError` after ``timeout`` seconds, if given)."""
+        """Block until the change under way is decided; the decision, or the agreement's failure raised
+        (:class:`TimeoutError` after ``timeout`` seconds, if given)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._decision is not None or self._failure is not None, timeout):
-                raise QuorumLostError(f"rank {self.rank}: no decision of the members within {timeout:.0f} s")
+                raise TimeoutError(f"rank {self.rank}: no decision within {timeout} s")
             if self._failure is not None:
                 raise self._failure
             assert self._decision is not None

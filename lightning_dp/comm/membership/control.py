@@ -365,6 +365,11 @@ class ControlPlane:
             for peer in peers:
                 self._suspected.pop(peer, None)
 
+    def peers(self) -> set[int]:
+        """The ranks connected to this one now."""
+        with self._lock:
+            return set(self._peers)
+
     def candidates(self) -> set[int]:
         """The ranks whose new processes are connected here and ask to join."""
         with self._lock:

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from lightning_dp.comm.errors import ConfigurationError, MembershipChange, QuorumLostError
+from lightning_dp.comm.errors import ConfigurationError, JoinAbandonedError, MembershipChange, QuorumLostError
 from lightning_dp.comm.membership.agreement import Agreement, Decision
 from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import Connection, connections_opened_by, fence
@@ -376,7 +376,7 @@ class Membership:
         generation's groups over the members. Raises :class:`~lightning_dp.comm.errors.QuorumLostError` where the
         job must stop (or no decision came within ``timeout`` seconds, if given),
         :class:`~lightning_dp.comm.errors.FencedError` where it went on without this rank."""
-        decision = self.agreement.wait(timeout)
+        decision = self._wait_for_admission(timeout) if self.agreement.joining else self.agreement.wait(timeout)
         began = self._change_began if self._change_began is not None else time.monotonic()
         self.change_began = began
         lost = set(self.members) - set(decision.members)
@@ -404,6 +404,25 @@ class Membership:
         if self.leader == self.rank:
             self._publish_directory()
         return decision
+
+    def _wait_for_admission(self, timeout: float | None) -> Decision:
+        """A joining process's wait for the decision that admits it; raises
+        :class:`~lightning_dp.comm.errors.JoinAbandonedError` when every member has left (the job ended) or after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        while True:
+            try:
+                return self.agreement.wait(0.25)
+            except TimeoutError:
+                if not self.control.peers():
+                    raise JoinAbandonedError(
+                        f"rank {self.rank}: every member of the job left before admitting this process (the job ended)"
+                    ) from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise JoinAbandonedError(
+                        f"rank {self.rank}: the job's members did not admit this process within {timeout:.0f} s (they "
+                        "admit a new process at a step boundary of a fit)"
+                    ) from None
 
     def _on_adopt(self, decision: Decision) -> None:
         """A decision is adopted (on the control plane's thread): the ranks it leaves out are told so and dropped at
