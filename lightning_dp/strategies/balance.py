@@ -88,9 +88,16 @@ class EqualBatches:
         """What this rank contributes, at a step boundary, to choosing where a new member's shares start."""
         return [-1, -1, 0]
 
-    def include(self, joined: list[int], rows: list[list[int]], accumulate: int) -> BatchKey:
+    def include(self, joined: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
         """Deal shares to the ``joined`` ranks from the first batch that no member's loader drew (``rows``: every
-        member's :meth:`boundary_row`) and that starts an optimizer step (``accumulate`` batches each); returns it."""
+        member's :meth:`boundary_row`), comes after batch ``after`` and starts an optimizer step (``accumulate``
+        batches each); returns it."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
+
+    def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
+        """Take back the shares dealt to ``ranks`` (new processes that will not join now), from the first batch no
+        member's loader drew (``rows``); their samples of batches drawn before are counted as dropped. Every member
+        calls it with the same arguments, whether it had dealt them shares or not."""
         raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
 
     def join_state(self) -> dict:
@@ -426,14 +433,28 @@ class DealtBatches(ThroughputBatches):
         balancer = self.balancer
         return [*balancer.latest_drawn, balancer.batches_per_epoch or 0] if balancer is not None else [-1, -1, 0]
 
-    def include(self, joined: list[int], rows: list[list[int]], accumulate: int) -> BatchKey:
-        epoch, index = _first_undrawn(rows)
+    def include(self, joined: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
+        balancer = self.balancer
+        assert balancer is not None  # (at a step boundary of the fit)
         per_epoch = max(r[2] for r in rows)
+        # after every member's latest drawn batch, and after what any loader may draw before the next boundary (the
+        # batch the loop takes next, and as many as it prefetches): the members there check that each dealt the same
+        # shares before any batch with them is drawn
+        epoch, index = max(_first_undrawn(rows), _advance(after, balancer.lag, per_epoch))
         index = -(-index // accumulate) * accumulate  # an optimizer step's first batch
         start = (epoch + 1, 0) if per_epoch and index >= per_epoch else (epoch, index)
-        assert self.balancer is not None  # (at a step boundary of the fit)
-        self.balancer.include(joined, start)
+        balancer.include(joined, start)
         return start
+
+    def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
+        balancer = self.balancer
+        assert balancer is not None
+        start = _first_undrawn(rows)
+        first = min((d.start for d in balancer.decisions if any(balancer.shares_at(d.start)[r] for r in ranks)),
+                    default=start)  # fmt: skip
+        balancer.exclude(ranks, start)
+        if first < start:  # batches drawn with their shares: no one trains those samples
+            self._dropping = (first, start, list(ranks))
 
     def join_state(self) -> dict:
         assert self.balancer is not None
@@ -452,6 +473,14 @@ def _first_undrawn(rows: list[list[int]]) -> BatchKey:
     latest = max((r[0], r[1]) for r in rows)
     per_epoch = max(r[2] for r in rows)
     return (latest[0] + 1, 0) if per_epoch and latest[1] + 1 >= per_epoch else (latest[0], latest[1] + 1)
+
+
+def _advance(key: BatchKey, batches: int, per_epoch: int) -> BatchKey:
+    """The batch ``batches`` after ``key``, in the next epochs past ``per_epoch`` batches (0: unknown)."""
+    epoch, index = key[0], key[1] + batches
+    while per_epoch and index >= per_epoch:
+        epoch, index = epoch + 1, index - per_epoch
+    return epoch, index
 
 
 class DealtThroughputBatches(DealtBatches):

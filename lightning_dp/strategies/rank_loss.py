@@ -794,9 +794,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return
         membership = self.membership
         assert membership is not None
+        pending, start = (self._pending[0], self._pending[1]) if self._pending is not None else ([], (-1, -1))
         offered = sorted(membership.candidates() - set(membership.members)) if self._pending is None else []
-        row = [1 if getattr(trainer, "received_sigterm", False) else 0,
-               sum(1 << r for r in offered if r <= MAX_JOIN_RANK), *strategy.batches.boundary_row()]  # fmt: skip
+        row = [1 if getattr(trainer, "received_sigterm", False) else 0, _mask(offered), _mask(pending), *start,
+               *strategy.batches.boundary_row()]  # fmt: skip
 
         def combine(group: dist.ProcessGroup | None) -> list[list[int]]:
             everyone = [torch.empty(len(row), dtype=torch.int64) for _ in range(dist.get_world_size(group))]
@@ -806,13 +807,21 @@ class ContinueOnRankLoss(StopOnRankLoss):
         rows = self.collective(strategy, combine)
         if any(r[0] for r in rows):
             raise SIGTERMException()
+        drawn = [r[5:] for r in rows]
+        if len({tuple(r[2:5]) for r in rows}) > 1:
+            # the members dealt different shares to new processes (a loss raced with the boundary that dealt them):
+            # every one takes them back alike, before any batch with them is drawn; they are offered again
+            strategy.batches.withdraw(_ranks(functools.reduce(lambda a, b: a | b, (r[2] for r in rows))), drawn)
+            self._pending = None
+            return
         if self._pending is not None and next_training_batch(trainer) >= self._pending[1]:
             self._admit(strategy)
-        heard = functools.reduce(lambda a, b: a & b, (r[1] for r in rows))
-        joining = [r for r in range(MAX_JOIN_RANK + 1) if heard >> r & 1 and r not in membership.members]
+        heard = _ranks(functools.reduce(lambda a, b: a & b, (r[1] for r in rows)))
+        joining = [r for r in heard if r not in membership.members]
         if self._pending is None and joining:
             joined = joining[:1]  # (one at a time: each one admitted is heard by the next)
-            start = strategy.batches.include(joined, [r[2:] for r in rows], trainer.accumulate_grad_batches)
+            after = next_training_batch(trainer)
+            start = strategy.batches.include(joined, drawn, trainer.accumulate_grad_batches, after)
             self._pending = (joined, start)
             rank_zero_info(
                 f"strategy {strategy.strategy_name!r}: a new process asks to join as rank {joined[0]}; it trains from "
@@ -964,6 +973,15 @@ class MembersSampler(DistributedSampler):
     def __len__(self) -> int:
         self._place()
         return self.num_samples
+
+
+def _mask(ranks: list[int]) -> int:
+    """``ranks`` as the bits of an int64 (ranks above :data:`MAX_JOIN_RANK` left out)."""
+    return sum(1 << r for r in ranks if r <= MAX_JOIN_RANK)
+
+
+def _ranks(mask: int) -> list[int]:
+    return [r for r in range(MAX_JOIN_RANK + 1) if mask >> r & 1]
 
 
 def _replicated(path: Path) -> bool:

@@ -121,6 +121,13 @@ parser.add_argument(
     action="store_true",
     help="--lose-server's servers are SIGSTOPped (silent, their connections open: a host cut off), not SIGKILLed",
 )
+parser.add_argument(
+    "--kill-in-handover",
+    type=int,
+    default=None,
+    metavar="RANK",
+    help="RANK (a member handing a new process the job's state, or the new process) dies as the handover begins",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
@@ -419,6 +426,23 @@ def make_strategy():
     return entry["strategy"](**{**entry["init_params"], **options})
 
 
+def die_in_handover() -> None:
+    """--kill-in-handover: that rank's process (the replacement's, if it is the rank replaced) dies as it enters the
+    handover of the job's state to a new process."""
+    if args.kill_in_handover is None or int(os.environ.get("NODE_RANK", -1)) != args.kill_in_handover:
+        return
+    if args.kill_in_handover == args.lose_rank and not REPLACEMENT:
+        return
+    from lightning_dp.strategies import rank_loss
+
+    def dying(*a, **k):
+        (out / f"killed-in-handover-{args.kill_in_handover}").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    rank_loss.hand_over = dying
+
+
+die_in_handover()
 strategy = make_strategy()
 model = ValidatedModel() if args.validate else Model()
 monitor = CommMonitor(print_summary=False) if args.backup_workers or args.on_rank_loss else None

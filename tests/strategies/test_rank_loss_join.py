@@ -1,0 +1,178 @@
+"""A new process in a lost rank's place joins the running job (``on_rank_loss="continue"``): each rank is started on
+its own as a single-device node, rank 2 is killed in flight, and the same command started again as rank 2 joins at a
+step boundary with the state the members hand it. From its first step the global batch is dealt over the three
+ranks again, every step is one process's step on the samples trained, and the replicas are bit-identical; a
+checkpoint written after the join resumes exactly. A new process killed in the handover leaves the job going,
+without it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import run_script
+from tests.helpers.midepoch import Reference, read_seen, replay
+from tests.helpers.replicas import close
+
+pytestmark = pytest.mark.multiprocess
+
+DEVICES, BATCH, SAMPLES, EPOCHS = 3, 4, 72, 4
+GLOBAL_BATCH = DEVICES * BATCH
+STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH
+LOST, LOST_AT = 2, 4
+#: - "replaced": the new process joins and trains to the end;
+#: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
+SCENARIOS = {"replaced": (), "new process killed in the handover": ("--kill-in-handover", str(LOST))}
+
+
+@dataclass
+class Run:
+    scenario: str
+    out: Path
+    #: the ranks that trained from the start to the end, in rank order
+    members: list[dict]
+    #: the new process's record (``None``: it did not finish)
+    joiner: dict | None
+    #: what the killed rank trained at each step until it died
+    seen: dict[int, list[int]]
+    codes: list[int]
+
+    @property
+    def join_step(self) -> int:
+        """The exchanges committed before the new process's first."""
+        (step,) = self.members[0]["rank_loss"]["join_steps"]
+        return step
+
+
+_runs: dict[str, Run] = {}
+
+
+def _launch(scenario: str, tmp_path_factory) -> Run:
+    """The scenario's job, run once per session."""
+    if scenario not in _runs:
+        out = tmp_path_factory.mktemp("ring-join")
+        result = run_script(
+            "midepoch", "--strategy", "ring_allreduce", "--devices", "1", "--num-nodes", str(DEVICES),
+            "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
+            "continue", "--heartbeat-timeout", "2", "--intra-node", "ring", "--lose-rank", str(LOST), "--lose-at-step",
+            str(LOST_AT), "--step-seconds", "0.25", "--checkpoint-every", "3", *SCENARIOS[scenario], "--out",
+            str(out), timeout=240, check=False, deaths_expected=True, replace_killed=True,
+            env={"LIGHTNING_DP_TEST_NODES": str(DEVICES)},
+        )  # fmt: skip
+        joiner_dies = "--kill-in-handover" in SCENARIOS[scenario]
+        assert result.codes == [0, 0, -9, -9 if joiner_dies else 0], result.stdout[-6000:]
+        members = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
+        joiner = None if joiner_dies else torch.load(out / f"rank{LOST}.pt")
+        _runs[scenario] = Run(scenario, out, members, joiner, read_seen(out / f"seen-rank{LOST}.txt"), result.codes)
+    return _runs[scenario]
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def joined(request, tmp_path_factory) -> Run:
+    return _launch(request.param, tmp_path_factory)
+
+
+def _batches(run: Run) -> list[list[int]]:
+    """The samples of every global batch the job trained: the members', the killed rank's for the steps committed
+    with it, and the new process's from its first step."""
+    steps = len(run.members[0]["trained"])
+    with_lost = run.members[0]["rank_loss"]["loss_steps"][0]
+    batches = []
+    for j in range(steps):
+        batch = [i for m in run.members for i in m["trained"][j]] + (run.seen[j] if j < with_lost else [])
+        if run.joiner is not None and j >= run.join_step:
+            batch += run.joiner["trained"][j - run.join_step]
+        batches.append(batch)
+    return batches
+
+
+def test_the_new_process_is_admitted_at_a_step_boundary_and_every_process_agrees(joined):
+    records = [*joined.members, *([joined.joiner] if joined.joiner is not None else [])]
+    metrics = [r["rank_loss"] for r in records]
+    for m in metrics:
+        assert m["joined_ranks"] == [LOST] and m["join_steps"] == metrics[0]["join_steps"], metrics
+    assert LOST_AT < joined.join_step < STEPS, "the new process joined after the loss and before the end"
+    for m in joined.members:
+        assert m["global_step"] == STEPS and len(m["history"]) == STEPS
+        pauses = m["rank_loss"]["join_pause_seconds"]
+        if joined.joiner is not None:
+            assert len(pauses) == 1 and pauses[0] < 2.0, pauses  # (target: 1 s plus a few KB at loopback rates)
+    if joined.joiner is None:  # admitted, then lost in the handover: the members went on without it
+        assert [m["rank_loss"]["lost_ranks"] for m in joined.members] == [[LOST, LOST]] * 2
+        assert (joined.out / f"killed-in-handover-{LOST}").exists()
+        return
+    assert [m["rank_loss"]["lost_ranks"] for m in joined.members] == [[LOST]] * 2
+    joiner = joined.joiner
+    assert joiner["rank_loss"]["lost_ranks"] == [] and joiner["global_step"] == STEPS
+    assert joiner["rank_loss"]["join_seconds"] is not None and joiner["world_size"] == DEVICES
+    # its first step is the members' next: it trained every step from there, the same batches of the same epochs
+    assert len(joiner["trained"]) == STEPS - joined.join_step
+    keys = [(e, b) for e, b, _ in joiner["history"]]
+    assert keys == [(e, b) for e, b, _ in joined.members[0]["history"][joined.join_step :]]
+
+
+def test_the_global_batch_is_dealt_over_the_grown_membership_and_every_sample_is_trained_once(joined):
+    steps = len(joined.members[0]["trained"])
+    for j in range(steps):
+        sizes = [len(m["trained"][j]) for m in joined.members]
+        if joined.joiner is not None and j >= joined.join_step:
+            sizes.append(len(joined.joiner["trained"][j - joined.join_step]))
+            assert sizes == [BATCH] * DEVICES, f"batch {j}: {sizes}"
+        elif j > LOST_AT + 1:  # dealt among the two members (from the first batch drawn after the loss)
+            assert sorted(sizes) == [GLOBAL_BATCH // 2] * 2 or j == joined.join_step, f"batch {j}: {sizes}"
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    batches = _batches(joined)
+    dropped = 0
+    for epoch in range(EPOCHS):
+        trained = [i for j in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in batches[j]]
+        assert len(trained) == len(set(trained)), f"epoch {epoch}: a sample trained twice"
+        dropped += SAMPLES - len(trained)
+    # what no one trained: the killed rank's samples in flight, and the share of the new process killed in the
+    # handover of the batch it was to train first, where the members learnt of its death only in that batch's exchange
+    assert dropped == BATCH or (joined.joiner is None and dropped == 2 * BATCH), dropped
+    assert all(m["rank_loss"]["dropped_samples"] == dropped for m in joined.members)
+
+
+def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_identical(joined):
+    reference = replay(_batches(joined), joined.members[0]["history"], SAMPLES)
+    for j, want in enumerate(reference):
+        got = joined.members[0]["history"][j][2]
+        assert torch.equal(got, joined.members[1]["history"][j][2]), f"the members differ after batch {j}"
+        if joined.joiner is not None and j >= joined.join_step:
+            assert torch.equal(got, joined.joiner["history"][j - joined.join_step][2]), f"after batch {j}"
+        close(got, want, f"after batch {j}")
+    assert all(torch.equal(m["weights"], joined.members[0]["weights"]) for m in joined.members)
+    if joined.joiner is not None:
+        assert torch.equal(joined.joiner["weights"], joined.members[0]["weights"])
+
+
+def test_the_state_is_handed_over_chunked_across_the_members(tmp_path_factory):
+    run = _launch("replaced", tmp_path_factory)
+    assert run.joiner is not None
+    (received,) = run.joiner["rank_loss"]["handover_bytes"]
+    sent = [m["rank_loss"]["handover_bytes"][0] for m in run.members]
+    assert sum(sent) == received, (sent, received)
+    # the weights and the momentum of every parameter (float32), at least; both members sent part of them
+    parameters = sum(p.numel() for p in Reference(SAMPLES).parameters())
+    assert received >= 2 * 4 * parameters and min(sent) > 0, (sent, received, parameters)
+
+
+def test_a_checkpoint_written_after_the_join_resumes_exactly(tmp_path_factory):
+    run = _launch("replaced", tmp_path_factory)
+    found = [(int(m.group(1)), p) for p in (run.out / "ckpt").glob("*.ckpt") if (m := re.search(r"step=(\d+)", p.name))]
+    step, path = min((s, p) for s, p in found if s > run.join_step and s < STEPS)
+    out = tmp_path_factory.mktemp("ring-join-resumed")
+    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
+               "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+               "--intra-node", "ring", "--resume-from", str(path), "--out", str(out), timeout=180)  # fmt: skip
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES)]
+    assert all(r["global_step"] == STEPS and len(r["trained"]) == STEPS - step for r in ranks)
+    for k, j in enumerate(range(step, STEPS)):
+        assert sorted(i for r in ranks for i in r["trained"][k]) == sorted(_batches(run)[j]), f"batch {j}"
+        got = ranks[0]["history"][k][2]
+        assert all(torch.equal(got, r["history"][k][2]) for r in ranks[1:]), f"the replicas differ after batch {j}"
+        close(got, run.members[0]["history"][j][2], f"after batch {j}")
