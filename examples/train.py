@@ -105,8 +105,8 @@ def train(cfg: DictConfig) -> dict:
         counts = torch.tensor([trainer.strategy.late_gradients, trainer.strategy.skipped_steps], dtype=torch.float64)
         late, skipped = (int(v) for v in trainer.strategy.reduce(counts, reduce_op="sum").tolist())
         backup = {"backup_workers": trainer.strategy.backup_workers, "late_gradients": late, "skipped_steps": skipped}
-    # on_rank_loss="continue": the ranks (and dedicated servers) the run went on without, when, and what that cost
-    # (the same on every rank)
+    # on_rank_loss="continue": the ranks (and dedicated servers) the run went on without, the new processes it admitted,
+    # when, and what that cost (the same on every rank)
     rank_loss = getattr(trainer.strategy, "rank_loss", None)
     lost = rank_loss.metrics() if rank_loss is not None else {}
     has_test = datamodule is not None or L.pytorch.utilities.model_helpers.is_overridden("test_step", model)
@@ -121,7 +121,7 @@ def train(cfg: DictConfig) -> dict:
             summary["staleness_seen"] = staleness
         if backup is not None:
             summary["backup"] = backup
-        if lost.get("lost_ranks") or lost.get("lost_servers"):
+        if lost.get("lost_ranks") or lost.get("lost_servers") or lost.get("joined_ranks"):
             summary["rank_loss"] = lost
         monitor = next((c for c in trainer.callbacks if isinstance(c, CommMonitor)), None)
         if monitor is not None and monitor.summary is not None:  # means per step, measured and predicted

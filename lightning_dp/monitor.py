@@ -70,11 +70,28 @@ class CommSummary:
                 )
             for server, seconds in zip(loss.get("lost_servers", []), loss.get("server_recovery_seconds", [])):
                 lines.append(f"lost dedicated server {server}; its replica took its share over {seconds:.3f} s later")
+            lines += _join_lines(loss)
             lines.append(f"samples of global batches no survivor trained: {loss['dropped_samples']}")
             if loss.get("lost_residuals"):
                 lines.append(f"error-feedback residuals lost with rank(s) {loss['lost_residuals']} (each at most one "
                              "step's rounding of its contribution)")  # fmt: skip
         return "\n".join(lines)
+
+
+def _join_lines(loss: dict[str, Any]) -> list[str]:
+    """The summary's lines on the new processes the run admitted (``rank_loss.metrics()``)."""
+    sent = loss.get("handover_bytes", [])
+    if loss.get("join_seconds") is not None:  # this process is the new one
+        rank, step = loss["joined_ranks"][-1], loss["join_steps"][-1]
+        return [f"this process joined as rank {rank} after {step} steps, {loss['join_seconds']:.3f} s after asking to "
+                f"(set-up excluded), handed {sent[-1] / 1e3:.1f} kB by the members"]  # fmt: skip
+    return [
+        f"a new process joined as rank {rank} after {step} steps; the members paused {pause:.3f} s, and this rank "
+        f"handed it {size / 1e3:.1f} kB"
+        for rank, step, pause, size in zip(
+            loss.get("joined_ranks", []), loss.get("join_steps", []), loss.get("join_pause_seconds", []), sent
+        )  # fmt: skip
+    ]
 
 
 def _fmt(value: float | None) -> str:
@@ -256,7 +273,8 @@ class CommMonitor(Callback):
         summary.skipped_steps = getattr(trainer.strategy, "skipped_steps", 0)
         rank_loss = getattr(trainer.strategy, "rank_loss", None)
         lost = rank_loss.metrics() if rank_loss is not None else {}
-        summary.rank_loss = lost if lost.get("lost_ranks") or lost.get("lost_servers") else None
+        changed = lost.get("lost_ranks") or lost.get("lost_servers") or lost.get("joined_ranks")
+        summary.rank_loss = lost if changed else None
         mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}
         summary.measured = {name: (mean[name] if timed or name.startswith("bytes") else None) for name in METRICS}
         backward = mean["backward"]

@@ -692,6 +692,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     if self._newcomer is None:
                         self.join_steps.append(self.committed)
                         self.join_pause_seconds.append(time.monotonic() - (membership.change_began or started))
+                        rank_zero_info(
+                            f"strategy {strategy.strategy_name!r}: a new process joined as rank(s) "
+                            f"{sorted(decision.joined)} after {self.committed} steps; the members paused "
+                            f"{self.join_pause_seconds[-1]:.3f} s for its admission and the handover of the job's state"
+                        )
                 self._welcoming.clear()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
@@ -860,20 +865,20 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self._take_state(strategy, trainer, state)
             return
 
-        def run(group: dist.ProcessGroup | None) -> None:
+        def run(group: dist.ProcessGroup | None) -> int:
             recipients = sorted(self._welcoming & set(membership.members))
             donors = [r for r in membership.members if r not in self._welcoming]
             if not recipients:  # (lost before it was handed anything)
-                return
+                return 0
 
             def state() -> Any:
                 return self._state_to_hand_over(strategy, trainer, full=me == donors[0])
 
             assert strategy.gradient_group is not None
             _, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, state, _replicated)
-            self.handover_bytes.append(moved.bytes)
+            return moved.bytes
 
-        self.collective(strategy, run)
+        self.handover_bytes.append(self.collective(strategy, run))
 
     def _state_to_hand_over(self, strategy: DataParallelStrategy, trainer: Any, full: bool) -> dict[str, Any]:
         """This member's state for a new one: Lightning's checkpoint in memory and where the members stand

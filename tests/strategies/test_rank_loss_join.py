@@ -98,6 +98,7 @@ def test_the_new_process_is_admitted_at_a_step_boundary_and_every_process_agrees
     assert LOST_AT < joined.join_step < STEPS, "the new process joined after the loss and before the end"
     for m in joined.members:
         assert m["global_step"] == STEPS and len(m["history"]) == STEPS
+        assert f"a new process joined as rank {LOST} after {joined.join_step} steps" in m["monitor_table"]
         pauses = m["rank_loss"]["join_pause_seconds"]
         if joined.joiner is not None:
             assert len(pauses) == 1 and pauses[0] < 2.0, pauses  # (target: 1 s plus a few KB at loopback rates)
@@ -109,6 +110,7 @@ def test_the_new_process_is_admitted_at_a_step_boundary_and_every_process_agrees
     joiner = joined.joiner
     assert joiner["rank_loss"]["lost_ranks"] == [] and joiner["global_step"] == STEPS
     assert joiner["rank_loss"]["join_seconds"] is not None and joiner["world_size"] == DEVICES
+    assert f"this process joined as rank {LOST} after {joined.join_step} steps" in joiner["monitor_table"]
     # its first step is the members' next: it trained every step from there, the same batches of the same epochs
     assert len(joiner["trained"]) == STEPS - joined.join_step
     keys = [(e, b) for e, b, _ in joiner["history"]]
