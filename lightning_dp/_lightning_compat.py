@@ -6,7 +6,9 @@ behaviour the project relies on. Public Lightning API is imported where it is us
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ __all__ = [
     "after_closure",
     "dump_checkpoint",
     "next_training_batch",
+    "recording_rank_starts",
     "patch_hydra_subprocess_command",
     "replace_clipping",
     "replace_sigterm_notifier",
@@ -194,3 +197,26 @@ def next_training_batch(trainer: Any) -> tuple[int, int]:
     """``(epoch, batch index)`` of the batch the training loop takes next, at its step boundary (before it fetches
     the batch): the batches of the epoch it has started so far."""
     return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+@contextmanager
+def recording_rank_starts(started: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Iterator[Callable[..., Any]]:
+    """While Lightning's ``popen`` launcher starts a machine's other ranks: record the arguments of each one's
+    ``subprocess.Popen`` into ``started`` (in local rank order); yields the ``Popen`` it starts them with."""
+    from lightning.pytorch.strategies.launchers import subprocess_script as module
+
+    original = module.subprocess
+    popen = original.Popen
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        started.append((args, kwargs))
+        return popen(*args, **kwargs)
+
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(original.__dict__)
+    shim.Popen = recording  # type: ignore[attr-defined]
+    module.subprocess = shim
+    try:
+        yield popen
+    finally:
+        module.subprocess = original

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing.process
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,11 +21,16 @@ from lightning_dp._lightning_compat import (
     _MultiProcessingLauncher,
     _set_num_threads_if_needed,
     _SubprocessScriptLauncher,
+    recording_rank_starts,
 )
 from lightning_dp.comm.cluster.rendezvous import LAUNCH_VARIABLE, die_with_parent, launcher_pid, new_launch, set_launch
 
+log = logging.getLogger(__name__)
+
 #: seconds the other ranks get to fail on their own (and name the peer they lost) once one rank has died
 EXIT_GRACE_SECONDS = 5.0
+#: set in a process :class:`ScriptLauncher` started again in a lost rank's place: how many it started so far
+RESTART_VARIABLE = "LIGHTNING_DP_RESTART"
 
 
 def wait_for_exit(processes: list[Any], seconds: float) -> None:
@@ -62,6 +69,8 @@ class ScriptLauncher(_SubprocessScriptLauncher):
     #: whether the job goes on when one of the ranks this launcher started dies (``on_rank_loss="continue"``): then
     #: no observer kills the others
     survives_rank_loss = False
+    #: how many times in all a rank this launcher started that dies is started again (``restart_lost_ranks``)
+    restarts = 0
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -70,13 +79,63 @@ class ScriptLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             if not self.survives_rank_loss:
                 GracefulObserver(main_pid=os.getpid(), child_processes=self.procs).start()
+            elif self.restarts:
+                self.restarter = RankRestarter(self.procs, self._started, self._popen, self.restarts)
+                self.restarter.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     @override
     def _call_children_scripts(self) -> None:
-        with launch_variable_for_children():
+        self._started: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        with launch_variable_for_children(), recording_rank_starts(self._started) as popen:
             super()._call_children_scripts()
+        self._popen = popen
+
+    def stop_restarting(self) -> None:
+        """Start no rank again from now on (the fit ended)."""
+        restarter = getattr(self, "restarter", None)
+        if restarter is not None:
+            restarter.stop()
+
+
+class RankRestarter(threading.Thread):
+    """In the process that started a machine's other ranks: start a rank that dies (a non-zero exit, a signal) again,
+    with the same command and environment (``started``: each one's ``popen`` arguments), ``restarts`` times in all;
+    the new process joins the running job in the lost rank's place (``on_rank_loss="continue"``). ``processes`` is
+    the launcher's list, updated in place."""
+
+    def __init__(
+        self,
+        processes: list[Any],
+        started: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        popen: Callable[..., Any],
+        restarts: int,
+    ) -> None:
+        super().__init__(name="lddp-restarter", daemon=True)
+        self.processes, self.started, self.popen, self.left = processes, started, popen, restarts
+        self.count = 0
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Start no rank again. The thread itself runs on until the process exits: the kernel's parent-death signal of
+        the processes it started fires when the thread that started them ends."""
+        self._stopped.set()
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.2)
+            for i, process in enumerate(self.processes):
+                code = process.poll()
+                if not code or self.left <= 0 or self._stopped.is_set():
+                    continue
+                self.left -= 1
+                self.count += 1
+                args, kwargs = self.started[i]
+                env = {**(kwargs.get("env") or os.environ), RESTART_VARIABLE: str(self.count)}
+                log.warning("local rank %d exited with %d: starting it again to join the job (%d restart(s) left)",
+                            i + 1, code, self.left)  # fmt: skip
+                self.processes[i] = self.popen(*args, **{**kwargs, "env": env})
 
 
 class GracefulObserver(_ChildProcessObserver):

@@ -50,7 +50,7 @@ from lightning_dp.strategies.launchers import (
     die_with_launcher,
     wait_for_exit,
 )
-from lightning_dp.strategies.options import check_backend_for_devices, check_choice, check_timeout
+from lightning_dp.strategies.options import check_backend_for_devices, check_choice, check_count, check_timeout
 from lightning_dp.strategies.rank_loss import DEFAULT_HEARTBEAT_SECONDS, StopOnRankLoss, make_rank_loss
 from lightning_dp.strategies.resume import resume_mid_epoch, stop_silencing
 
@@ -82,6 +82,10 @@ class ProcessGroupStrategy(DDPStrategy):
             is taken for lost (default 10); a process that dies is noticed at once.
         max_lost_ranks: with ``on_rank_loss="continue"``, how many ranks the job may lose in all before it stops
             (default: any number that leaves a strict majority of the ranks it started with).
+        restart_lost_ranks: with ``on_rank_loss="continue"`` and Lightning's ``popen`` launcher, how many times in all
+            the process that started a machine's ranks starts one that died again (the same command), to join the
+            running job in its place (default 0: never). A process started by hand, by ``srun`` or by any launcher
+            with the job's command and variables joins the same way.
     """
 
     strategy_name: ClassVar[str] = ""
@@ -99,6 +103,7 @@ class ProcessGroupStrategy(DDPStrategy):
         on_rank_loss: Literal["stop", "continue"] = "stop",
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_SECONDS,
         max_lost_ranks: int | None = None,
+        restart_lost_ranks: int = 0,
     ) -> None:
         check_choice("start_method", start_method, START_METHODS)
         #: the ``on_rank_loss`` mode, chosen once here
@@ -107,6 +112,12 @@ class ProcessGroupStrategy(DDPStrategy):
             raise ConfigurationError(
                 f"on_rank_loss='continue' needs start_method='popen' (got {start_method!r}): torch's multiprocessing "
                 "launcher ends every process when one dies"
+            )
+        self.restart_lost_ranks = check_count("restart_lost_ranks", restart_lost_ranks, 0)
+        if self.restart_lost_ranks and self.rank_loss.name != "continue":
+            raise ConfigurationError(
+                f"restart_lost_ranks={restart_lost_ranks} needs on_rank_loss='continue' (got {on_rank_loss!r}): a "
+                "restarted rank joins a job that went on without it"
             )
         super().__init__(  # DDPStrategy's state for its inherited helpers; its DDP-wrapping paths are never taken
             accelerator=accelerator,
@@ -232,6 +243,7 @@ class ProcessGroupStrategy(DDPStrategy):
         if self._start_method == "popen":
             self._launcher = ScriptLauncher(env, self.num_processes, self.num_nodes)
             self._launcher.survives_rank_loss = self.rank_loss.name == "continue"
+            self._launcher.restarts = self.restart_lost_ranks
         else:
             self._launcher = ProcessLauncher(self, start_method=self._start_method)
 
@@ -260,14 +272,15 @@ class ProcessGroupStrategy(DDPStrategy):
         """In the process that started the node's other ranks (``popen``): before it exits, wait (up to the timeout)
         for them to finish, since they die with it (what a rank does after ``fit``, e.g. writing its results, must
         not be cut short by rank 0 finishing first)."""
-        processes = [p for p in getattr(self._launcher, "procs", []) if isinstance(p, subprocess.Popen)]
-        if not processes or self.local_rank != 0:
+        launcher = self._launcher
+        if not any(isinstance(p, subprocess.Popen) for p in getattr(launcher, "procs", [])) or self.local_rank != 0:
             return
         assert self._timeout is not None
         # those still running after it are ended by the parent-death signal as this process exits; this process's
-        # groups (and the store it serves them) close after they have gone
+        # groups (and the store it serves them) close after they have gone. (The launcher's list at exit: a rank
+        # started again in a lost one's place is waited for too.)
         register_close_at_exit()
-        atexit.register(wait_for_exit, processes, self._timeout.total_seconds())
+        atexit.register(lambda: wait_for_exit(list(getattr(launcher, "procs", [])), self.timeout.total_seconds()))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -352,6 +365,12 @@ class ProcessGroupStrategy(DDPStrategy):
         lowest rank training now if ``src`` was lost."""
         members = self.rank_loss.members
         return src if members is None or src in members else members[0]
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self._launcher, ScriptLauncher):  # a rank that dies once the fit ended stays down
+            self._launcher.stop_restarting()
+        super().teardown()
 
     @property
     @override

@@ -319,6 +319,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"{name} needs process_group_backend='gloo': an NCCL communicator that lost a peer cannot be fenced "
                 "and rebuilt here (see docs/faults.md)"
             )
+        refusal = self._join_refusal(strategy)
+        if getattr(strategy, "restart_lost_ranks", 0) and refusal is not None:
+            raise ConfigurationError(f"restart_lost_ranks={strategy.restart_lost_ranks} cannot be kept: {refusal}")
 
     @property
     def interrupt(self) -> Callable[[], None] | None:

@@ -128,10 +128,13 @@ parser.add_argument(
     metavar="RANK",
     help="RANK (a member handing a new process the job's state, or the new process) dies as the handover begins",
 )
+parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strategy option restart_lost_ranks")
+parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
+                    help="rank 0 waits in this step until the lost rank's replacement sets itself up")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
-REPLACEMENT = os.environ.get("LIGHTNING_DP_TEST_REPLACEMENT") == "1"
+REPLACEMENT = os.environ.get("LIGHTNING_DP_TEST_REPLACEMENT") == "1" or "LIGHTNING_DP_RESTART" in os.environ
 #: --lose-server's steps and the server lost at each
 server_losses = {step: server for server, step in args.lose_server}
 out = Path(args.out)
@@ -177,6 +180,11 @@ class Model(L.LightningModule):
         if self.global_step == args.mark_step:
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
+        if self.global_rank == 0 and self.global_step == args.await_replacement_at:
+            deadline = time.monotonic() + 60
+            while not (out / "replacement-set-up").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # (it asks to join at the end of its set-up)
         later = args.lose_later or (None, None)
         if (args.record_seen or self.global_rank in (args.lose_rank, later[0])) and not REPLACEMENT:
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
@@ -274,6 +282,8 @@ class Model(L.LightningModule):
                 time.sleep(1)
 
     def configure_optimizers(self):
+        if REPLACEMENT:
+            (out / "replacement-set-up").touch()
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         if args.lr_every_step:
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
@@ -411,6 +421,7 @@ options = {
     "heartbeat_timeout": args.heartbeat_timeout,
     "num_servers": args.num_servers,
     "compression": args.compression,
+    "restart_lost_ranks": args.restart_lost_ranks,
 }
 options = {k: v for k, v in options.items() if v is not None}
 if args.external_servers:
@@ -429,7 +440,10 @@ def make_strategy():
 def die_in_handover() -> None:
     """--kill-in-handover: that rank's process (the replacement's, if it is the rank replaced) dies as it enters the
     handover of the job's state to a new process."""
-    if args.kill_in_handover is None or int(os.environ.get("NODE_RANK", -1)) != args.kill_in_handover:
+    rank = int(os.environ.get("NODE_RANK", 0)) * int(args.devices if args.devices != "auto" else 1) + int(
+        os.environ.get("LOCAL_RANK", 0)
+    )
+    if args.kill_in_handover is None or rank != args.kill_in_handover:
         return
     if args.kill_in_handover == args.lose_rank and not REPLACEMENT:
         return

@@ -24,9 +24,18 @@ DEVICES, BATCH, SAMPLES, EPOCHS = 3, 4, 72, 4
 GLOBAL_BATCH = DEVICES * BATCH
 STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH
 LOST, LOST_AT = 2, 4
-#: - "replaced": the new process joins and trains to the end;
+#: rank 0 waits in this step until the new process is about to ask to join (a cold start takes seconds)
+AWAIT_AT = 8
+#: - "replaced": the new process, started by hand (by the test), joins and trains to the end;
+#: - "restarted by the launcher": the ranks are started by Lightning's launcher in one process, which starts the lost
+#:   one again (restart_lost_ranks);
 #: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
-SCENARIOS = {"replaced": (), "new process killed in the handover": ("--kill-in-handover", str(LOST))}
+SCENARIOS = {
+    "replaced": (),
+    "restarted by the launcher": ("--restart-lost-ranks", "1"),
+    "new process killed in the handover": ("--kill-in-handover", str(LOST)),
+}
+BY_LAUNCHER = {"restarted by the launcher"}
 
 
 @dataclass
@@ -55,16 +64,20 @@ def _launch(scenario: str, tmp_path_factory) -> Run:
     """The scenario's job, run once per session."""
     if scenario not in _runs:
         out = tmp_path_factory.mktemp("ring-join")
+        launcher = scenario in BY_LAUNCHER
+        placement = ("--devices", str(DEVICES)) if launcher else ("--devices", "1", "--num-nodes", str(DEVICES))
         result = run_script(
-            "midepoch", "--strategy", "ring_allreduce", "--devices", "1", "--num-nodes", str(DEVICES),
+            "midepoch", "--strategy", "ring_allreduce", *placement,
             "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
             "continue", "--heartbeat-timeout", "2", "--intra-node", "ring", "--lose-rank", str(LOST), "--lose-at-step",
-            str(LOST_AT), "--step-seconds", "0.25", "--checkpoint-every", "3", *SCENARIOS[scenario], "--out",
-            str(out), timeout=240, check=False, deaths_expected=True, replace_killed=True,
-            env={"LIGHTNING_DP_TEST_NODES": str(DEVICES)},
+            str(LOST_AT), "--step-seconds", "0.1", "--await-replacement-at", str(AWAIT_AT), "--checkpoint-every", "3",
+            *SCENARIOS[scenario], "--out",
+            str(out), timeout=240, check=launcher, deaths_expected=True, replace_killed=not launcher,
+            env=None if launcher else {"LIGHTNING_DP_TEST_NODES": str(DEVICES)},
         )  # fmt: skip
         joiner_dies = "--kill-in-handover" in SCENARIOS[scenario]
-        assert result.codes == [0, 0, -9, -9 if joiner_dies else 0], result.stdout[-6000:]
+        codes = [0] if launcher else [0, 0, -9, -9 if joiner_dies else 0]
+        assert result.codes == codes, result.stdout[-6000:]
         members = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
         joiner = None if joiner_dies else torch.load(out / f"rank{LOST}.pt")
         _runs[scenario] = Run(scenario, out, members, joiner, read_seen(out / f"seen-rank{LOST}.txt"), result.codes)
