@@ -50,6 +50,25 @@ def test_the_options_are_checked_by_name():
         RingAllReduceStrategy(on_rank_loss="continue", max_lost_ranks=-1)
     with pytest.raises(ConfigurationError, match="max_lost_ranks applies to on_rank_loss='continue'"):
         RingAllReduceStrategy(max_lost_ranks=1)
+    with pytest.raises(ValueError, match="restart_lost_ranks"):
+        RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=-1)
+    with pytest.raises(ConfigurationError, match="restart_lost_ranks=1 needs on_rank_loss='continue'"):
+        RingAllReduceStrategy(restart_lost_ranks=1)
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "match"),
+    [
+        (ShardedParameterServerStrategy, {}, "'sharded_ps' does not admit a new process yet"),
+        (ParameterServerStrategy, {}, "'parameter_server' does not admit a new process yet"),
+        (RingAllReduceStrategy, {"compression": "bf16"}, "'ring_allreduce' with compression='bf16' does not admit"),
+        (RingAllReduceStrategy, {"balance": "throughput"}, "'ring_allreduce' with balance='throughput' does not admit"),
+    ],
+)
+def test_restarting_a_lost_rank_is_refused_where_the_job_takes_no_new_process(cls, options, match):
+    with pytest.raises(ConfigurationError, match=f"restart_lost_ranks=2 cannot be kept: strategy={match}"):
+        cls(on_rank_loss="continue", restart_lost_ranks=2, **options)
+    assert RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=2).restart_lost_ranks == 2
 
 
 def test_the_servers_replicate_their_state_only_when_they_must_survive_a_loss():
