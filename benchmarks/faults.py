@@ -5,6 +5,7 @@
     python -m benchmarks.faults --strategies sharded_ps --paths launcher torchrun
     python -m benchmarks.faults --strategies sharded_ps+servers --paths launcher server server_silent torchrun \
         --name faults_dedicated
+    python -m benchmarks.faults --strategies ring_allreduce --paths join per_host_join --name faults_join
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
@@ -24,7 +25,13 @@ paths:
   trainer 0 SIGSTOPs it instead (its connections stay open, as a host cut off leaves them), found by the leader's
   probe within ``heartbeat_timeout`` (below);
 - **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
-  process restarts and resumes from the newest checkpoint.
+  process restarts and resumes from the newest checkpoint;
+- **a new process joins** (``join``: the strategy's launcher with ``restart_lost_ranks=1`` starts rank 2 again;
+  ``per_host_join``: one process per host, the benchmark starts rank 2 again with the same command): 4 ranks, one
+  killed, 3 go on, the new process joins, 4 again. Measured: the join (from the new process's start to the end of
+  its first step), the members' pause (its admission and the handover, as the members report it), the bytes the
+  new process was handed, and the median steps/s of rank 0 over the 20 steps before the fault and the 20 steps after
+  the join (``join_window``).
 
 Each path runs once without the fault (its baseline) and once with it. Recovery: from the fault to the end of the
 first step every survivor completed after it (that step's own computation included); of which the agreement: from
@@ -42,6 +49,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +63,7 @@ import torch
 
 from benchmarks.netns import SUBNET, delayed_hosts
 from benchmarks.report import save
+from lightning_dp.strategies.launchers import RESTART_VARIABLE
 from tests.helpers.launch import kill_process_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +86,16 @@ class FaultClock(pl.Callback):
         self.folder, self.rank, self.step, self.cut, self.server = Path(folder), rank, step, cut, server
         self.silent = silent
 
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        if _attempt() > 0:  # a new process in the lost rank's place: when it started
+            (self.folder / f"started-rank{trainer.strategy.global_rank}").write_text(f"{_process_start()!r}\n")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        rank_loss = getattr(trainer.strategy, "rank_loss", None)
+        if rank_loss is not None:
+            name = f"rank_loss-rank{trainer.strategy.global_rank}-attempt{_attempt()}.json"
+            (self.folder / name).write_text(json.dumps(rank_loss.metrics()))
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.strategy.global_rank == self.rank and _attempt() == 0:
             if self.cut:
@@ -95,7 +114,14 @@ class FaultClock(pl.Callback):
 
 
 def _attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    """0 in the job's first processes; torchrun's restart count, or in a process started again in a lost rank's
+    place its restart count (``LIGHTNING_DP_RESTART``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RESTART_VARIABLE) or 0)
+
+
+def _process_start() -> float:
+    """When this process started (Linux: its ``/proc`` entry's time), in ``time.time()``'s clock."""
+    return os.stat(f"/proc/{os.getpid()}").st_ctime
 
 
 def _free_port() -> int:
@@ -158,6 +184,7 @@ def _run_path(
     folder.mkdir()
     server = path in SERVER_PATHS
     lost = {"per_host": 0, "emulated": RANKS - 1}.get(path, 0 if server else 2)
+    join = path in JOIN_PATHS
     fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
                      f"+callbacks.fault.cut={path == 'emulated'}", f"+callbacks.fault.server={0 if server else -1}",
                      f"+callbacks.fault.silent={path == 'server_silent'}"] if fault else []  # fmt: skip
@@ -168,7 +195,7 @@ def _run_path(
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
     app = str(REPO / "examples" / "train.py")
-    apart = path in ("per_host", "emulated")
+    apart = path in ("per_host", "emulated", "per_host_join")
     logs = [open(folder / f"process{i}.log", "w") for i in range(RANKS if apart else 1)]  # noqa: SIM115
     start = time.perf_counter()
     poll = None
@@ -188,21 +215,38 @@ def _run_path(
             if (folder / "at-fault").exists() and not (folder / "fault").exists():
                 hosts.cut(lost)
                 (folder / "fault").write_text(f"{time.time()!r} {args.fault_step}\n")
-    elif path == "launcher" or server:
+    elif path in ("launcher", "join") or server:
         command = [sys.executable, app, *overrides, f"trainer.devices={RANKS}", "strategy.on_rank_loss=continue"]
+        if path == "join":
+            command += ["strategy.restart_lost_ranks=1"]
         if path == "server_silent":
             command += [f"strategy.heartbeat_timeout={args.heartbeat_timeout}"]
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
-    elif path == "per_host":
+    elif path in ("per_host", "per_host_join"):
         port = str(_free_port())
         command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
                    "strategy.on_rank_loss=continue"]  # fmt: skip
+        envs = [{**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(RANKS),
+                 "NODE_RANK": str(i), "LOCAL_RANK": "0"} for i in range(RANKS)]  # fmt: skip
         procs = [subprocess.Popen(command, cwd=folder, stdout=logs[i], stderr=subprocess.STDOUT,
-                                  start_new_session=True,
-                                  env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                       "WORLD_SIZE": str(RANKS), "NODE_RANK": str(i), "LOCAL_RANK": "0"})
+                                  start_new_session=True, env=envs[i])
                  for i in range(RANKS)]  # fmt: skip
+        if join:
+
+            def poll() -> None:  # the lost rank died: start it again with the same command
+                if procs[lost].poll() not in (None, 0) and len(procs) == RANKS:
+                    logs.append(open(folder / f"process{RANKS}.log", "w"))  # noqa: SIM115
+                    procs.append(
+                        subprocess.Popen(
+                            command,
+                            cwd=folder,
+                            stdout=logs[-1],
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            env={**envs[lost], RESTART_VARIABLE: "1"},
+                        )
+                    )
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--max-restarts",
                    "1", "--master-port", str(_free_port()), app, *overrides, f"trainer.devices={RANKS}",
@@ -236,7 +280,35 @@ def _run_path(
         row["dropped_samples"] = loss.get("dropped_samples")
         if path != "torchrun":
             row["steps_redone"] = loss.get("redone_steps", 0)
+        if join:
+            row.update(_join(folder, lost, args.fault_step, loss))
     return row
+
+
+def _steps(folder: Path, rank: int) -> list[tuple[int, int, float]]:
+    """``(attempt, step, time)`` of every step rank ``rank`` ended."""
+    log = folder / f"steps-rank{rank}.txt"
+    return [(int(a), int(s), float(t)) for a, s, t in (line.split() for line in log.read_text().splitlines())]
+
+
+def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dict[str, Any]:
+    """The join's measurements (see the module docstring)."""
+    (join_step,) = loss["join_steps"]
+    joined = [(s, t) for a, s, t in _steps(folder, lost) if a > 0]
+    started = float((folder / f"started-rank{lost}").read_text())
+    new = json.loads((folder / f"rank_loss-rank{lost}-attempt1.json").read_text())
+    ends = {s: t for a, s, t in _steps(folder, 0)}
+
+    def median_rate(first: int, last: int) -> float:
+        return statistics.median(1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s - 1 in ends)
+
+    window = JOIN_WINDOW
+    return {
+        "join_step": join_step, "join_seconds": joined[0][1] - started, "join_asked_seconds": new["join_seconds"],
+        "join_pause_seconds": loss["join_pause_seconds"][0], "handover_bytes": new["handover_bytes"][0],
+        "steps_per_second_before": median_rate(fault_step - window, fault_step - 1),
+        "steps_per_second_after": median_rate(join_step + 2, join_step + 1 + window), "join_window": window,
+    }  # fmt: skip
 
 
 def _recovery(folder: Path, lost: int, fault_step: int) -> dict[str, Any]:
@@ -304,6 +376,9 @@ STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps", "sharded_ps+se
 SERVERS = 2
 #: the paths that lose dedicated server 0 instead of a trainer
 SERVER_PATHS = ("server", "server_silent")
+#: the paths where a new process joins in the lost rank's place, and the steps compared before the loss and after
+JOIN_PATHS = ("join", "per_host_join")
+JOIN_WINDOW = 20
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
     "server": "a dedicated server lost, its replica takes over (strategy's launcher)",
@@ -311,6 +386,8 @@ PATHS = {
     "per_host": "survivors go on (one process per host)",
     "emulated": "survivors go on (emulated hosts, link cut)",
     "torchrun": "torchrun restarts from the checkpoint",
+    "join": "a new process joins (the strategy's launcher restarts it)",
+    "per_host_join": "a new process joins (one process per host, started again by hand)",
 }
 
 
@@ -329,6 +406,8 @@ def report_lines(rows: list[dict]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     baselines = {(r["strategy"], r["path"]): r for r in rows if not r["fault"]}
+    if any(r["path"] in JOIN_PATHS for r in rows):
+        return lines[:2] + join_lines(rows, baselines)
     for r in rows:
         if not r["fault"]:
             continue
@@ -349,6 +428,28 @@ def report_lines(rows: list[dict]) -> list[str]:
             f"| {r.get('steps_redone', 0)} "
             f"| {dropped if dropped is not None else '-'} | {_accuracy(base)} / {_accuracy(r)} |"
         )
+    return lines
+
+
+def join_lines(rows: list[dict], baselines: dict) -> list[str]:
+    """The joins' table: 4 ranks, one lost, 3 go on, a new process joins, 4 again."""
+    lines = [
+        "| strategy | path | join (s) | of which asking to join (s) | members' pause (s) | bytes handed over "
+        "| steps/s before the loss | steps/s after the join | after / before | test accuracy (no fault / fault) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r["fault"]:
+            continue
+        base = baselines[r["strategy"], r["path"]]
+        before, after = r["steps_per_second_before"], r["steps_per_second_after"]
+        lines.append(
+            f"| {_strategy(r['strategy'])} | {PATHS[r['path']]} | {r['join_seconds']:.2f} "
+            f"| {r['join_asked_seconds']:.2f} | {r['join_pause_seconds']:.3f} | {r['handover_bytes'] / 1e3:.1f} kB "
+            f"| {before:.1f} | {after:.1f} | {after / before:.2f}× | {_accuracy(base)} / {_accuracy(r)} |"
+        )
+    lines += ["", f"Steps/s: rank 0's median over the {rows[0].get('join_window', JOIN_WINDOW)} steps before the fault "
+              "and the same number after the join's first step."]  # fmt: skip
     return lines
 
 

@@ -145,6 +145,11 @@ class StopOnRankLoss:
         """The run fails on this rank (before teardown)."""
 
     @property
+    def newcomer(self) -> bool:
+        """Whether this process joined a running job and has not trained a step with its members yet."""
+        return False
+
+    @property
     def restores_after_setup(self) -> bool:
         """Whether Lightning restores a checkpoint after the strategy's set-up (a new process's handed-over state)."""
         return False
@@ -410,6 +415,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if getattr(strategy, "balance", "none") != "none":
             return f"{name} with balance={strategy.balance!r} does not admit a new process yet"  # type: ignore[attr-defined]
         return None
+
+    @property
+    def newcomer(self) -> bool:
+        return self._newcomer is not None
 
     @property
     def restores_after_setup(self) -> bool:
@@ -1010,17 +1019,23 @@ class _Newcomer:
         self.group = form_group((rank,), rank, dist.PrefixStore("newcomer", dist.HashStore()),
                                 f"lightning_dp/newcomer/{_Newcomer._count}", "gloo", timeout)  # fmt: skip
         self.checkpoint: dict[str, Any] | None = None
-        self._held: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] | None = None
+        self._held: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, Any] | None = None
 
-    def hold(self, strategy: ProcessGroupStrategy) -> None:
-        """Set the members' groups aside: the strategy's collectives run alone."""
-        self._held = (strategy.gradient_group, strategy._control_group)
+    def hold(self, strategy: DataParallelStrategy) -> None:
+        """Set the members' groups and exchange aside: the strategy's collectives and exchanges (a callback measuring
+        the link) run alone, over a transport of its own."""
+        self._held = (strategy.gradient_group, strategy._control_group, strategy.transport)
         strategy.gradient_group = strategy._control_group = self.group
+        if strategy.reducer is not None:
+            strategy.transport = strategy._make_transport(False)
+            strategy.transport.bind(strategy.reducer.buckets)
 
-    def release(self, strategy: ProcessGroupStrategy) -> None:
-        """The strategy's collectives run over the members again."""
+    def release(self, strategy: DataParallelStrategy) -> None:
+        """The strategy's collectives and exchanges run over the members again."""
         if self._held is not None:
-            strategy.gradient_group, strategy._control_group = self._held
+            if strategy.transport is not None and strategy.transport is not self._held[2]:
+                strategy.transport.close()
+            strategy.gradient_group, strategy._control_group, strategy.transport = self._held
             self._held = None
 
 

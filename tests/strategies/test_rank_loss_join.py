@@ -28,7 +28,8 @@ LOST, LOST_AT = 2, 4
 AWAIT_AT = 8
 #: - "replaced": the new process, started by hand (by the test), joins and trains to the end;
 #: - "restarted by the launcher": the ranks are started by Lightning's launcher in one process, which starts the lost
-#:   one again (restart_lost_ranks);
+#:   one again (restart_lost_ranks); they exchange through shared memory (the default on one machine), which the new
+#:   process, set up alone, takes from the members;
 #: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
 SCENARIOS = {
     "replaced": (),
@@ -69,7 +70,8 @@ def _launch(scenario: str, tmp_path_factory) -> Run:
         result = run_script(
             "midepoch", "--strategy", "ring_allreduce", *placement,
             "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
-            "continue", "--heartbeat-timeout", "2", "--intra-node", "ring", "--lose-rank", str(LOST), "--lose-at-step",
+            "continue", "--heartbeat-timeout", "2", *(() if launcher else ("--intra-node", "ring")),
+            "--lose-rank", str(LOST), "--lose-at-step",
             str(LOST_AT), "--step-seconds", "0.1", "--await-replacement-at", str(AWAIT_AT), "--checkpoint-every", "3",
             *SCENARIOS[scenario], "--out",
             str(out), timeout=240, check=launcher, deaths_expected=True, replace_killed=not launcher,
