@@ -120,8 +120,13 @@ def _attempt() -> int:
 
 
 def _process_start() -> float:
-    """When this process started (Linux: its ``/proc`` entry's time), in ``time.time()``'s clock."""
-    return os.stat(f"/proc/{os.getpid()}").st_ctime
+    """When this process started, in ``time.time()``'s clock (Linux: its start in clock ticks after boot, in
+    ``/proc/self/stat``, plus the boot time in ``/proc/stat``)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(
+        int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+    )
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
@@ -273,7 +278,7 @@ def _run_path(
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
     if fault:
-        row.update(_recovery(folder, lost, args.fault_step))
+        row.update(_recovery(folder, lost, args.fault_step, first_processes_only=join))
         loss = metrics.get("rank_loss") or {}
         reported = loss.get("server_recovery_seconds" if server else "recovery_seconds")
         row["recovery_seconds_reported"] = (reported or [None])[0]
@@ -300,7 +305,10 @@ def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dic
     ends = {s: t for a, s, t in _steps(folder, 0)}
 
     def median_rate(first: int, last: int) -> float:
-        return statistics.median(1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s - 1 in ends)
+        rates = [1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s in ends and s - 1 in ends]
+        if not rates:
+            raise RuntimeError(f"no step of rank 0 between {first} and {last}: too few steps around the fault and join")
+        return statistics.median(rates)
 
     window = JOIN_WINDOW
     return {
@@ -311,14 +319,17 @@ def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dic
     }  # fmt: skip
 
 
-def _recovery(folder: Path, lost: int, fault_step: int) -> dict[str, Any]:
+def _recovery(folder: Path, lost: int, fault_step: int, first_processes_only: bool = False) -> dict[str, Any]:
     """From the step logs and the fault's time: the seconds from the fault to the end of the first step every
-    survivor completed after it, and (a restart) the steps trained again."""
+    survivor completed after it, and (a restart) the steps trained again; ``first_processes_only``: a new process's
+    steps (a join) are not the survivors'."""
     fault_time = float((folder / "fault").read_text().split()[0])
     first_after: list[float] = []
     resumed_at: list[int] = []
     for log in sorted(folder.glob("steps-rank*.txt")):
         entries = [(int(a), int(s), float(t)) for a, s, t in (line.split() for line in log.read_text().splitlines())]
+        if first_processes_only:
+            entries = [e for e in entries if e[0] == 0]
         later = [e for e in entries if e[2] > fault_time]
         if not later:
             continue

@@ -171,6 +171,9 @@ def replace_sigterm_notifier(trainer: Any) -> Callable[[], None]:
         if not connector.received_sigterm:
             launcher = trainer.strategy.launcher
             if launcher is not None:
+                stop_restarting = getattr(launcher, "stop_restarting", None)
+                if stop_restarting is not None:  # (the ranks it ends now are not started again)
+                    stop_restarting()
                 launcher.kill(signum)
         connector.received_sigterm = True
 

@@ -213,7 +213,7 @@ class ThroughputBalancer:
         samples of them are not trained). Every rank calls it with the same arguments."""
         if start <= self.latest_drawn:
             raise RuntimeError(f"the shares cannot change from batch {start}: batch {self.latest_drawn} is drawn")
-        shares = self.shares
+        shares = self.shares_at(start)  # (a later decision, dropped below, is not in force yet)
         members = [r for r in range(self.num_ranks) if r not in set(lost) and shares[r]]
         new = tuple(apportion_among(self.global_batch, [float(s) for s in shares], members))
         self.decisions = [d for d in self.decisions if d.start < start]
@@ -239,6 +239,29 @@ class ThroughputBalancer:
         self.decisions.append(decision)
         self.window = []
         return decision
+
+    def withdraw(self, ranks: Sequence[int], start: BatchKey) -> BatchKey | None:
+        """Take back the shares :meth:`include` dealt ``ranks`` (new processes that did not join), from batch
+        ``start`` on, which no rank's loader may have drawn yet: the shares in force before they were dealt theirs
+        apply again (not dealt anew: a rank that never dealt them any holds exactly those). Returns the batch their
+        shares began at (``None``: they had none)."""
+        if start <= self.latest_drawn:
+            raise RuntimeError(f"the shares cannot change from batch {start}: batch {self.latest_drawn} is drawn")
+        first: BatchKey | None = None
+        before: tuple[int, ...] = self.decisions[0].shares
+        previous: tuple[int, ...] | None = None
+        for decision in self.decisions:
+            given = any(decision.shares[r] for r in ranks)
+            if given and (previous is None or not any(previous[r] for r in ranks)):
+                first, before = decision.start, previous if previous is not None else decision.shares
+            previous = decision.shares
+        if first is None or previous is None or not any(previous[r] for r in ranks):
+            return None
+        self.decisions = [d for d in self.decisions if d.start < start]
+        if self.shares_at(start) != before:
+            self.decisions.append(Decision(start, before))
+        self.window = []
+        return first
 
     def state_dict(self) -> dict:
         """The schedule (equal on every rank); the measurements of a window in progress are not kept."""

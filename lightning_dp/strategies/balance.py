@@ -94,6 +94,11 @@ class EqualBatches:
         batches each); returns it."""
         raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
 
+    def keep_included(self, joined: list[int], start: BatchKey) -> None:
+        """After a loss dealt the shares again: deal ``joined`` (new processes still to be admitted) theirs from batch
+        ``start`` again, if that deal dropped them (every member alike)."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
+
     def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
         """Take back the shares dealt to ``ranks`` (new processes that will not join now), from the first batch no
         member's loader drew (``rows``); their samples of batches drawn before are counted as dropped. Every member
@@ -446,14 +451,17 @@ class DealtBatches(ThroughputBatches):
         balancer.include(joined, start)
         return start
 
+    def keep_included(self, joined: list[int], start: BatchKey) -> None:
+        balancer = self.balancer
+        if balancer is not None and not all(balancer.shares_at(start)[r] for r in joined):
+            balancer.include(joined, start)
+
     def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
         balancer = self.balancer
         assert balancer is not None
         start = _first_undrawn(rows)
-        first = min((d.start for d in balancer.decisions if any(balancer.shares_at(d.start)[r] for r in ranks)),
-                    default=start)  # fmt: skip
-        balancer.exclude(ranks, start)
-        if first < start:  # batches drawn with their shares: no one trains those samples
+        first = balancer.withdraw(ranks, start)
+        if first is not None and first < start:  # batches drawn with their shares: no one trains those samples
             self._dropping = (first, start, list(ranks))
 
     def join_state(self) -> dict:

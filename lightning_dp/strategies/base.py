@@ -383,15 +383,15 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     def rebuild_transport(self) -> None:
         """The transport over the current gradient group, bound to the same buckets."""
-        if self.reducer is None:  # lost before (or after) a fit's exchange was set up
-            return
         shared = self.transport.shared_memory if self.transport is not None else self._uses_shared_memory()
         # the members' kind of exchange (through shared memory inside a node or not), which a new member, set up alone,
-        # cannot know: the first member's that is not new
+        # cannot know: the first member's that is not new (gathered wherever the exchange is set up or not, alike)
         kinds = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size(self.gradient_group))]
-        mine = -1 if self.rank_loss.newcomer else int(shared)
+        mine = -1 if self.rank_loss.newcomer or self.reducer is None else int(shared)
         dist.all_gather(kinds, torch.tensor([mine], dtype=torch.int64), group=self.gradient_group)
-        shared = bool(next(int(k) for k in kinds if int(k) >= 0))
+        if self.reducer is None:  # lost before (or after) a fit's exchange was set up
+            return
+        shared = next((bool(k) for k in (int(k) for k in kinds) if k >= 0), shared)
         if self.transport is not None:
             self.transport.close()
         self.transport = self._make_transport(shared)

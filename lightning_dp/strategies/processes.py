@@ -287,6 +287,8 @@ class ProcessGroupStrategy(DDPStrategy):
         """A failing launcher stops the ranks it started within seconds (instead of leaving them waiting for it):
         they get :data:`EXIT_GRACE_SECONDS` to fail on their own and report why (a peer's error is often the same
         one), then they are killed."""
+        if isinstance(self._launcher, ScriptLauncher):  # the ranks ending now are not restarted
+            self._launcher.stop_restarting()
         super().on_exception(exception)
         self.rank_loss.on_exception()
         processes = getattr(self._launcher, "procs", [])

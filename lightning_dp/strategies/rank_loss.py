@@ -244,6 +244,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._pending: tuple[list[int], tuple[int, int]] | None = None
         #: admitted new members not handed the job's state yet
         self._welcoming: set[int] = set()
+        #: the change that was to admit the new processes dealt a share did not
+        self._refused = False
         self._reset()
         self._reset_counters()
 
@@ -356,6 +358,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
         store = job_store(strategy.job_scope)
         if membership is None and replaces_lost_rank(strategy.job_scope):
             assert store is not None
+            if strategy.global_rank > MAX_JOIN_RANK:
+                raise ConfigurationError(
+                    f"rank {strategy.global_rank}: a new process joins a running job as rank {MAX_JOIN_RANK} at most"
+                )
             address = _group_address(env.main_address)
             membership = Membership.join(strategy.global_rank, store, DIRECTORY_KEY, address, self.heartbeat_timeout,
                                          backend, strategy.timeout, proof_of(scope))  # fmt: skip
@@ -683,33 +689,36 @@ class ContinueOnRankLoss(StopOnRankLoss):
         outcome: Any = _REDO  # a catch-up taken in a pass that another loss interrupted still counts
         # a new process waits for its admission as long as a peer may stay silent
         wait = strategy.timeout.total_seconds() if self._newcomer is not None else None
+        admitted: set[int] = set()
         while True:
             try:
                 decision = membership.recover(wait)
-                self._welcoming |= set(decision.joined)
+                admitted |= set(decision.joined)
+                self._note_admission(decision)
                 strategy.rebuild_exchange()
                 aligned = self._align(strategy, decision, kind)
                 if aligned is not _REDO:
                     outcome = aligned
                 lost = [loss for loss in membership.losses if loss.generation > before]
-                # a new process dealt a share but not admitted (the change lost a rank, or a member does not hear it)
-                abandoned = [r for r in (self._pending[0] if self._pending else []) if r not in membership.members]
-                if self._pending is not None and (abandoned or decision.joined):
-                    self._pending = None
-                if lost or abandoned:  # (a rank already dealt out again: no change)
-                    strategy.batches.exclude([loss.rank for loss in lost] + abandoned)
+                if lost:  # (a rank already dealt out again: no change)
+                    strategy.batches.exclude([loss.rank for loss in lost])
+                    if self._pending is not None:  # its share, from the batch it starts at, dealt again
+                        strategy.batches.keep_included(*self._pending)
                 strategy.after_recovery([loss.rank for loss in lost])
-                if self._welcoming & set(membership.members):
-                    self._welcome(strategy)
+                if admitted & set(membership.members):
+                    self._welcoming = admitted & set(membership.members)
+                    try:
+                        self._welcome(strategy)
+                    finally:
+                        self._welcoming = set()
                     if self._newcomer is None:
                         self.join_steps.append(self.committed)
                         self.join_pause_seconds.append(time.monotonic() - (membership.change_began or started))
                         rank_zero_info(
                             f"strategy {strategy.strategy_name!r}: a new process joined as rank(s) "
-                            f"{sorted(decision.joined)} after {self.committed} steps; the members paused "
+                            f"{sorted(admitted)} after {self.committed} steps; the members paused "
                             f"{self.join_pause_seconds[-1]:.3f} s for its admission and the handover of the job's state"
                         )
-                self._welcoming.clear()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
                 change = membership.interpret(error)
@@ -831,8 +840,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
             strategy.batches.withdraw(_ranks(functools.reduce(lambda a, b: a | b, (r[2] for r in rows))), drawn)
             self._pending = None
             return
-        if self._pending is not None and next_training_batch(trainer) >= self._pending[1]:
+        if self._pending is not None and next_training_batch(trainer) >= self._pending[1] and not self._refused:
             self._admit(strategy)
+        if self._refused:  # the change that was to admit them did not (a loss, or a member that does not hear them)
+            assert self._pending is not None
+            strategy.batches.withdraw(self._pending[0], drawn)
+            self._pending, self._refused = None, False
+            return
         heard = _ranks(functools.reduce(lambda a, b: a & b, (r[1] for r in rows)))
         joining = [r for r in heard if r not in membership.members]
         if self._pending is None and joining:
@@ -844,6 +858,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"strategy {strategy.strategy_name!r}: a new process asks to join as rank {joined[0]}; it trains from "
                 f"batch {start[1]} of epoch {start[0]} on"
             )
+
+    def _note_admission(self, decision: Decision) -> None:
+        """The new processes dealt a share are admitted by ``decision``, or refused by it (asked for, not admitted:
+        their shares are taken back at this step boundary, by every member alike)."""
+        if self._pending is None:
+            return
+        if set(self._pending[0]) <= set(decision.joined):
+            self._pending = None
+        elif set(self._pending[0]) & set(decision.asked):
+            self._refused = True
 
     def _admit(self, strategy: DataParallelStrategy) -> None:
         """Admit the new processes dealt a share from the batch that comes next, and hand them the job's state (every
@@ -872,7 +896,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if self._newcomer is not None:
             recipients = sorted(self._welcoming & set(membership.members))
             donors = [r for r in membership.members if r not in self._welcoming]
-            state, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, None, _replicated)
+            state, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, None,
+                                     _replicated(strategy))  # fmt: skip
             self.handover_bytes.append(moved.bytes)
             self._take_state(strategy, trainer, state)
             return
@@ -887,7 +912,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 return self._state_to_hand_over(strategy, trainer, full=me == donors[0])
 
             assert strategy.gradient_group is not None
-            _, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, state, _replicated)
+            _, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, state,
+                                 _replicated(strategy))  # fmt: skip
             return moved.bytes
 
         self.handover_bytes.append(self.collective(strategy, run))
@@ -1001,9 +1027,19 @@ def _ranks(mask: int) -> list[int]:
     return [r for r in range(MAX_JOIN_RANK + 1) if mask >> r & 1]
 
 
-def _replicated(path: Path) -> bool:
-    """Whether a tensor of the handed-over checkpoint is equal on every member: the weights and optimizer states."""
-    return bool(path) and path[0] in ("state_dict", "optimizer_states")
+def _replicated(strategy: DataParallelStrategy) -> Callable[[Path], bool]:
+    """Whether a tensor of the handed-over checkpoint is equal on every member: the parameters and the optimizer
+    states (not the buffers: each member's running statistics are its own until rank 0's are broadcast)."""
+    module = strategy.lightning_module
+    assert module is not None
+    parameters = {name for name, _ in module.named_parameters()}
+
+    def replicated(path: Path) -> bool:
+        return (len(path) == 2 and path[0] == "state_dict" and path[1] in parameters) or (
+            bool(path) and path[0] == "optimizer_states"
+        )
+
+    return replicated
 
 
 class _Newcomer:

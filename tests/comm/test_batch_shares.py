@@ -180,3 +180,45 @@ def test_differences_below_the_timers_noise_keep_the_shares():
     balancer = ThroughputBalancer(2, 64)
     assert balancer.decide([(0.004, 32.0), (0.0055, 32.0)], (0, 5)) is None  # 37 % apart, 0.6 ms to gain
     assert balancer.decide([(0.040, 32.0), (0.055, 32.0)], (0, 10)) is not None  # 6 ms to gain
+
+
+def _lost_one() -> ThroughputBalancer:
+    """Four ranks, a global batch of 16, rank 3 lost at batch 3: shares 6, 5, 5, 0."""
+    balancer = ThroughputBalancer(4, 16)
+    balancer.latest_drawn = (0, 2)
+    balancer.exclude([3], (0, 3))
+    balancer.latest_drawn = (0, 4)
+    return balancer
+
+
+def test_a_new_process_is_dealt_the_mean_share_from_its_start_and_withdrawn_to_the_shares_before():
+    balancer = _lost_one()
+    balancer.include([3], (0, 8))
+    assert balancer.shares_at((0, 7)) == (6, 5, 5, 0) and balancer.shares_at((0, 8)) == (4, 4, 4, 4)
+    with pytest.raises(RuntimeError, match="is drawn"):
+        balancer.include([3], (0, 4))
+    balancer.latest_drawn = (0, 8)  # its first batch drawn: those samples are dropped, the shares before come back
+    assert balancer.withdraw([3], (0, 9)) == (0, 8)
+    assert balancer.shares_at((0, 8)) == (4, 4, 4, 4) and balancer.shares_at((0, 9)) == (6, 5, 5, 0)
+    assert balancer.withdraw([3], (0, 10)) is None  # (nothing dealt to it any more)
+
+
+def test_members_that_deal_a_new_process_and_lose_a_rank_in_either_order_hold_one_schedule():
+    """A loss racing with the boundary that deals a new process its share: one member dealt it, then lost rank 2
+    (dealing it again as the loss dropped it); another lost rank 2, then dealt it; a third never dealt it and takes it
+    back when the members find they differ. A planted exclusion that deals the later share among the ranks (the new
+    one included) differs."""
+    first, second, third = _lost_one(), _lost_one(), _lost_one()
+    first.include([3], (0, 8))
+    first.exclude([2], (0, 5))
+    if not first.shares_at((0, 8))[3]:
+        first.include([3], (0, 8))
+    second.exclude([2], (0, 5))
+    second.include([3], (0, 8))
+    third.exclude([2], (0, 5))
+    assert first.decisions == second.decisions
+    for balancer in (first, second, third):
+        balancer.latest_drawn = (0, 6)
+        balancer.withdraw([3], (0, 7))
+    assert first.decisions == second.decisions == third.decisions
+    assert third.shares_at((0, 9)) == (9, 7, 0, 0)

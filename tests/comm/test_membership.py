@@ -328,6 +328,12 @@ def test_a_replacement_is_a_candidate_while_strays_wrong_secrets_and_the_fenced_
     while not all(p is not None and p.candidates() == {2} for p in planes[:2]) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert [p.candidates() for p in planes[:2] if p is not None] == [{2}, {2}]
+    # what a candidate says is not heard: a suspicion it passes on starts no change among the members
+    recorder = _Recorder()
+    member.attach(recorder)
+    assert joiner.send(0, {"t": "suspect", "rank": 1, "by": 2, "cause": "closed"})
+    time.sleep(0.3)
+    assert recorder.suspicions == [] and member.suspected == {}
     # a second process for the same rank is refused while the first asks
     answer = _hello(port, **hello, inc="y", join=True)
     assert answer is not None and answer["t"] == "refused" and "another process" in answer["why"], answer

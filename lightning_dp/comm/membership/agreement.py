@@ -54,12 +54,14 @@ class Decision:
     causes: dict[int, str] = field(default_factory=dict)
     #: members of this generation that were not members of the previous one (admitted new processes)
     joined: tuple[int, ...] = ()
+    #: the new processes the change was asked to admit (admitted or not)
+    asked: tuple[int, ...] = ()
 
     def message(self) -> dict[str, Any]:
         return {"t": "decision", "gen": self.generation, "members": list(self.members),
                 "committed": {str(k): v for k, v in self.committed.items()}, "store": list(self.store),
                 "lost": list(self.lost), "causes": {str(k): v for k, v in self.causes.items()},
-                "joined": list(self.joined)}  # fmt: skip
+                "joined": list(self.joined), "asked": list(self.asked)}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> Decision:
@@ -68,7 +70,7 @@ class Decision:
             {int(k): int(v) for k, v in message["committed"].items()},
             (str(message["store"][0]), int(message["store"][1])), tuple(int(r) for r in message["lost"]),
             {int(k): str(v) for k, v in message.get("causes", {}).items()},
-            tuple(int(r) for r in message.get("joined", [])),
+            tuple(int(r) for r in message.get("joined", [])), tuple(int(r) for r in message.get("asked", [])),
         )  # fmt: skip
 
 
@@ -113,8 +115,9 @@ class Agreement:
     the control plane; ``serve_store()`` starts a store for the next generation's groups on this rank and returns
     its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when a change begins here, and
     ``on_adopt(decision)`` when this rank adopts a decision (both under the agreement's lock: keep them short);
-    ``candidates()`` names the new processes this rank hears that ask to join. With ``joining`` this is such a
-    process: a member of nothing until it adopts the first decision that admits it."""
+    ``candidates()`` names the new processes this rank hears that ask to join, ``connected(peer)`` whether it is
+    connected to ``peer``. With ``joining`` this is such a process: a member of nothing until it adopts the first
+    decision that admits it."""
 
     def __init__(
         self,
@@ -129,11 +132,13 @@ class Agreement:
         on_adopt: Callable[[Decision], None] = lambda decision: None,
         candidates: Callable[[], set[int]] = set,
         joining: bool = False,
+        connected: Callable[[int], bool] = lambda peer: True,
     ) -> None:
         self.rank = rank
         self.generation = 0
         self.members = tuple(sorted(members))
         self._candidates = candidates
+        self._connected = connected
         #: waiting to be admitted (see ``joining``)
         self.joining = joining
         #: the new processes the training side asked to admit in the change under way
@@ -343,7 +348,7 @@ class Agreement:
         joined = [] if lost else sorted(r for r in self._admitting if all(r in h for h in heard))
         committed = {r: int(reports[r]["committed"]) for r in members}
         decision = Decision(self.generation + 1, tuple(sorted(members + joined)), committed, self._serve_store(),
-                            tuple(lost), causes, tuple(joined))  # fmt: skip
+                            tuple(lost), causes, tuple(joined), tuple(sorted(self._admitting)))  # fmt: skip
         for peer in [*reports, *joined]:
             if peer != self.rank:
                 self._send(peer, decision.message())
@@ -356,14 +361,18 @@ class Agreement:
                 f"{list(decision.members)}): it could not reach every member"
             ))  # fmt: skip
             return
+        if self.joining:  # it stands where the members stand (what it reports if a change follows)
+            self.committed = max(decision.committed.values(), default=0)
         self.generation = decision.generation
         self.members = decision.members
         self.joining = False
         self._admitting = set()
         self._on_adopt(decision)
-        # a member whose connection to this rank closed already (its leader, lost after it sent the decision) stays
-        # suspected: the next change starts now, not after a heartbeat's silence (a silence may have ended since)
+        # a member whose connection to this rank closed already (its leader, lost after it sent the decision; a new
+        # process admitted that went in the meantime) stays suspected: the next change starts now, not after a
+        # heartbeat's silence (a silence may have ended since)
         carried = {r: cause for r, cause in self._suspected.items() if r in decision.members and cause == CLOSED}
+        carried |= {r: CLOSED for r in decision.joined if r != self.rank and not self._connected(r)}
         self._suspected.clear()
         self._reports.clear()
         self._reported_to = None

@@ -124,6 +124,8 @@ class ControlPlane:
         self.incarnation = uuid.uuid4().hex
         self._proof = proof
         self._timeout = timeout
+        #: a new process not admitted yet: it tells the members nothing of its own suspicions
+        self._joining = joining
         self.heartbeat_timeout = heartbeat_timeout
         self._period = heartbeat_timeout / HEARTBEATS_PER_TIMEOUT
         self._lock = threading.Lock()
@@ -176,18 +178,25 @@ class ControlPlane:
             self._dial(peer, host_port, deadline, incarnation)
         self._wait_connected(deadline)
 
-    def connect_as_joiner(self, members: list[int], store: dist.Store) -> None:
-        """Dial every member (their endpoints in ``store``) with a hello that asks to join in this rank's place; returns
-        once every one has accepted this process as a candidate, else raises
-        :class:`~lightning_dp.comm.errors.PeerUnreachableError` (a member out of reach) or
-        :class:`~lightning_dp.comm.errors.ForeignJobError` (refused)."""
-        deadline = time.monotonic() + self._timeout
+    def connect_as_joiner(self, members: list[int], store: dist.Store, timeout: float | None = None) -> None:
+        """Dial each of ``members`` this plane is not connected to (their endpoints in ``store``) with a hello that asks
+        to join in this rank's place; returns once each connection is open, else raises
+        :class:`~lightning_dp.comm.errors.PeerUnreachableError` after ``timeout`` seconds (default: the plane's). A
+        member's answer comes later: a refusal fails the agreement (:meth:`ControlHandler.refused`), a request to try
+        again drops the connection (dial again)."""
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         with self._lock:
-            self._expected = set(members)
-        for peer in sorted(members):
+            self._expected |= set(members)
+            missing = sorted(set(members) - set(self._peers))
+        for peer in missing:
             host_port, incarnation = parse_endpoint(store.get(f"{self.scope}/control/{peer}").decode())
             self._dial(peer, host_port, deadline, incarnation, join=True)
         self._wait_connected(deadline)
+
+    def expected(self) -> set[int]:
+        """The members this plane keeps connections to."""
+        with self._lock:
+            return set(self._expected)
 
     def _wait_connected(self, deadline: float) -> None:
         with self._connected:
@@ -279,6 +288,12 @@ class ControlPlane:
             if peer not in self._slots:
                 sock.setblocking(True)
                 self._refuse(sock, "refused", f"rank {peer} is not a rank of this job (ranks {sorted(self._slots)})")
+                return
+            with self._lock:
+                settling = member and peer in self._suspected
+            if settling:  # its loss is not agreed on yet here
+                sock.setblocking(True)
+                self._refuse(sock, "retry", f"the job has not yet gone on without rank {peer}")
                 return
             if member or taken:
                 held = "a live member of the job" if member else "asked for by another process already"
@@ -376,13 +391,15 @@ class ControlPlane:
             return {r for r in self._candidates if r in self._peers and r not in self._suspected}
 
     def admit(self, peers: set[int]) -> None:
-        """``peers`` (candidates, or for a joiner the members that admitted it) are members from now on."""
+        """The new processes ``peers`` (this one among them, for a joiner) are members from now on."""
         with self._lock:
-            for peer in peers:
+            if self.rank in peers:
+                self._joining = False
+            for peer in peers - {self.rank}:
                 self._candidates.pop(peer, None)
                 self._retired.discard(peer)
                 self._suspected.pop(peer, None)
-            self._expected |= peers
+                self._expected.add(peer)
 
     def retire(self, peers: set[int], why: str) -> None:
         """Drop ``peers`` for good: each is told why (if it still listens) and its connection closes; the process
@@ -444,7 +461,11 @@ class ControlPlane:
                     return
                 self._suspected[peer] = cause
             handler = self._handler
-            others = [p for p in self._peers if p != peer and p not in self._suspected]
+            others = (
+                []
+                if self._joining
+                else [p for p in self._peers if p not in (peer, *self._suspected, *self._candidates)]
+            )
         if direct:
             log.warning("control plane of rank %d: rank %d is suspected lost (%s)", self.rank, peer, cause)
             for other in others:
@@ -460,6 +481,14 @@ class ControlPlane:
         if state is not None:
             self._unregister(state.sock)
             state.sock.close()
+
+    def _drop_peer(self, state: _Peer) -> None:
+        """Forget ``state``'s connection without suspecting it (a member asked this joining process to dial again)."""
+        with self._lock:
+            if self._peers.get(state.rank) is state:
+                del self._peers[state.rank]
+        self._unregister(state.sock)
+        state.sock.close()
 
     def _depart(self, state: _Peer) -> None:
         """``state``'s rank leaves the job on purpose (it finished): its connection closing is no loss. What this
@@ -608,6 +637,7 @@ class ControlPlane:
             del state.inbound[: _LENGTH.size + length]
             with self._lock:
                 ignored = state.rank in self._suspected
+                candidate = state.rank in self._candidates
                 state.heard = time.monotonic()
             if ignored or not isinstance(message, dict):
                 continue
@@ -615,7 +645,15 @@ class ControlPlane:
             if kind == "hb":
                 continue
             if kind == "bye":
-                self._depart(state)
+                if candidate:
+                    self._drop_candidate(state.rank, "left")
+                else:
+                    self._depart(state)
+                return
+            if candidate:  # a process that only asks to join has nothing to say to the members yet
+                continue
+            if kind == "retry":
+                self._drop_peer(state)
                 return
             message["from"] = state.rank
             if kind == "suspect":

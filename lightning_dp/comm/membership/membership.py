@@ -37,7 +37,13 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from lightning_dp.comm.errors import ConfigurationError, JoinAbandonedError, MembershipChange, QuorumLostError
+from lightning_dp.comm.errors import (
+    ConfigurationError,
+    JoinAbandonedError,
+    MembershipChange,
+    PeerUnreachableError,
+    QuorumLostError,
+)
 from lightning_dp.comm.membership.agreement import Agreement, Decision
 from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import Connection, connections_opened_by, fence
@@ -165,7 +171,7 @@ class Membership:
                                    timeout=max(10.0, 3 * heartbeat_timeout), send=self.control.send,
                                    serve_store=self._serve_store, on_change=self._on_change,
                                    on_adopt=self._on_adopt, candidates=self.control.candidates,
-                                   joining=joining)  # fmt: skip
+                                   joining=joining, connected=lambda peer: peer in self.control.peers())  # fmt: skip
         self.control.attach(self.agreement)
         if not joining and self.leader == rank:
             self._publish_directory()
@@ -215,6 +221,18 @@ class Membership:
             time.sleep(0.1)
         log.warning("rank %d: asking the job's members %s to join", self.rank, members)
         self.control.connect_as_joiner(members, self._directory_store)
+
+    def _dial_members(self) -> None:
+        """A joining process, while it waits: dial the members it is not connected to (a member admitted since it
+        asked, one that asked it to dial again), as the directory names them now."""
+        assert self._directory is not None
+        record = read_directory(self._directory_store, self._directory)
+        members = {int(r) for r in record["members"]} - {self.rank} if record is not None else set()
+        if members - self.control.peers():
+            try:
+                self.control.connect_as_joiner(sorted(members), self._directory_store, timeout=1.0)
+            except (PeerUnreachableError, RuntimeError) as error:  # (again at the next wait)
+                log.info("rank %d: could not reach every member yet: %s", self.rank, error)
 
     def candidates(self) -> set[int]:
         """The new processes every connection of this rank hears asking to join."""
@@ -414,6 +432,7 @@ class Membership:
             try:
                 return self.agreement.wait(0.25)
             except TimeoutError:
+                self._dial_members()
                 if not self.control.peers():
                     raise JoinAbandonedError(
                         f"rank {self.rank}: every member of the job left before admitting this process (the job ended)"
@@ -430,7 +449,11 @@ class Membership:
         lost = set(decision.lost)
         named = ", ".join(f"rank {r} ({decision.causes.get(r, 'lost')})" for r in sorted(lost))
         self.control.retire(lost, f"declared lost in generation {decision.generation}: {named}")
-        self.control.admit(set(decision.joined) - {self.rank})
+        # (a new member was told of no change before its admission: the ranks lost meanwhile are retired here too)
+        stale = self.control.expected() - set(decision.members) - lost
+        if stale:
+            self.control.retire(stale, f"declared lost before generation {decision.generation}")
+        self.control.admit(set(decision.joined))
         self.control.clear(set(decision.members))
 
     def _on_change(self) -> None:
