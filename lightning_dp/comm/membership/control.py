@@ -381,9 +381,9 @@ class ControlPlane:
                 self._suspected.pop(peer, None)
 
     def peers(self) -> set[int]:
-        """The ranks connected to this one now."""
+        """The ranks connected to this one now (not suspected lost)."""
         with self._lock:
-            return set(self._peers)
+            return set(self._peers) - set(self._suspected)
 
     def candidates(self) -> set[int]:
         """The ranks whose new processes are connected here and ask to join."""
