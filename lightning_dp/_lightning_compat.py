@@ -44,6 +44,7 @@ __all__ = [
     "_update_dataloader",
     "after_closure",
     "dump_checkpoint",
+    "loaders_state",
     "next_training_batch",
     "recording_rank_starts",
     "patch_hydra_subprocess_command",
@@ -51,6 +52,7 @@ __all__ = [
     "replace_sigterm_notifier",
     "replace_step_sigterm_broadcast",
     "set_loaded_checkpoint",
+    "set_loaders_state",
     "trainer_of",
     "unwrap_optimizer",
     "wrap_closure_of",
@@ -223,3 +225,21 @@ def recording_rank_starts(started: list[tuple[tuple[Any, ...], dict[str, Any]]])
         yield popen
     finally:
         module.subprocess = original
+
+
+def loaders_state(trainer: Any) -> dict[str, Any]:
+    """What a fit's loops hold of their loaders beside checkpoints: whether the validation loader is set up, and the
+    epochs the training and validation loaders were last loaded at (``reload_dataloaders_every_n_epochs``)."""
+    fit_loop = trainer.fit_loop
+    val_loop = fit_loop.epoch_loop.val_loop
+    return {
+        "validation_ready": val_loop._combined_loader is not None,
+        "train_loaded": fit_loop._last_train_dl_reload_epoch,
+        "val_loaded": val_loop._last_val_dl_reload_epoch,
+    }
+
+
+def set_loaders_state(trainer: Any, state: dict[str, Any]) -> None:
+    """Take :func:`loaders_state`'s epochs (once this process's loops have loaded their loaders)."""
+    trainer.fit_loop._last_train_dl_reload_epoch = state["train_loaded"]
+    trainer.fit_loop.epoch_loop.val_loop._last_val_dl_reload_epoch = state["val_loaded"]

@@ -58,11 +58,13 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from lightning_dp._lightning_compat import (
     _update_dataloader,
     dump_checkpoint,
+    loaders_state,
     next_training_batch,
     replace_sigterm_notifier,
     replace_step_sigterm_broadcast,
     reset_evaluation_data,
     set_loaded_checkpoint,
+    set_loaders_state,
     trainer_of,
     unwrap_optimizer,
 )
@@ -815,6 +817,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         (then every member stops at the same step), which new processes every member hears (each is dealt a share
         from the first batch no loader has drawn), and at the boundary before that batch their admission."""
         if self._newcomer is not None:  # a new process's first step: the members took this boundary at its admission
+            # the members set their validation loaders up again after the admission, as after every change: it sets
+            # its own up with them, at the next validation (not the one its sanity check set up alone)
+            reset_evaluation_data(trainer)
+            if self._newcomer.loaders is not None:
+                set_loaders_state(trainer, self._newcomer.loaders)
             self._newcomer.release(strategy)
             self._newcomer = None
             return
@@ -926,7 +933,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     "optimizer_states": [strategy.optimizer_state(o) for o in strategy.optimizers]}  # fmt: skip
         checkpoint = dump_checkpoint(trainer)
         checkpoint[JOIN_KEY] = {"position": self.position, "committed": self.committed,
-                                "batches": strategy.batches.join_state()}  # fmt: skip
+                                "batches": strategy.batches.join_state(),
+                                "loaders": loaders_state(trainer)}  # fmt: skip
         return checkpoint
 
     def _take_state(self, strategy: DataParallelStrategy, trainer: Any, checkpoint: dict[str, Any]) -> None:
@@ -939,6 +947,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._last = (COLLECTIVE, None)
         self.membership.agreement.committed = self.position
         strategy.batches.take_join_state(where["batches"])
+        self._newcomer.loaders = where["loaders"]
         self._newcomer.checkpoint = checkpoint
         set_loaded_checkpoint(trainer, checkpoint)
         self._newcomer.hold(strategy)
@@ -1055,6 +1064,8 @@ class _Newcomer:
         self.group = form_group((rank,), rank, dist.PrefixStore("newcomer", dist.HashStore()),
                                 f"lightning_dp/newcomer/{_Newcomer._count}", "gloo", timeout)  # fmt: skip
         self.checkpoint: dict[str, Any] | None = None
+        #: the members' loaders (:func:`~lightning_dp._lightning_compat.loaders_state`), from the handover
+        self.loaders: dict[str, Any] | None = None
         self._held: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, Any] | None = None
 
     def hold(self, strategy: DataParallelStrategy) -> None:

@@ -26,13 +26,14 @@ STEPS = EPOCHS * SAMPLES // GLOBAL_BATCH
 LOST, LOST_AT = 2, 4
 #: rank 0 waits in this step until the new process is about to ask to join (a cold start takes seconds)
 AWAIT_AT = 8
-#: - "replaced": the new process, started by hand (by the test), joins and trains to the end;
+#: - "replaced": the new process, started by hand (by the test), joins and trains to the end; every epoch validates
+#:   (the new process sets up its validation loader alone before its first step, as the members did long before);
 #: - "restarted by the launcher": the ranks are started by Lightning's launcher in one process, which starts the lost
 #:   one again (restart_lost_ranks); they exchange through shared memory (the default on one machine), which the new
 #:   process, set up alone, takes from the members;
 #: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
 SCENARIOS = {
-    "replaced": (),
+    "replaced": ("--validate",),
     "restarted by the launcher": ("--restart-lost-ranks", "1"),
     "new process killed in the handover": ("--kill-in-handover", str(LOST)),
 }
@@ -165,6 +166,18 @@ def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_i
     assert all(torch.equal(m["weights"], joined.members[0]["weights"]) for m in joined.members)
     if joined.joiner is not None:
         assert torch.equal(joined.joiner["weights"], joined.members[0]["weights"])
+
+
+def test_validation_after_the_join_evaluates_every_sample_once_over_the_grown_membership(tmp_path_factory):
+    run = _launch("replaced", tmp_path_factory)
+    assert run.joiner is not None
+    records = [*run.members, run.joiner]
+    joined_epoch = run.members[0]["history"][run.join_step][0]
+    for epoch in range(joined_epoch, EPOCHS):
+        seen = [i for r in records for e, indices in r["validated"] if e == epoch for i in indices]
+        assert sorted(seen) == list(range(SAMPLES)), f"epoch {epoch}"
+    assert len({r["val_loss"] for r in records}) == 1  # sync_dist: one value on every rank
+    assert all(r["val_counted"] == [SAMPLES, SAMPLES] for r in records), [r["val_counted"] for r in records]
 
 
 def test_the_state_is_handed_over_chunked_across_the_members(tmp_path_factory):
