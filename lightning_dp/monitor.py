@@ -81,11 +81,14 @@ class CommSummary:
 def _join_lines(loss: dict[str, Any]) -> list[str]:
     """The summary's lines on the new processes the run admitted (``rank_loss.metrics()``)."""
     sent = loss.get("handover_bytes", [])
-    if loss.get("join_seconds") is not None:  # this process is the new one
-        rank, step = loss["joined_ranks"][-1], loss["join_steps"][-1]
-        return [f"this process joined as rank {rank} after {step} steps, {loss['join_seconds']:.3f} s after asking to "
-                f"(set-up excluded), handed {sent[-1] / 1e3:.1f} kB by the members"]  # fmt: skip
-    return [
+    lines = []
+    if loss.get("join_seconds") is not None:  # this process is a new one: its own join comes first
+        rank, step = loss["joined_ranks"][0], loss["join_steps"][0]
+        lines.append(f"this process joined as rank {rank} after {step} steps, {loss['join_seconds']:.3f} s after "
+                     f"asking to (set-up excluded), handed {sent[0] / 1e3:.1f} kB by the members")  # fmt: skip
+        loss = {**loss, **{k: loss.get(k, [])[1:] for k in ("joined_ranks", "join_steps", "handover_bytes")}}
+        sent = loss["handover_bytes"]
+    return lines + [
         f"a new process joined as rank {rank} after {step} steps; the members paused {pause:.3f} s, and this rank "
         f"handed it {size / 1e3:.1f} kB"
         for rank, step, pause, size in zip(
