@@ -367,6 +367,11 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """Every survivor agreed on the loss of the global ranks ``lost`` and stands at the same sync point (inside the
         recovery: collective over the survivors)."""
 
+    def after_admission(self, joined: list[int]) -> None:
+        """The new members ``joined`` were admitted, and every member stands at the same sync point with them, before
+        they are handed the job's state (collective over the grown membership, the new members included; the
+        exchange is rebuilt over it already): what the scheme shards or places by rank is laid out again."""
+
     def rebuild_exchange(self) -> None:
         """After the membership changed (``on_rank_loss="continue"``): the groups, the transport and the codec over
         the ranks that train now, on the same buckets (collective over them)."""

@@ -277,6 +277,10 @@ class ParameterServerBase(DataParallelStrategy):
         self.engine.after_recovery(lost)
 
     @override
+    def after_admission(self, joined: list[int]) -> None:
+        self.engine.after_admission(joined)
+
+    @override
     def _synchronized_buckets(self) -> list[GradientBucket]:
         return self.engine.synchronized_buckets()
 

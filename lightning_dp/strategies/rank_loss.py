@@ -80,6 +80,7 @@ from lightning_dp.comm.errors import ConfigurationError, JoinAbandonedError, Mem
 from lightning_dp.comm.membership import Join, Loss, Membership, form_group
 from lightning_dp.comm.membership.agreement import Decision
 from lightning_dp.comm.membership.handover import Path, hand_over
+from lightning_dp.comm.transports import RingTransport
 from lightning_dp.comm.transports.broadcast import broadcast_tensors
 from lightning_dp.strategies.options import check_choice, check_count, check_positive
 
@@ -416,8 +417,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
     def _join_refusal(strategy: ProcessGroupStrategy) -> str | None:
         """Why a new process cannot join this strategy's running job (``None``: it can)."""
         name = f"strategy={strategy.strategy_name!r}"
-        if strategy.strategy_name != "ring_allreduce":
-            return f"{name} does not admit a new process yet (strategy='ring_allreduce' does)"
+        if getattr(strategy, "num_servers", 0):
+            return (f"{name} with num_servers={strategy.num_servers} does not admit a new process yet (with the "  # type: ignore[attr-defined]
+                    "servers among the trainers, num_servers=0, it does)")  # fmt: skip
         if getattr(strategy, "compression", "none") != "none":
             return f"{name} with compression={strategy.compression!r} does not admit a new process yet"  # type: ignore[attr-defined]
         if getattr(strategy, "balance", "none") != "none":
@@ -724,7 +726,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
                 change = membership.interpret(error)
-                if self._newcomer is not None and not isinstance(error, JoinAbandonedError):
+                if self._newcomer is not None and isinstance(change, MembershipChange):
                     raise JoinAbandonedError(
                         f"rank {strategy.global_rank}: the job changed while this process joined it ({change}); it "
                         "leaves without having joined, and may be started again"
@@ -903,6 +905,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if self._newcomer is not None:
             recipients = sorted(self._welcoming & set(membership.members))
             donors = [r for r in membership.members if r not in self._welcoming]
+            strategy.after_admission(recipients)
             state, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, None,
                                      _replicated(strategy))  # fmt: skip
             self.handover_bytes.append(moved.bytes)
@@ -914,6 +917,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
             donors = [r for r in membership.members if r not in self._welcoming]
             if not recipients:  # (lost before it was handed anything)
                 return 0
+            strategy.after_admission(recipients)
 
             def state() -> Any:
                 return self._state_to_hand_over(strategy, trainer, full=me == donors[0])
@@ -1069,12 +1073,12 @@ class _Newcomer:
         self._held: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, Any] | None = None
 
     def hold(self, strategy: DataParallelStrategy) -> None:
-        """Set the members' groups and exchange aside: the strategy's collectives and exchanges (a callback measuring
-        the link) run alone, over a transport of its own."""
+        """Set the members' groups and exchange aside: the strategy's collectives and a callback's measurement of the
+        link run alone, over a ring of itself (whatever the scheme: nothing is exchanged before the first step)."""
         self._held = (strategy.gradient_group, strategy._control_group, strategy.transport)
         strategy.gradient_group = strategy._control_group = self.group
         if strategy.reducer is not None:
-            strategy.transport = strategy._make_transport(False)
+            strategy.transport = RingTransport(self.group, strategy.sync_stats)
             strategy.transport.bind(strategy.reducer.buckets)
 
     def release(self, strategy: DataParallelStrategy) -> None:

@@ -186,7 +186,7 @@ def _forward_and_recut(rank: int, world_size: int) -> bool:
     replica step; then rank 1 is gone and the other two assemble the full state over their own group."""
     import torch.distributed as dist
 
-    from lightning_dp.comm.servers.replicas import gather_full_state, post_forward
+    from lightning_dp.comm.servers.replicas import gather_full_state, post_forward, survivors_state
     from lightning_dp.comm.transports.shards import push_shards
 
     model, reference = _model(), _model()
@@ -228,7 +228,7 @@ def _forward_and_recut(rank: int, world_size: int) -> bool:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     if rank == 1:
         return True
-    full = gather_full_state(own, replica, [1], survivors)
+    full = gather_full_state(own, survivors_state(own, replica, [1]), survivors)
     expected = reference_opt.state_dict()
     assert sorted(full["state"]) == sorted(expected["state"])
     for k, entry in expected["state"].items():

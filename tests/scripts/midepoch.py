@@ -491,6 +491,13 @@ weights = torch.cat([p.detach().flatten() for p in model.parameters()])
 balancer = getattr(getattr(trainer.strategy, "batches", None), "balancer", None)
 decisions = balancer.state_dict()["decisions"] if balancer is not None else None
 server = getattr(getattr(trainer.strategy, "engine", None), "server", None)
+replica = getattr(getattr(trainer.strategy, "engine", None), "replica", None)
+# the replicated servers' state: this rank's shard and its replica of its predecessor's (the layout's group ranks)
+shards = None if replica is None else {
+    "members": trainer.strategy.engine.layout_members, "owner": replica.owner,
+    "own": [s.local_state() for s in trainer.strategy.engine.sharded_optimizers],
+    "replica": [replica.local_state(k) for k in range(len(trainer.strategy.engine.sharded_optimizers))],
+}  # fmt: skip
 torch.save({"weights": weights, "trained": model.trained, "history": model.history, "resumed_from": resume,
             "decisions": decisions, "late": model.late, "dropped_by_server": getattr(server, "dropped", None),
             "skipped": getattr(trainer.strategy, "skipped_steps", 0), "global_step": trainer.global_step,
@@ -503,7 +510,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "val_counted": counted, "step_ends": model.step_ends,
             "full_gradients": getattr(trainer.strategy, "full_gradients", None),
-            "final_states": getattr(getattr(trainer.strategy, "engine", None), "final_states", None),
+            "final_states": getattr(getattr(trainer.strategy, "engine", None), "final_states", None), "shards": shards,
             "gradient_norms": next((c.norms for c in trainer.callbacks if isinstance(c, ReadGradients)), None)},
            out / f"rank{trainer.global_rank}.pt")  # fmt: skip
 if args.refit_epochs:

@@ -3,7 +3,8 @@ its own as a single-device node, rank 2 is killed in flight, and the same comman
 step boundary with the state the members hand it. From its first step the global batch is dealt over the three
 ranks again, every step is one process's step on the samples trained, and the replicas are bit-identical; a
 checkpoint written after the join resumes exactly. A new process killed in the handover leaves the job going,
-without it."""
+without it. The same for the parameter servers on the trainers (``sharded_ps``, and the central server), whose state
+the members cut again over the grown membership."""
 
 from __future__ import annotations
 
@@ -32,12 +33,20 @@ AWAIT_AT = 8
 #:   one again (restart_lost_ranks); they exchange through shared memory (the default on one machine), which the new
 #:   process, set up alone, takes from the members;
 #: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
+#: - the parameter servers on the trainers, the state of every shard replicated on the next rank: the members cut it
+#:   again over the grown membership, the new process's shard and replica included ("sharded_ps replaced": by hand,
+#:   validating every epoch; "parameter_server restarted by the launcher": the central server's state, on rank 0,
+#:   replicated on rank 1)
 SCENARIOS = {
-    "replaced": ("--validate",),
-    "restarted by the launcher": ("--restart-lost-ranks", "1"),
-    "new process killed in the handover": ("--kill-in-handover", str(LOST)),
+    "replaced": ("ring_allreduce", "--validate"),
+    "restarted by the launcher": ("ring_allreduce", "--restart-lost-ranks", "1"),
+    "new process killed in the handover": ("ring_allreduce", "--kill-in-handover", str(LOST)),
+    "sharded_ps replaced": ("sharded_ps", "--validate"),
+    "parameter_server restarted by the launcher": ("parameter_server", "--restart-lost-ranks", "1"),
 }
-BY_LAUNCHER = {"restarted by the launcher"}
+BY_LAUNCHER = {"restarted by the launcher", "parameter_server restarted by the launcher"}
+#: the scenarios whose new process trains to the end, validating every epoch, with checkpoints resumed
+VALIDATED = ["replaced", "sharded_ps replaced"]
 
 
 @dataclass
@@ -65,20 +74,21 @@ _runs: dict[str, Run] = {}
 def _launch(scenario: str, tmp_path_factory) -> Run:
     """The scenario's job, run once per session."""
     if scenario not in _runs:
-        out = tmp_path_factory.mktemp("ring-join")
+        out = tmp_path_factory.mktemp("join")
+        strategy, *options = SCENARIOS[scenario]
         launcher = scenario in BY_LAUNCHER
         placement = ("--devices", str(DEVICES)) if launcher else ("--devices", "1", "--num-nodes", str(DEVICES))
         result = run_script(
-            "midepoch", "--strategy", "ring_allreduce", *placement,
+            "midepoch", "--strategy", strategy, *placement,
             "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
             "continue", "--heartbeat-timeout", "2", *(() if launcher else ("--intra-node", "ring")),
             "--lose-rank", str(LOST), "--lose-at-step",
             str(LOST_AT), "--step-seconds", "0.1", "--await-replacement-at", str(AWAIT_AT), "--checkpoint-every", "3",
-            *SCENARIOS[scenario], "--out",
+            *options, "--out",
             str(out), timeout=240, check=launcher, deaths_expected=True, replace_killed=not launcher,
             env=None if launcher else {"LIGHTNING_DP_TEST_NODES": str(DEVICES)},
         )  # fmt: skip
-        joiner_dies = "--kill-in-handover" in SCENARIOS[scenario]
+        joiner_dies = "--kill-in-handover" in options
         codes = [0] if launcher else [0, 0, -9, -9 if joiner_dies else 0]
         assert result.codes == codes, result.stdout[-6000:]
         members = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
@@ -168,8 +178,9 @@ def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_i
         assert torch.equal(joined.joiner["weights"], joined.members[0]["weights"])
 
 
-def test_validation_after_the_join_evaluates_every_sample_once_over_the_grown_membership(tmp_path_factory):
-    run = _launch("replaced", tmp_path_factory)
+@pytest.mark.parametrize("scenario", VALIDATED)
+def test_validation_after_the_join_evaluates_every_sample_once_over_the_grown_membership(scenario, tmp_path_factory):
+    run = _launch(scenario, tmp_path_factory)
     assert run.joiner is not None
     records = [*run.members, run.joiner]
     joined_epoch = run.members[0]["history"][run.join_step][0]
@@ -180,8 +191,9 @@ def test_validation_after_the_join_evaluates_every_sample_once_over_the_grown_me
     assert all(r["val_counted"] == [SAMPLES, SAMPLES] for r in records), [r["val_counted"] for r in records]
 
 
-def test_the_state_is_handed_over_chunked_across_the_members(tmp_path_factory):
-    run = _launch("replaced", tmp_path_factory)
+@pytest.mark.parametrize("scenario", VALIDATED)
+def test_the_state_is_handed_over_chunked_across_the_members(scenario, tmp_path_factory):
+    run = _launch(scenario, tmp_path_factory)
     assert run.joiner is not None
     (received,) = run.joiner["rank_loss"]["handover_bytes"]
     sent = [m["rank_loss"]["handover_bytes"][0] for m in run.members]
@@ -191,12 +203,13 @@ def test_the_state_is_handed_over_chunked_across_the_members(tmp_path_factory):
     assert received >= 2 * 4 * parameters and min(sent) > 0, (sent, received, parameters)
 
 
-def test_a_checkpoint_written_after_the_join_resumes_exactly(tmp_path_factory):
-    run = _launch("replaced", tmp_path_factory)
+@pytest.mark.parametrize("scenario", VALIDATED)
+def test_a_checkpoint_written_after_the_join_resumes_exactly(scenario, tmp_path_factory):
+    run = _launch(scenario, tmp_path_factory)
     found = [(int(m.group(1)), p) for p in (run.out / "ckpt").glob("*.ckpt") if (m := re.search(r"step=(\d+)", p.name))]
     step, path = min((s, p) for s, p in found if s > run.join_step and s < STEPS)
-    out = tmp_path_factory.mktemp("ring-join-resumed")
-    run_script("midepoch", "--strategy", "ring_allreduce", "--devices", str(DEVICES), "--samples", str(SAMPLES),
+    out = tmp_path_factory.mktemp("join-resumed")
+    run_script("midepoch", "--strategy", SCENARIOS[scenario][0], "--devices", str(DEVICES), "--samples", str(SAMPLES),
                "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
                "--intra-node", "ring", "--resume-from", str(path), "--out", str(out), timeout=180)  # fmt: skip
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES)]
@@ -206,3 +219,32 @@ def test_a_checkpoint_written_after_the_join_resumes_exactly(tmp_path_factory):
         got = ranks[0]["history"][k][2]
         assert all(torch.equal(got, r["history"][k][2]) for r in ranks[1:]), f"the replicas differ after batch {j}"
         close(got, run.members[0]["history"][j][2], f"after batch {j}")
+
+
+def _same_pieces(a: list, b: list) -> bool:
+    """Whether two ranks' optimizer pieces (``local_state``) are the same slices holding equal tensors."""
+    if [(k, s, e, sorted(st)) for k, s, e, st in a] != [(k, s, e, sorted(st)) for k, s, e, st in b]:
+        return False
+    return all(torch.equal(x[3][key], y[3][key]) for x, y in zip(a, b, strict=True) for key in x[3]
+               if isinstance(x[3][key], torch.Tensor))  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", ["sharded_ps replaced", "parameter_server restarted by the launcher"])
+def test_the_servers_state_is_cut_again_over_the_grown_membership_with_every_shard_replicated(
+    scenario, tmp_path_factory
+):
+    run = _launch(scenario, tmp_path_factory)
+    assert run.joiner is not None
+    records = {r: rec["shards"] for r, rec in zip([m for m in range(DEVICES) if m != LOST], run.members, strict=True)}
+    records[LOST] = run.joiner["shards"]
+    assert all(s["members"] == tuple(range(DEVICES)) for s in records.values()), records
+    for rank, shards in records.items():  # its replica is its chain predecessor's shard, bit for bit
+        owner = shards["owner"]
+        assert owner == (rank - 1) % DEVICES
+        pairs = zip(shards["replica"], records[owner]["own"], strict=True)
+        assert all(_same_pieces(mine, theirs) for mine, theirs in pairs), f"rank {rank}'s replica of rank {owner}"
+    served = [sum(e - s for pieces in records[r]["own"] for _, s, e, _ in pieces) for r in range(DEVICES)]
+    parameters = sum(p.numel() for p in Reference(SAMPLES).parameters())
+    assert sum(served) == parameters, served  # every element served once
+    if scenario.startswith("sharded_ps"):
+        assert served[LOST] > 0, served  # the new process serves its shard

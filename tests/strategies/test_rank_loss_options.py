@@ -59,8 +59,8 @@ def test_the_options_are_checked_by_name():
 @pytest.mark.parametrize(
     ("cls", "options", "match"),
     [
-        (ShardedParameterServerStrategy, {}, "'sharded_ps' does not admit a new process yet"),
-        (ParameterServerStrategy, {}, "'parameter_server' does not admit a new process yet"),
+        (ShardedParameterServerStrategy, {"num_servers": 2}, "'sharded_ps' with num_servers=2 does not admit a new"),
+        (ParameterServerStrategy, {"num_servers": 1}, "'parameter_server' with num_servers=1 does not admit a new"),
         (RingAllReduceStrategy, {"compression": "bf16"}, "'ring_allreduce' with compression='bf16' does not admit"),
         (RingAllReduceStrategy, {"balance": "throughput"}, "'ring_allreduce' with balance='throughput' does not admit"),
     ],
@@ -68,7 +68,8 @@ def test_the_options_are_checked_by_name():
 def test_restarting_a_lost_rank_is_refused_where_the_job_takes_no_new_process(cls, options, match):
     with pytest.raises(ConfigurationError, match=f"restart_lost_ranks=2 cannot be kept: strategy={match}"):
         cls(on_rank_loss="continue", restart_lost_ranks=2, **options)
-    assert RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=2).restart_lost_ranks == 2
+    for kept in (RingAllReduceStrategy, ParameterServerStrategy, ShardedParameterServerStrategy):
+        assert kept(on_rank_loss="continue", restart_lost_ranks=2).restart_lost_ranks == 2
 
 
 def test_the_servers_replicate_their_state_only_when_they_must_survive_a_loss():

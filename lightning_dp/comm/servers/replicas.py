@@ -12,7 +12,8 @@ Learning with the Parameter Server", OSDI 2014, replicate a server's key range o
 - when ranks are lost, the survivors assemble the full optimizer state from their own shards and the replicas of
   the lost ones (:func:`survivors_state`, :func:`gather_full_state`) and cut it again over themselves
   (:meth:`~.sharded_optimizer.ShardedOptimizer.load_state_dict` on the new layout), building new replicas the
-  same way.
+  same way; when new ranks are admitted, the members assemble it from their own shards (a new rank holds nothing
+  yet) and cut it again over the grown membership, the new ranks' shards and replicas included.
 
 One replica per shard: two neighbours in the chain lost together take a shard with them
 (:func:`check_recoverable` says so by name).
@@ -174,15 +175,11 @@ def survivors_state(
 
 
 def gather_full_state(
-    own: ShardedOptimizer,
-    replica: ShardReplica | None,
-    lost: Iterable[int],
-    group: dist.ProcessGroup | None = None,
-    index: int = 0,
+    own: ShardedOptimizer, mine: LocalState, group: dist.ProcessGroup | None = None
 ) -> dict[str, Any]:
-    """Optimizer ``index``'s full state (torch's standard layout, in host memory) on every rank of ``group``, the
-    survivors' group, from :func:`survivors_state` of each (collective over ``group``)."""
-    mine = survivors_state(own, replica, lost, index)
+    """``own``'s optimizer's full state (torch's standard layout, in host memory) on every rank of ``group`` from each
+    rank's pieces ``mine`` (a survivor's :func:`survivors_state`, a member's own shard after an admission, nothing
+    from a new member; collective over ``group``)."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     own.merge_states(everyone)

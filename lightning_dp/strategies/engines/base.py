@@ -126,6 +126,9 @@ class StepEngine:
     def after_recovery(self, lost: list[int]) -> None:
         """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.after_recovery`."""
 
+    def after_admission(self, joined: list[int]) -> None:
+        """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.after_admission`."""
+
     # ------------------------------------------------------------------ Lightning's loop
     @contextmanager
     def training_step_context(self) -> Generator[None, None, None]:

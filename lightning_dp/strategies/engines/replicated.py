@@ -21,6 +21,7 @@ from lightning_dp.comm.servers.replicas import (
     check_recoverable,
     gather_full_state,
     post_forward,
+    survivors_state,
 )
 from lightning_dp.comm.servers.sharded_optimizer import Segment
 from lightning_dp.comm.transports.shards import sum_everywhere
@@ -64,6 +65,8 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         #: whether this rank stands between a step's exchange and its pull
         self.mid_step = False
         self._forwards: list[Any] = []
+        #: every optimizer's full state, held on every rank from an admission's cut until the next update
+        self._full_states: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ set-up
     def check_devices(self, devices: list[torch.device]) -> None:
@@ -77,6 +80,7 @@ class ReplicatedShardedEngine(ShardedServerEngine):
     # ------------------------------------------------------------------ the layout and its replica
     def build_layout(self) -> None:
         super().build_layout()
+        self._full_states = None
         self.lost.clear()
         self.mid_step = False
         strategy = self.strategy
@@ -108,9 +112,14 @@ class ReplicatedShardedEngine(ShardedServerEngine):
                 "themselves, and they hold different cuts now: the run cannot go on exactly; restart it from its last "
                 "checkpoint"
             )
-        states = [gather_full_state(sharded, self.replica, lost, group, k)
+        states = [gather_full_state(sharded, survivors_state(sharded, self.replica, lost, k), group)
                   for k, sharded in enumerate(self.sharded_optimizers)]  # fmt: skip
-        strategy.rebuild_transport()
+        self._cut(states)
+
+    def _cut(self, states: list[dict[str, Any]]) -> None:
+        """Lay the shards out over the current gradient group and load each optimizer's full state ``states`` into
+        this rank's shard and replica."""
+        self.strategy.rebuild_transport()
         self.build_layout()
         for k, (sharded, state) in enumerate(zip(self.sharded_optimizers, states, strict=True)):
             sharded.load_state_dict(state)
@@ -134,6 +143,19 @@ class ReplicatedShardedEngine(ShardedServerEngine):
             check_recoverable([self.layout_members.index(rank) for rank in self.lost], len(self.layout_members))
         if self.lost and not self.mid_step:
             self._recut()
+
+    def after_admission(self, joined: list[int]) -> None:
+        """Cut the state again over the grown membership, from the members' shards (a new member holds nothing yet):
+        every rank, the new ones included, holds the full states until the next update, and :meth:`optimizer_state`
+        answers from them without a collective (the handover's checkpoint, which only the members build)."""
+        strategy = self.strategy
+        if strategy.reducer is None:  # between two fits: the next one cuts its state afresh
+            return
+        newcomer = strategy.rank_loss.newcomer
+        states = [gather_full_state(sharded, [] if newcomer else sharded.local_state(), strategy.gradient_group)
+                  for sharded in self.sharded_optimizers]  # fmt: skip
+        self._cut(states)
+        self._full_states = states  # (a new member restores them from the handover: it holds the same)
 
     def point_completed(self, kind: str) -> None:
         if kind == EXCHANGE:
@@ -232,6 +254,13 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         replicas = [sharded.shard for sharded in self.replica.sharded] if self.replica is not None else []
         return super().stepping_optimizers() + [s for s in replicas if any(g["params"] for g in s.param_groups)]
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        if self._full_states is None:
+            return super().optimizer_state(optimizer)
+        # (the hyperparameters as they are now: a scheduler may have changed them since)
+        state = self._full_states[self.sharded_optimizers.index(self._sharded(optimizer))]
+        return {"state": state["state"], "param_groups": optimizer.state_dict()["param_groups"]}
+
     def load_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_states(checkpoint)
         if self.replica is not None:  # the replica holds its owner's slices, as the owner does
@@ -239,6 +268,7 @@ class ReplicatedShardedEngine(ShardedServerEngine):
                 self.replica.load_state_dict(saved, k)
 
     def server_update(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        self._full_states = None
         super().server_update(optimizer, **kwargs)
         if self.replica is not None:
             self._replica_sharded(optimizer).step(**kwargs)
