@@ -584,7 +584,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         super().load_optimizer_state_dict(checkpoint)
 
     def _load_codec_state(self, checkpoint: Mapping[str, Any]) -> None:
-        if type(self.codec) is Codec:
+        if type(self.codec) is Codec or self.rank_loss.newcomer:  # a new member's residuals start at zero
             return
         assert self.transport is not None and self.reducer is not None
         members = self.rank_loss.members  # (after a loss: the states saved are the survivors', in member order)

@@ -420,8 +420,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if getattr(strategy, "num_servers", 0):
             return (f"{name} with num_servers={strategy.num_servers} does not admit a new process yet (with the "  # type: ignore[attr-defined]
                     "servers among the trainers, num_servers=0, it does)")  # fmt: skip
-        if getattr(strategy, "compression", "none") != "none":
-            return f"{name} with compression={strategy.compression!r} does not admit a new process yet"  # type: ignore[attr-defined]
         if getattr(strategy, "balance", "none") != "none":
             return f"{name} with balance={strategy.balance!r} does not admit a new process yet"  # type: ignore[attr-defined]
         return None

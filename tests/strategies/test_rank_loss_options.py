@@ -61,7 +61,6 @@ def test_the_options_are_checked_by_name():
     [
         (ShardedParameterServerStrategy, {"num_servers": 2}, "'sharded_ps' with num_servers=2 does not admit a new"),
         (ParameterServerStrategy, {"num_servers": 1}, "'parameter_server' with num_servers=1 does not admit a new"),
-        (RingAllReduceStrategy, {"compression": "bf16"}, "'ring_allreduce' with compression='bf16' does not admit"),
         (RingAllReduceStrategy, {"balance": "throughput"}, "'ring_allreduce' with balance='throughput' does not admit"),
     ],
 )
@@ -70,6 +69,9 @@ def test_restarting_a_lost_rank_is_refused_where_the_job_takes_no_new_process(cl
         cls(on_rank_loss="continue", restart_lost_ranks=2, **options)
     for kept in (RingAllReduceStrategy, ParameterServerStrategy, ShardedParameterServerStrategy):
         assert kept(on_rank_loss="continue", restart_lost_ranks=2).restart_lost_ranks == 2
+    for compression in ("fp16", "bf16"):
+        kept = RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=2, compression=compression)
+        assert kept.restart_lost_ranks == 2
 
 
 def test_the_servers_replicate_their_state_only_when_they_must_survive_a_loss():
