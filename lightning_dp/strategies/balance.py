@@ -105,6 +105,9 @@ class EqualBatches:
         calls it with the same arguments, whether it had dealt them shares or not."""
         raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
 
+    def admitted(self) -> None:
+        """New members were admitted at this step boundary (every member, after the handover)."""
+
     def join_state(self) -> dict:
         """What a new member needs to deal the batches as the members do (handed over with the job's state)."""
         raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
@@ -503,14 +506,36 @@ class DealtThroughputBatches(DealtBatches):
         self.interval, self.tolerance = interval, tolerance
         #: this rank's samples of the batch being trained
         self._samples = 0
+        #: whether a new process was dealt a share and is not admitted yet: no measurement, no decision until then
+        #: (a decision over the members alone would take its share back; the new member's window starts empty)
+        self._joining = False
 
     forward_started = ThroughputBatches.forward_started
     backward_done = ThroughputBatches.backward_done
 
+    def reset(self) -> None:
+        super().reset()
+        self._joining = False
+
+    def include(self, joined: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
+        self._joining = True
+        return super().include(joined, rows, accumulate, after)
+
+    def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
+        super().withdraw(ranks, rows)
+        self._joining = False
+
+    def admitted(self) -> None:
+        """Every member measures afresh from the admission on, as the new one does."""
+        self._joining, self._computed = False, None
+        if self.balancer is not None:
+            self.balancer.window = []
+
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
         balancer, strategy = self.balancer, self.strategy
         if balancer is not None and self._batch is not None and self._computed is not None:
-            balancer.record(self._computed, self._samples)  # the batch before, on every member alike
+            if not self._joining:
+                balancer.record(self._computed, self._samples)  # the batch before, on every member alike
             self._computed = None
         if balancer is not None and balancer.window_full:
             mine = balancer.measurement()

@@ -367,10 +367,13 @@ class DataParallelStrategy(ProcessGroupStrategy):
         """Every survivor agreed on the loss of the global ranks ``lost`` and stands at the same sync point (inside the
         recovery: collective over the survivors)."""
 
-    def after_admission(self, joined: list[int]) -> None:
+    def after_admission(self, joined: list[int]) -> bool:
         """The new members ``joined`` were admitted, and every member stands at the same sync point with them, before
         they are handed the job's state (collective over the grown membership, the new members included; the
-        exchange is rebuilt over it already): what the scheme shards or places by rank is laid out again."""
+        exchange is rebuilt over it already): what the scheme shards or places by rank is laid out again. Returns
+        whether every rank, the new ones included, now holds the optimizers' full states (:meth:`optimizer_state`
+        answers from them): the handover then sends their hyperparameters only."""
+        return False
 
     def rebuild_exchange(self) -> None:
         """After the membership changed (``on_rank_loss="continue"``): the groups, the transport and the codec over

@@ -277,8 +277,8 @@ class ParameterServerBase(DataParallelStrategy):
         self.engine.after_recovery(lost)
 
     @override
-    def after_admission(self, joined: list[int]) -> None:
-        self.engine.after_admission(joined)
+    def after_admission(self, joined: list[int]) -> bool:
+        return self.engine.after_admission(joined)
 
     @override
     def _synchronized_buckets(self) -> list[GradientBucket]:

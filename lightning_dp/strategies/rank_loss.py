@@ -420,8 +420,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if getattr(strategy, "num_servers", 0):
             return (f"{name} with num_servers={strategy.num_servers} does not admit a new process yet (with the "  # type: ignore[attr-defined]
                     "servers among the trainers, num_servers=0, it does)")  # fmt: skip
-        if getattr(strategy, "balance", "none") != "none":
-            return f"{name} with balance={strategy.balance!r} does not admit a new process yet"  # type: ignore[attr-defined]
         return None
 
     @property
@@ -713,13 +711,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
                         self._welcome(strategy)
                     finally:
                         self._welcoming = set()
+                    strategy.batches.admitted()
                     if self._newcomer is None:
                         self.join_steps.append(self.committed)
                         self.join_pause_seconds.append(time.monotonic() - (membership.change_began or started))
-                        rank_zero_info(
+                        _announce(
+                            trainer_of(strategy.lightning_module),
                             f"strategy {strategy.strategy_name!r}: a new process joined as rank(s) "
                             f"{sorted(admitted)} after {self.committed} steps; the members paused "
-                            f"{self.join_pause_seconds[-1]:.3f} s for its admission and the handover of the job's state"
+                            f"{self.join_pause_seconds[-1]:.3f} s for its admission and the handover of the job's "
+                            "state",
                         )
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
@@ -861,9 +862,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
             after = next_training_batch(trainer)
             start = strategy.batches.include(joined, drawn, trainer.accumulate_grad_batches, after)
             self._pending = (joined, start)
-            rank_zero_info(
+            _announce(
+                trainer,
                 f"strategy {strategy.strategy_name!r}: a new process asks to join as rank {joined[0]}; it trains from "
-                f"batch {start[1]} of epoch {start[0]} on"
+                f"batch {start[1]} of epoch {start[0]} on",
             )
 
     def _note_admission(self, decision: Decision) -> None:
@@ -903,10 +905,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if self._newcomer is not None:
             recipients = sorted(self._welcoming & set(membership.members))
             donors = [r for r in membership.members if r not in self._welcoming]
-            strategy.after_admission(recipients)
+            held = strategy.after_admission(recipients)
             state, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, None,
                                      _replicated(strategy))  # fmt: skip
             self.handover_bytes.append(moved.bytes)
+            if held:  # the members sent the hyperparameters; the states are the ones it holds already
+                for saved, optimizer in zip(state["optimizer_states"], strategy.optimizers, strict=True):
+                    saved["state"] = strategy.optimizer_state(optimizer)["state"]
             self._take_state(strategy, trainer, state)
             return
 
@@ -915,10 +920,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
             donors = [r for r in membership.members if r not in self._welcoming]
             if not recipients:  # (lost before it was handed anything)
                 return 0
-            strategy.after_admission(recipients)
+            held = strategy.after_admission(recipients)
 
             def state() -> Any:
-                return self._state_to_hand_over(strategy, trainer, full=me == donors[0])
+                return self._state_to_hand_over(strategy, trainer, me == donors[0], held)
 
             assert strategy.gradient_group is not None
             _, moved = hand_over(strategy.gradient_group, me, donors[0], donors, recipients, state,
@@ -927,13 +932,19 @@ class ContinueOnRankLoss(StopOnRankLoss):
 
         self.handover_bytes.append(self.collective(strategy, run))
 
-    def _state_to_hand_over(self, strategy: DataParallelStrategy, trainer: Any, full: bool) -> dict[str, Any]:
+    def _state_to_hand_over(
+        self, strategy: DataParallelStrategy, trainer: Any, full: bool, held: bool
+    ) -> dict[str, Any]:
         """This member's state for a new one: Lightning's checkpoint in memory and where the members stand
-        (``full``, the source), or only the replicas' weights and optimizer states (another donor)."""
+        (``full``, the source), or only the replicas' weights and optimizer states (another donor); without the
+        optimizers' states, their hyperparameters only, where the new members hold them already (``held``)."""
         if not full:
+            optimizers = [strategy.optimizer_state(o) for o in strategy.optimizers]
             return {"state_dict": strategy.lightning_module_state_dict(),
-                    "optimizer_states": [strategy.optimizer_state(o) for o in strategy.optimizers]}  # fmt: skip
+                    "optimizer_states": [{**o, "state": {}} for o in optimizers] if held else optimizers}  # fmt: skip
         checkpoint = dump_checkpoint(trainer)
+        if held:
+            checkpoint["optimizer_states"] = [{**saved, "state": {}} for saved in checkpoint["optimizer_states"]]
         checkpoint[JOIN_KEY] = {"position": self.position, "committed": self.committed,
                                 "batches": strategy.batches.join_state(),
                                 "loaders": loaders_state(trainer)}  # fmt: skip
@@ -1036,6 +1047,15 @@ def _mask(ranks: list[int]) -> int:
 
 def _ranks(mask: int) -> list[int]:
     return [r for r in range(MAX_JOIN_RANK + 1) if mask >> r & 1]
+
+
+def _announce(trainer: Any, text: str) -> None:
+    """Say ``text`` on the leader: as a line above the progress bar where one shows, else in Lightning's log."""
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is not None and bar.is_enabled and getattr(rank_zero_only, "rank", 0) == 0:
+        bar.print(text)
+    else:
+        rank_zero_info(text)
 
 
 def _replicated(strategy: DataParallelStrategy) -> Callable[[Path], bool]:

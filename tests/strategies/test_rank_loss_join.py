@@ -36,16 +36,23 @@ AWAIT_AT = 8
 #: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
 #: - "replaced, bf16": the gradients travel in 16 bits with error feedback; the new process's residuals start at zero,
 #:   the members keep theirs (the lost rank's are lost)
+#: - "replaced, throughput": balance="throughput" with rank 1 slow: the new process is dealt the members' mean share,
+#:   nobody measures until its admission, and then every rank measures afresh and the shares follow the speeds of
+#:   the three
 #: - the parameter servers on the trainers, the state of every shard replicated on the next rank: the members cut it
 #:   again over the grown membership, the new process's shard and replica included ("sharded_ps replaced": by hand,
 #:   validating every epoch; "parameter_server restarted by the launcher": the central server's state, on rank 0,
-#:   replicated on rank 1)
+#:   replicated on rank 1; "sharded_ps, new process killed in the handover": it dies once the state was cut over the
+#:   three ranks, and the members cut it again over themselves from the full state they hold)
+BALANCED = ("--balance", "throughput", "--balance-interval", "2", "--slow-rank", "1", "--slow-per-sample", "0.05")
 SCENARIOS = {
     "replaced": ("ring_allreduce", "--validate"),
     "restarted by the launcher": ("ring_allreduce", "--restart-lost-ranks", "1"),
     "new process killed in the handover": ("ring_allreduce", "--kill-in-handover", str(LOST)),
     "replaced, bf16": ("ring_allreduce", "--compression", "bf16"),
+    "replaced, throughput": ("ring_allreduce", *BALANCED),
     "sharded_ps replaced": ("sharded_ps", "--validate"),
+    "sharded_ps, new process killed in the handover": ("sharded_ps", "--kill-in-handover", str(LOST)),
     "parameter_server restarted by the launcher": ("parameter_server", "--restart-lost-ranks", "1"),
 }
 BY_LAUNCHER = {"restarted by the launcher", "parameter_server restarted by the launcher"}
@@ -149,13 +156,18 @@ def test_the_new_process_is_admitted_at_a_step_boundary_and_every_process_agrees
 
 def test_the_global_batch_is_dealt_over_the_grown_membership_and_every_sample_is_trained_once(joined):
     steps = len(joined.members[0]["trained"])
+    balanced = "--balance" in SCENARIOS[joined.scenario]
     for j in range(steps):
         sizes = [len(m["trained"][j]) for m in joined.members]
         if joined.joiner is not None and j >= joined.join_step:
             sizes.append(len(joined.joiner["trained"][j - joined.join_step]))
-            assert sizes == [BATCH] * DEVICES, f"batch {j}: {sizes}"
-        elif j > LOST_AT + 1:  # dealt among the two members (from the first batch drawn after the loss)
-            assert sorted(sizes) == [GLOBAL_BATCH // 2] * 2 or j == joined.join_step, f"batch {j}: {sizes}"
+            if balanced:  # shares by speed, every rank training some
+                assert sum(sizes) == GLOBAL_BATCH and min(sizes) > 0, f"batch {j}: {sizes}"
+            else:
+                assert sizes == [BATCH] * DEVICES, f"batch {j}: {sizes}"
+        elif j > LOST_AT + 1 and j != joined.join_step:  # dealt among the two members (from the first batch drawn
+            # after the loss; the join's batch: the lost rank's share dealt to the new process, which did not train)
+            assert sum(sizes) == GLOBAL_BATCH and (balanced or sorted(sizes) == [GLOBAL_BATCH // 2] * 2), (j, sizes)
     per_epoch = SAMPLES // GLOBAL_BATCH
     batches = _batches(joined)
     dropped = 0
@@ -165,7 +177,8 @@ def test_the_global_batch_is_dealt_over_the_grown_membership_and_every_sample_is
         dropped += SAMPLES - len(trained)
     # what no one trained: the killed rank's samples in flight, and the share of the new process killed in the
     # handover of the batch it was to train first, where the members learnt of its death only in that batch's exchange
-    assert dropped == BATCH or (joined.joiner is None and dropped == 2 * BATCH), dropped
+    in_flight = len(joined.seen[LOST_AT])  # (its share of that batch: BATCH, or by speed under balance="throughput")
+    assert dropped == in_flight or (joined.joiner is None and dropped == in_flight + BATCH), dropped
     assert all(m["rank_loss"]["dropped_samples"] == dropped for m in joined.members)
 
 
@@ -264,3 +277,17 @@ def test_the_servers_state_is_cut_again_over_the_grown_membership_with_every_sha
     assert sum(served) == parameters, served  # every element served once
     if scenario.startswith("sharded_ps"):
         assert served[LOST] > 0, served  # the new process serves its shard
+
+
+def test_balanced_shares_follow_the_speeds_of_the_grown_membership(tmp_path_factory):
+    run = _launch("replaced, throughput", tmp_path_factory)
+    assert run.joiner is not None
+    decisions = run.members[0]["decisions"]
+    assert all(r["decisions"] == decisions for r in [*run.members, run.joiner])  # one schedule on every rank
+    # the schedule, at each step after the join: every rank is dealt a share, and a decision taken after the join
+    # from the three ranks' measurements gives the slow rank 1 less than the new process
+    started = run.members[0]["history"][run.join_step][:2]
+    after = [shares for start, shares in decisions if tuple(start) > tuple(started)]
+    assert after, decisions
+    assert all(len(s) == DEVICES and min(s) > 0 and sum(s) == GLOBAL_BATCH for s in after), decisions
+    assert after[-1][1] < after[-1][LOST], decisions

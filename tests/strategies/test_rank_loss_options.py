@@ -61,7 +61,6 @@ def test_the_options_are_checked_by_name():
     [
         (ShardedParameterServerStrategy, {"num_servers": 2}, "'sharded_ps' with num_servers=2 does not admit a new"),
         (ParameterServerStrategy, {"num_servers": 1}, "'parameter_server' with num_servers=1 does not admit a new"),
-        (RingAllReduceStrategy, {"balance": "throughput"}, "'ring_allreduce' with balance='throughput' does not admit"),
     ],
 )
 def test_restarting_a_lost_rank_is_refused_where_the_job_takes_no_new_process(cls, options, match):
@@ -69,8 +68,8 @@ def test_restarting_a_lost_rank_is_refused_where_the_job_takes_no_new_process(cl
         cls(on_rank_loss="continue", restart_lost_ranks=2, **options)
     for kept in (RingAllReduceStrategy, ParameterServerStrategy, ShardedParameterServerStrategy):
         assert kept(on_rank_loss="continue", restart_lost_ranks=2).restart_lost_ranks == 2
-    for compression in ("fp16", "bf16"):
-        kept = RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=2, compression=compression)
+    for options in ({"compression": "fp16"}, {"compression": "bf16"}, {"balance": "throughput"}):
+        kept = RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=2, **options)
         assert kept.restart_lost_ranks == 2
 
 
@@ -106,3 +105,20 @@ def test_the_replicated_servers_need_no_replica_for_a_loss_between_two_fits():
     engine.layout_members = (0, 1, 2, 3)  # the cut of an earlier fit
     engine.after_recovery([1, 2])
     assert engine.lost == set()
+
+
+def test_a_join_is_said_above_the_progress_bar_where_one_shows_else_in_the_log(caplog):
+    from types import SimpleNamespace
+
+    from lightning_dp.strategies.rank_loss import _announce
+
+    printed: list[str] = []
+    shown = SimpleNamespace(is_enabled=True, print=printed.append)
+    _announce(SimpleNamespace(progress_bar_callback=shown), "rank 2 joined")
+    assert printed == ["rank 2 joined"]
+    hidden = SimpleNamespace(is_enabled=False, print=printed.append)
+    with caplog.at_level("INFO"):
+        _announce(SimpleNamespace(progress_bar_callback=hidden), "rank 3 joined")
+        _announce(None, "rank 1 joined")
+    assert printed == ["rank 2 joined"]
+    assert [r.getMessage() for r in caplog.records] == ["rank 3 joined", "rank 1 joined"]

@@ -126,8 +126,9 @@ class StepEngine:
     def after_recovery(self, lost: list[int]) -> None:
         """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.after_recovery`."""
 
-    def after_admission(self, joined: list[int]) -> None:
+    def after_admission(self, joined: list[int]) -> bool:
         """See :meth:`~lightning_dp.strategies.base.DataParallelStrategy.after_admission`."""
+        return False
 
     # ------------------------------------------------------------------ Lightning's loop
     @contextmanager

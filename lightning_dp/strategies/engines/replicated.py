@@ -65,7 +65,8 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         #: whether this rank stands between a step's exchange and its pull
         self.mid_step = False
         self._forwards: list[Any] = []
-        #: every optimizer's full state, held on every rank from an admission's cut until the next update
+        #: every optimizer's full state, held on every rank from a cut (after a change of membership) until the next
+        #: update
         self._full_states: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -97,34 +98,45 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         self._forwards = []
 
     def _recut(self) -> None:
-        """Cut the state again over the survivors, from their shards and the lost ranks' replicas (collective over
-        them; every survivor between two steps)."""
+        """Cut the state again over the ranks of the current gradient group (collective over them; every one between
+        two steps): from the full state they held since the last cut where one of them does (no update since), else
+        from the members' shards and the lost ranks' replicas (a new member holds nothing yet). Every rank then
+        holds the full state until the next update."""
         strategy = self.strategy
-        old = self.layout_members
+        group = strategy.gradient_group
+        newcomer = strategy.rank_loss.newcomer
+        cuts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(cuts, (None if newcomer else self.layout_members, self._full_states is not None),
+                               group=group)  # fmt: skip
+        holders = [k for k, (_, full) in enumerate(cuts) if full]
+        if holders:  # (a loss or a new member's death right after a cut: its state is still every shard's)
+            held: list[Any] = [self._full_states]
+            dist.broadcast_object_list(held, group=group, group_src=holders[0])
+            self._cut(held[0])
+            return
+        members_cuts = {cut for cut, _ in cuts if cut is not None}
+        if len(members_cuts) > 1:
+            raise RuntimeError(
+                f"strategy {self.name!r}: the membership changed while the ranks cut the servers' state again, and "
+                "they hold different cuts now: the run cannot go on exactly; restart it from its last checkpoint"
+            )
+        old = members_cuts.pop()  # (a new member's own lay-out, alone, is no cut of the job's)
         lost = [old.index(rank) for rank in sorted(self.lost)]
         check_recoverable(lost, len(old))
-        group = strategy.gradient_group
-        cuts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(cuts, old, group=group)
-        if any(cut != old for cut in cuts):
-            raise RuntimeError(
-                f"strategy {self.name!r}: a rank was lost while the survivors cut the servers' state again over "
-                "themselves, and they hold different cuts now: the run cannot go on exactly; restart it from its last "
-                "checkpoint"
-            )
-        states = [gather_full_state(sharded, survivors_state(sharded, self.replica, lost, k), group)
-                  for k, sharded in enumerate(self.sharded_optimizers)]  # fmt: skip
+        states = [gather_full_state(sharded, [] if newcomer else survivors_state(sharded, self.replica, lost, k),
+                                    group) for k, sharded in enumerate(self.sharded_optimizers)]  # fmt: skip
         self._cut(states)
 
     def _cut(self, states: list[dict[str, Any]]) -> None:
         """Lay the shards out over the current gradient group and load each optimizer's full state ``states`` into
-        this rank's shard and replica."""
+        this rank's shard and replica; the full states stay held until the next update."""
         self.strategy.rebuild_transport()
         self.build_layout()
         for k, (sharded, state) in enumerate(zip(self.sharded_optimizers, states, strict=True)):
             sharded.load_state_dict(state)
             if self.replica is not None:
                 self.replica.load_state_dict(state, k)
+        self._full_states = states
 
     # ------------------------------------------------------------------ the strategy's side of a loss
     @property
@@ -135,27 +147,24 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         self.strategy.rebuild_groups()  # the transport waits for the new cut (between two steps)
 
     def after_recovery(self, lost: list[int]) -> None:
+        """Between two steps every change of membership (a loss, an admission, one refused) cuts the state again over
+        the new group, the new members included; within a step the step goes on with the lost shards served by their
+        replicas, and the cut follows the pull."""
         self._forwards = []
         if self.strategy.reducer is None:  # between two fits: the next one cuts its state afresh
             return
         self.lost |= {rank for rank in lost if rank in self.layout_members}
-        if self.lost:
-            check_recoverable([self.layout_members.index(rank) for rank in self.lost], len(self.layout_members))
-        if self.lost and not self.mid_step:
-            self._recut()
-
-    def after_admission(self, joined: list[int]) -> None:
-        """Cut the state again over the grown membership, from the members' shards (a new member holds nothing yet):
-        every rank, the new ones included, holds the full states until the next update, and :meth:`optimizer_state`
-        answers from them without a collective (the handover's checkpoint, which only the members build)."""
-        strategy = self.strategy
-        if strategy.reducer is None:  # between two fits: the next one cuts its state afresh
+        if self.mid_step:
+            if self.lost:
+                check_recoverable([self.layout_members.index(rank) for rank in self.lost], len(self.layout_members))
             return
-        newcomer = strategy.rank_loss.newcomer
-        states = [gather_full_state(sharded, [] if newcomer else sharded.local_state(), strategy.gradient_group)
-                  for sharded in self.sharded_optimizers]  # fmt: skip
-        self._cut(states)
-        self._full_states = states  # (a new member restores them from the handover: it holds the same)
+        self._recut()
+
+    def after_admission(self, joined: list[int]) -> bool:
+        """The state was cut over the grown membership at the admission (:meth:`after_recovery`): every rank, the
+        new ones included, holds the full states until the next update, and :meth:`optimizer_state` answers from
+        them without a collective (the handover's checkpoint, which only the members build)."""
+        return self._full_states is not None
 
     def point_completed(self, kind: str) -> None:
         if kind == EXCHANGE:
