@@ -5,7 +5,8 @@
     python -m benchmarks.faults --strategies sharded_ps --paths launcher torchrun
     python -m benchmarks.faults --strategies sharded_ps+servers --paths launcher server server_silent torchrun \
         --name faults_dedicated
-    python -m benchmarks.faults --strategies ring_allreduce --paths join per_host_join --name faults_join
+    python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps \
+        --paths join per_host_join emulated_join --name faults_join
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
@@ -27,7 +28,8 @@ paths:
 - **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
   process restarts and resumes from the newest checkpoint;
 - **a new process joins** (``join``: the strategy's launcher with ``restart_lost_ranks=1`` starts rank 2 again;
-  ``per_host_join``: one process per host, the benchmark starts rank 2 again with the same command): 4 ranks, one
+  ``per_host_join``: one process per host, the benchmark starts rank 2 again with the same command;
+  ``emulated_join``: the same on the emulated hosts, rank 2 killed and started again on its host): 4 ranks, one
   killed, 3 go on, the new process joins, 4 again. Measured: the join (from the new process's start to the end of
   its first step), the members' pause (its admission and the handover, as the members report it), the bytes the
   new process was handed, and the median steps/s of rank 0 over the 20 steps before the fault and the 20 steps after
@@ -200,11 +202,11 @@ def _run_path(
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
     app = str(REPO / "examples" / "train.py")
-    apart = path in ("per_host", "emulated", "per_host_join")
+    apart = path in ("per_host", "emulated", "per_host_join", "emulated_join")
     logs = [open(folder / f"process{i}.log", "w") for i in range(RANKS if apart else 1)]  # noqa: SIM115
     start = time.perf_counter()
     poll = None
-    if path == "emulated":
+    if path in ("emulated", "emulated_join"):
         hosts = stack.enter_context(delayed_hosts(RANKS, rate_mbit=1000, latency_ms=0.1))
         command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
                    "strategy.on_rank_loss=continue",
@@ -216,8 +218,15 @@ def _run_path(
                                   env={**env, "NODE_RANK": str(i)})
                  for i, host in enumerate(hosts)]  # fmt: skip
 
-        def poll() -> None:  # the lost rank reached the fault: cut its link
-            if (folder / "at-fault").exists() and not (folder / "fault").exists():
+        def poll() -> None:
+            if path == "emulated_join":  # the lost rank died: start it again on its host with the same command
+                if procs[lost].poll() not in (None, 0) and len(procs) == RANKS:
+                    logs.append(open(folder / f"process{RANKS}.log", "w"))  # noqa: SIM115
+                    again = {**env, "NODE_RANK": str(lost), RESTART_VARIABLE: "1"}
+                    procs.append(subprocess.Popen(["ip", "netns", "exec", hosts[lost], *command], cwd=folder,
+                                                  stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True,
+                                                  env=again))  # fmt: skip
+            elif (folder / "at-fault").exists() and not (folder / "fault").exists():  # the lost rank's link cut
                 hosts.cut(lost)
                 (folder / "fault").write_text(f"{time.time()!r} {args.fault_step}\n")
     elif path in ("launcher", "join") or server:
@@ -389,7 +398,7 @@ SERVERS = 2
 #: the paths that lose dedicated server 0 instead of a trainer
 SERVER_PATHS = ("server", "server_silent")
 #: the paths where a new process joins in the lost rank's place, and the steps compared before the loss and after
-JOIN_PATHS = ("join", "per_host_join")
+JOIN_PATHS = ("join", "per_host_join", "emulated_join")
 JOIN_WINDOW = 20
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
@@ -400,6 +409,7 @@ PATHS = {
     "torchrun": "torchrun restarts from the checkpoint",
     "join": "a new process joins (the strategy's launcher restarts it)",
     "per_host_join": "a new process joins (one process per host, started again by hand)",
+    "emulated_join": "a new process joins (emulated hosts, 1 Gbit/s, started again on its host)",
 }
 
 
