@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import time
 import traceback
@@ -24,6 +26,7 @@ def free_port() -> int:
 def _worker(
     rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, results: Any, env: dict
 ) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (its stacks, asked for by a deadline that passed)
     try:
         os.environ.clear()  # the test process's environment now, not the fork server's when it started
         os.environ.update(env)
@@ -92,6 +95,7 @@ def run_distributed(
     try:
         while len(collected) < world_size:
             if time.monotonic() > deadline:
+                _dump_stacks(procs)
                 raise TimeoutError(f"distributed test did not finish in {timeout}s (ranks done: {sorted(collected)})")
             if results.empty():
                 if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
@@ -114,6 +118,14 @@ def run_distributed(
     return [collected[r] for r in range(world_size)]
 
 
+def _dump_stacks(procs: list) -> None:
+    """Have every worker still running print its threads' stacks to stderr (what a hang waits for)."""
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
 def run_distributed_allow_deaths(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Like :func:`run_distributed`, for tests that kill ranks: a rank that dies without reporting gives ``None``.
 
@@ -125,6 +137,7 @@ def run_distributed_allow_deaths(fn: Callable, world_size: int, *args: Any, time
     try:
         while any(p.is_alive() for p in procs) or not results.empty():
             if time.monotonic() > deadline:
+                _dump_stacks(procs)
                 raise TimeoutError(f"distributed test did not finish in {timeout}s (ranks done: {sorted(collected)})")
             while not results.empty():
                 rank, status, value = results.get()
