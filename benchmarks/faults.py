@@ -419,8 +419,8 @@ def report_lines(rows: list[dict]) -> list[str]:
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the example app "
         f"(digits, reference CNN, global batch 128), {RANKS} ranks, a checkpoint every "
-        f"{first['checkpoint_every']} steps, one rank or dedicated server SIGKILLed (emulated hosts: its link cut; a "
-        "silent server: SIGSTOPped) as step "
+        f"{first['checkpoint_every']} steps, one rank or dedicated server SIGKILLed (emulated hosts: its link cut, "
+        "where no new process joins; a silent server: SIGSTOPped) as step "
         f"{first['fault_step']} starts.",
         "",
         "| strategy | path | rank lost | seconds (no fault) | seconds (fault) | wall time lost (s) | recovery (s) "

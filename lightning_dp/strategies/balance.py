@@ -106,7 +106,8 @@ class EqualBatches:
         raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
 
     def admitted(self) -> None:
-        """New members were admitted at this step boundary (every member, after the handover)."""
+        """New members were admitted at this step boundary (every member, after the handover, whether they stayed or
+        were lost before it)."""
 
     def join_state(self) -> dict:
         """What a new member needs to deal the batches as the members do (handed over with the job's state)."""
@@ -523,10 +524,10 @@ class DealtThroughputBatches(DealtBatches):
 
     def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
         super().withdraw(ranks, rows)
-        self._joining = False
+        self.admitted()  # (every member alike, whether it had dealt them a share or not)
 
     def admitted(self) -> None:
-        """Every member measures afresh from the admission on, as the new one does."""
+        """Every member measures afresh from the admission (or the withdrawal) on, as the new one does."""
         self._joining, self._computed = False, None
         if self.balancer is not None:
             self.balancer.window = []

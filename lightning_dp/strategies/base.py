@@ -369,10 +369,10 @@ class DataParallelStrategy(ProcessGroupStrategy):
 
     def after_admission(self, joined: list[int]) -> bool:
         """The new members ``joined`` were admitted, and every member stands at the same sync point with them, before
-        they are handed the job's state (collective over the grown membership, the new members included; the
-        exchange is rebuilt over it already): what the scheme shards or places by rank is laid out again. Returns
-        whether every rank, the new ones included, now holds the optimizers' full states (:meth:`optimizer_state`
-        answers from them): the handover then sends their hyperparameters only."""
+        they are handed the job's state (the exchange is rebuilt over the grown membership already, and
+        :meth:`after_recovery` ran). Returns whether every rank, the new ones included, now holds the optimizers'
+        full states (:meth:`optimizer_state` answers from them): the handover then sends their hyperparameters
+        only."""
         return False
 
     def rebuild_exchange(self) -> None:

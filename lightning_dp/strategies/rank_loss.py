@@ -711,7 +711,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
                         self._welcome(strategy)
                     finally:
                         self._welcoming = set()
-                    strategy.batches.admitted()
                     if self._newcomer is None:
                         self.join_steps.append(self.committed)
                         self.join_pause_seconds.append(time.monotonic() - (membership.change_began or started))
@@ -722,6 +721,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
                             f"{self.join_pause_seconds[-1]:.3f} s for its admission and the handover of the job's "
                             "state",
                         )
+                if admitted:  # (measurements start afresh, whether the new processes stayed or went before welcome)
+                    strategy.batches.admitted()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
                 change = membership.interpret(error)
@@ -970,11 +971,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
     def losses(self) -> list[Loss]:
         """Every rank this fit went on without."""
         return list(self.membership.losses[self._losses_before :]) if self.membership is not None else self._losses
-
-    @property
-    def pending_joins(self) -> list[int]:
-        """The new processes dealt a share of the global batches and not admitted yet."""
-        return list(self._pending[0]) if self._pending is not None else []
 
     @property
     def joins(self) -> list[Join]:

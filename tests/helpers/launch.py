@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -124,6 +125,11 @@ def run_processes(
                     procs.append(WARM.start(command, {**env, "LIGHTNING_DP_TEST_REPLACEMENT": "1"}, cwd, logs[-1]))
             if time.monotonic() > deadline:
                 timed_out = True
+                for proc in procs:  # each one still running prints its threads' stacks (what it waits for)
+                    if proc.poll() is None:
+                        with contextlib.suppress(OSError):
+                            os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(1.0)
                 break
             if failure_grace is not None and any(p.returncode for p in procs):
                 deadline = min(deadline, time.monotonic() + failure_grace)

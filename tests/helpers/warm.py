@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import faulthandler
 import io
 import os
 import pickle
@@ -503,6 +504,7 @@ def _run(request: _Request) -> None:
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (its stacks, asked for by a deadline that passed)
     rank_zero_only.rank = _get_rank() or 0  # what Lightning's import reads of the environment
     if request.unbuffered:  # as ``python -u`` makes them: text straight onto the unbuffered file descriptors
         for name, fd in (("stdout", 1), ("stderr", 2)):

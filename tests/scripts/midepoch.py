@@ -71,9 +71,6 @@ parser.add_argument("--lose-at-step", type=int, default=None)
 parser.add_argument("--lose-after-fit", action="store_true", help="--lose-rank dies once the fit has ended")
 parser.add_argument("--lose-later", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
                     help="a second rank SIGKILLs itself in the training step of STEP")  # fmt: skip
-parser.add_argument("--lose-while-joining", type=int, default=None, metavar="RANK",
-                    help="this rank SIGKILLs itself in the first training step a new process is dealt a share and not "
-                    "admitted yet")  # fmt: skip
 parser.add_argument("--record-seen", action="store_true",
                     help="every rank writes what it trains, step by step, to <out>/seen-rank<r>.txt")  # fmt: skip
 parser.add_argument("--mark-step", type=int, default=None,
@@ -132,8 +129,9 @@ parser.add_argument(
     help="RANK (a member handing a new process the job's state, or the new process) dies as the handover begins",
 )
 parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strategy option restart_lost_ranks")
-parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
-                    help="rank 0 waits in this step until the lost rank's replacement sets itself up")  # fmt: skip
+parser.add_argument("--await-replacement-at", type=int, nargs="+", default=None, metavar="STEP",
+                    help="rank 0 waits in the k-th of these steps until k new processes (replacements of lost ranks) "
+                    "have set themselves up")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
@@ -183,23 +181,20 @@ class Model(L.LightningModule):
         if self.global_step == args.mark_step:
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
-        if self.global_rank == 0 and self.global_step == args.await_replacement_at:
+        awaited = args.await_replacement_at or []
+        if self.global_rank == 0 and self.global_step in awaited:  # the k-th of them awaits the k-th new process
             deadline = time.monotonic() + 60
-            while not (out / "replacement-set-up").exists() and time.monotonic() < deadline:
+            count = awaited.index(self.global_step) + 1
+            while len(list(out.glob("replacement-set-up-*"))) < count and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)  # (it asks to join at the end of its set-up)
         later = args.lose_later or (None, None)
-        dying = (args.lose_rank, later[0], args.lose_while_joining)
-        if (args.record_seen or self.global_rank in dying) and not REPLACEMENT:
+        if (args.record_seen or self.global_rank in (args.lose_rank, later[0])) and not REPLACEMENT:
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
         if self.global_rank == later[0] and self.global_step == later[1]:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.global_rank == args.lose_while_joining and not REPLACEMENT:
-            if getattr(self.trainer.strategy, "rank_loss", None) and self.trainer.strategy.rank_loss.pending_joins:
-                time.sleep(0.3)
-                os.kill(os.getpid(), signal.SIGKILL)
         if args.lose_rank is not None and self.global_rank == args.lose_rank and not REPLACEMENT:
             if self.global_step == args.lose_at_step and not (args.lose_after_backward or args.lose_in_pull):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)
@@ -291,7 +286,7 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         if REPLACEMENT:
-            (out / "replacement-set-up").touch()
+            (out / f"replacement-set-up-{self.global_rank}").touch()
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         if args.lr_every_step:
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)

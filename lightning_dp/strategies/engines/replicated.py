@@ -78,6 +78,10 @@ class ReplicatedShardedEngine(ShardedServerEngine):
                 f"devices {[str(d) for d in devices]}"
             )
 
+    def close_gradient_sync(self) -> None:
+        self._full_states = None  # (the fit's end: no full state kept on every rank past it)
+        super().close_gradient_sync()
+
     # ------------------------------------------------------------------ the layout and its replica
     def build_layout(self) -> None:
         super().build_layout()
@@ -112,7 +116,9 @@ class ReplicatedShardedEngine(ShardedServerEngine):
         if holders:  # (a loss or a new member's death right after a cut: its state is still every shard's)
             held: list[Any] = [self._full_states]
             dist.broadcast_object_list(held, group=group, group_src=holders[0])
-            self._cut(held[0])
+            # (the hyperparameters in force now: a scheduler may have changed them since that cut)
+            self._cut([{"state": state["state"], "param_groups": sharded.optimizer.state_dict()["param_groups"]}
+                       for sharded, state in zip(self.sharded_optimizers, held[0], strict=True)])  # fmt: skip
             return
         members_cuts = {cut for cut, _ in cuts if cut is not None}
         if len(members_cuts) > 1:
