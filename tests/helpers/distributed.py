@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -118,12 +119,17 @@ def run_distributed(
     return [collected[r] for r in range(world_size)]
 
 
-def _dump_stacks(procs: list) -> None:
-    """Have every worker still running print its threads' stacks to stderr (what a hang waits for)."""
-    for p in procs:
-        if p.is_alive() and p.pid is not None:
-            os.kill(p.pid, signal.SIGUSR1)
+def ask_for_stacks(pids: list[int]) -> None:
+    """Have each of these test processes (still running, with ``faulthandler`` on ``SIGUSR1``) print its threads'
+    stacks to stderr: what a hang waits for."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
     time.sleep(1.0)
+
+
+def _dump_stacks(procs: list) -> None:
+    ask_for_stacks([p.pid for p in procs if p.is_alive() and p.pid is not None])
 
 
 def run_distributed_allow_deaths(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import ask_for_stacks, free_port
 from tests.helpers.launch_report import COUNTER
 from tests.helpers.warm import WarmProcess, WarmStarter
 
@@ -125,11 +124,7 @@ def run_processes(
                     procs.append(WARM.start(command, {**env, "LIGHTNING_DP_TEST_REPLACEMENT": "1"}, cwd, logs[-1]))
             if time.monotonic() > deadline:
                 timed_out = True
-                for proc in procs:  # each one still running prints its threads' stacks (what it waits for)
-                    if proc.poll() is None:
-                        with contextlib.suppress(OSError):
-                            os.kill(proc.pid, signal.SIGUSR1)
-                time.sleep(1.0)
+                ask_for_stacks([proc.pid for proc in procs if proc.poll() is None])
                 break
             if failure_grace is not None and any(p.returncode for p in procs):
                 deadline = min(deadline, time.monotonic() + failure_grace)

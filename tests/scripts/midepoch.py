@@ -129,9 +129,8 @@ parser.add_argument(
     help="RANK (a member handing a new process the job's state, or the new process) dies as the handover begins",
 )
 parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strategy option restart_lost_ranks")
-parser.add_argument("--await-replacement-at", type=int, nargs="+", default=None, metavar="STEP",
-                    help="rank 0 waits in the k-th of these steps until k new processes (replacements of lost ranks) "
-                    "have set themselves up")  # fmt: skip
+parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
+                    help="rank 0 waits in this step until the lost rank's replacement sets itself up")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
@@ -181,11 +180,9 @@ class Model(L.LightningModule):
         if self.global_step == args.mark_step:
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
-        awaited = args.await_replacement_at or []
-        if self.global_rank == 0 and self.global_step in awaited:  # the k-th of them awaits the k-th new process
+        if self.global_rank == 0 and self.global_step == args.await_replacement_at:
             deadline = time.monotonic() + 60
-            count = awaited.index(self.global_step) + 1
-            while len(list(out.glob("replacement-set-up-*"))) < count and time.monotonic() < deadline:
+            while not (out / "replacement-set-up").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)  # (it asks to join at the end of its set-up)
         later = args.lose_later or (None, None)
@@ -286,7 +283,7 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         if REPLACEMENT:
-            (out / f"replacement-set-up-{self.global_rank}").touch()
+            (out / "replacement-set-up").touch()
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         if args.lr_every_step:
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
