@@ -973,6 +973,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         return list(self.membership.losses[self._losses_before :]) if self.membership is not None else self._losses
 
     @property
+    def pending_joins(self) -> list[int]:
+        """The new processes dealt a share of the global batches and not admitted yet."""
+        return list(self._pending[0]) if self._pending is not None else []
+
+    @property
     def joins(self) -> list[Join]:
         """Every new process this fit admitted."""
         return list(self.membership.joins[self._joins_before :]) if self.membership is not None else self._joins

@@ -45,9 +45,12 @@ class _Network:
         self.queue: deque[tuple[int, int, dict[str, Any]]] = deque()
         self.cut: set[frozenset[int]] = set()
         self.dead: set[int] = set()
+        #: the ranks whose training side was told to leave its exchanges (``on_change``), in order
+        self.fenced: list[int] = []
         self.agreements = [
             Agreement(r, list(range(n)), n, n if max_lost is None else max_lost, timeout=5.0,
-                      send=self._sender(r), serve_store=lambda r=r: (f"host{r}", 1000 + r), on_change=lambda: None)
+                      send=self._sender(r), serve_store=lambda r=r: (f"host{r}", 1000 + r),
+                      on_change=lambda r=r: self.fenced.append(r))
             for r in range(n)
         ]  # fmt: skip
 
@@ -212,9 +215,12 @@ def test_more_losses_than_allowed_stop_every_survivor_naming_them():
         assert "[3, 4]" in str(outcome)
 
 
-def _admission(lose_during: int | None = None, heard_by: tuple[int, ...] = (0, 1, 3, 4)) -> tuple[_Network, Agreement]:
-    """Five ranks lose rank 2; a new process for rank 2 (heard by ``heard_by``) asks to join and every member asks to
-    admit it at the same point; ``lose_during``: a member lost in that change."""
+def _admission(
+    lose_during: int | None = None, heard_by: tuple[int, ...] = (0, 1, 3, 4), asking: tuple[int, ...] = (0, 1, 3, 4)
+) -> tuple[_Network, Agreement]:
+    """Five ranks lose rank 2; a new process for rank 2 (heard by ``heard_by``) asks to join and the members
+    ``asking`` ask to admit it at the same point (the others are still in the exchange before it); ``lose_during``: a
+    member lost in that change."""
     net = _Network(5)
     net.lose(2)
     net.pump()
@@ -225,8 +231,10 @@ def _admission(lose_during: int | None = None, heard_by: tuple[int, ...] = (0, 1
                        on_change=lambda: None, joining=True)  # fmt: skip
     net.dead.discard(2)
     net.agreements[2] = joiner
+    net.fenced.clear()
     for r in (0, 1, 3, 4):
         net.agreements[r].commit(9)
+    for r in asking:
         net.agreements[r].admit({2})
     if lose_during is not None:
         net.lose(lose_during)
@@ -243,6 +251,18 @@ def test_a_new_process_every_member_hears_is_admitted_in_a_change_that_loses_no_
     assert {(d.generation, d.members, d.joined, d.lost) for d in decisions} == {(2, (0, 1, 2, 3, 4), (2,), ())}  # type: ignore[union-attr]
     assert decisions[0].committed == {0: 9, 1: 9, 3: 9, 4: 9}  # type: ignore[union-attr]  (the new process reports none)
     assert not joiner.joining and joiner.members == (0, 1, 2, 3, 4) and joiner.generation == 2
+
+
+@pytest.mark.unit
+def test_an_admission_leaves_the_exchanges_in_flight_to_complete_and_a_loss_during_it_ends_them():
+    """Members still in the exchange before the admission (every member took part in it, so it completes) are not
+    made to leave it: their training side would wait on a connection cut under it. A loss during the admission
+    makes every survivor leave its exchanges."""
+    net, _ = _admission(asking=(0, 1))  # ranks 3 and 4 hear of it from the others, before they ask themselves
+    assert {(d.members, d.joined) for d in (net.outcome(r) for r in (0, 1, 3, 4))} == {((0, 1, 2, 3, 4), (2,))}  # type: ignore[union-attr]
+    assert net.fenced == []
+    net, _ = _admission(lose_during=4)
+    assert sorted(net.fenced) == [0, 1, 3]
 
 
 @pytest.mark.unit
@@ -403,6 +423,44 @@ def test_ranks_that_finish_at_the_same_moment_take_no_one_for_lost():
         # both left as finished: rank 2 keeps no connection to them (its own listener and waker pair only)
         assert working.suspected == {} and len(working.descriptors()) == 3, f"attempt {attempt}"
         working.close()
+
+
+# ---------------------------------------------------------------------------------------------------- fencing
+@pytest.mark.unit
+def test_a_group_s_connections_are_told_apart_from_those_another_thread_opens_or_closes_meanwhile():
+    """While a group forms, the control plane's thread may close a socket (whose descriptor number a connection of
+    the group then takes) and accept another (which is not the group's): the group's connections are found by the
+    sockets' identities, and the other thread's are left out, so that a fence ends the group's waits and never a
+    control connection."""
+    import socket
+
+    from lightning_dp.comm.membership.fence import connections_opened_by, fence
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    closed_meanwhile = socket.create_connection(address)
+    held_by_listener = [listener.accept()[0]]
+    reused_number = closed_meanwhile.fileno()
+    control: list[socket.socket] = []
+
+    def create() -> list[socket.socket]:
+        closed_meanwhile.close()  # (the other thread)
+        group = socket.create_connection(address)  # takes the lowest free number: the one just closed
+        assert group.fileno() == reused_number
+        control.append(socket.create_connection(address))  # (the other thread accepts or dials one)
+        return [group]
+
+    (group,), connections = connections_opened_by(create, exclude=lambda: [s.fileno() for s in control])
+    held_by_listener.extend(listener.accept()[0] for _ in range(2))  # (the peers' ends, in other processes)
+    try:
+        assert [c.fd for c in connections] == [group.fileno()]
+        fence(connections)
+        with pytest.raises(OSError):
+            group.sendall(b"x" * (1 << 20))
+        control[0].sendall(b"still open")
+    finally:
+        for sock in [group, *control, *held_by_listener, listener]:
+            sock.close()
 
 
 # ---------------------------------------------------------------------------------------------------- processes

@@ -71,6 +71,9 @@ parser.add_argument("--lose-at-step", type=int, default=None)
 parser.add_argument("--lose-after-fit", action="store_true", help="--lose-rank dies once the fit has ended")
 parser.add_argument("--lose-later", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
                     help="a second rank SIGKILLs itself in the training step of STEP")  # fmt: skip
+parser.add_argument("--lose-while-joining", type=int, default=None, metavar="RANK",
+                    help="this rank SIGKILLs itself in the first training step a new process is dealt a share and not "
+                    "admitted yet")  # fmt: skip
 parser.add_argument("--record-seen", action="store_true",
                     help="every rank writes what it trains, step by step, to <out>/seen-rank<r>.txt")  # fmt: skip
 parser.add_argument("--mark-step", type=int, default=None,
@@ -186,12 +189,17 @@ class Model(L.LightningModule):
                 time.sleep(0.05)
             time.sleep(1.0)  # (it asks to join at the end of its set-up)
         later = args.lose_later or (None, None)
-        if (args.record_seen or self.global_rank in (args.lose_rank, later[0])) and not REPLACEMENT:
+        dying = (args.lose_rank, later[0], args.lose_while_joining)
+        if (args.record_seen or self.global_rank in dying) and not REPLACEMENT:
             with open(out / f"seen-rank{self.global_rank}.txt", "a") as seen:  # what it trained, up to its death
                 seen.write(f"{self.global_step} {' '.join(map(str, self.current))}\n")
         if self.global_rank == later[0] and self.global_step == later[1]:
             time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.global_rank == args.lose_while_joining and not REPLACEMENT:
+            if getattr(self.trainer.strategy, "rank_loss", None) and self.trainer.strategy.rank_loss.pending_joins:
+                time.sleep(0.3)
+                os.kill(os.getpid(), signal.SIGKILL)
         if args.lose_rank is not None and self.global_rank == args.lose_rank and not REPLACEMENT:
             if self.global_step == args.lose_at_step and not (args.lose_after_backward or args.lose_in_pull):
                 time.sleep(0.3)  # the others are past every sync point before this one (they wait in the next)

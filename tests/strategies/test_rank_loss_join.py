@@ -2,9 +2,9 @@
 its own as a single-device node, rank 2 is killed in flight, and the same command started again as rank 2 joins at a
 step boundary with the state the members hand it. From its first step the global batch is dealt over the three
 ranks again, every step is one process's step on the samples trained, and the replicas are bit-identical; a
-checkpoint written after the join resumes exactly. A new process killed in the handover leaves the job going,
-without it. The same for the parameter servers on the trainers (``sharded_ps``, and the central server), whose state
-the members cut again over the grown membership."""
+checkpoint written after the join resumes exactly. A new process killed in the handover, or a member killed while
+a new process waits for its admission, leaves the job going. The same for the parameter servers on the trainers
+(``sharded_ps``, and the central server), whose state the members cut again over the grown membership."""
 
 from __future__ import annotations
 
@@ -293,3 +293,73 @@ def test_balanced_shares_follow_the_speeds_of_the_grown_membership(tmp_path_fact
     assert after, decisions
     assert all(len(s) == DEVICES and min(s) > 0 and sum(s) == GLOBAL_BATCH for s in after), decisions
     assert after[-1][1] < after[-1][LOST], decisions
+
+
+#: "a member lost while a new process joins": 5 single-device nodes (two lost at once leave a strict majority of the
+#: five); rank 2 is killed at step 4 and started again; rank 3 kills itself in the first step after the members dealt
+#: the new rank 2 a share (before they admit it), and is started again too: the members deal rank 3's share among
+#: the three left, the new rank 2 its share again, and admit it, then the new rank 3, one after the other
+WIDE, WIDE_SAMPLES, SECOND = 5, 100, 3
+
+
+@pytest.fixture(scope="module")
+def two_joins(tmp_path_factory) -> tuple[str, list[dict], dict[int, dict[int, list[int]]]]:
+    out = tmp_path_factory.mktemp("two-joins")
+    result = run_script(
+        "midepoch", "--strategy", "ring_allreduce", "--devices", "1", "--num-nodes", str(WIDE), "--samples",
+        str(WIDE_SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+        "--heartbeat-timeout", "2", "--intra-node", "ring", "--lose-rank", str(LOST), "--lose-at-step", str(LOST_AT),
+        "--lose-while-joining", str(SECOND), "--step-seconds", "0.1", "--await-replacement-at", str(AWAIT_AT),
+        "--out", str(out), timeout=240, check=False, deaths_expected=True, replace_killed=True,
+        env={"LIGHTNING_DP_TEST_NODES": str(WIDE)},
+    )  # fmt: skip
+    assert result.codes == [0, 0, -9, -9, 0, 0, 0], result.stdout[-6000:]
+    records = [torch.load(out / f"rank{r}.pt") for r in range(WIDE)]
+    seen = {r: read_seen(out / f"seen-rank{r}.txt") for r in (LOST, SECOND)}
+    return result.stdout, records, seen
+
+
+def test_a_member_lost_while_a_new_process_joins_leaves_the_job_going_and_both_join_in_turn(two_joins):
+    stdout, records, seen = two_joins
+    steps = WIDE_SAMPLES * EPOCHS // (WIDE * BATCH)
+    members, joiners = (
+        [records[r] for r in range(WIDE) if r not in (LOST, SECOND)],
+        {r: records[r] for r in (LOST, SECOND)},
+    )
+    metrics = members[0]["rank_loss"]
+    assert metrics["lost_ranks"] == [LOST, SECOND] and metrics["joined_ranks"] == [LOST, SECOND], metrics
+    lost_at = dict(zip(metrics["lost_ranks"], metrics["loss_steps"], strict=True))
+    joined_at = dict(zip(metrics["joined_ranks"], metrics["join_steps"], strict=True))
+    # rank 3 was lost after the members dealt rank 2 its share and before they admitted it
+    leader = stdout.split("--- node 1 ---")[0]
+    assert leader.index(f"asks to join as rank {LOST}") < leader.index(f"lost rank {SECOND}"), leader[-5000:]
+    assert LOST_AT < lost_at[SECOND] <= joined_at[LOST] < joined_at[SECOND] < steps, (lost_at, joined_at)
+    assert all(m["rank_loss"]["joined_ranks"] == [LOST, SECOND] for m in members)
+    for rank, joiner in joiners.items():
+        assert joiner["global_step"] == steps and len(joiner["trained"]) == steps - joined_at[rank]
+    # every global batch: the members', the killed ranks' until they died, the new processes' from their first step
+    batches = []
+    for j in range(steps):
+        batch = [i for m in members for i in m["trained"][j]]
+        for rank in (LOST, SECOND):
+            if j < lost_at[rank]:
+                batch += seen[rank][j]
+            if j >= joined_at[rank]:
+                batch += joiners[rank]["trained"][j - joined_at[rank]]
+        batches.append(batch)
+    per_epoch = WIDE_SAMPLES // (WIDE * BATCH)
+    dropped = 0
+    for epoch in range(EPOCHS):
+        trained = [i for j in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in batches[j]]
+        assert len(trained) == len(set(trained)), f"epoch {epoch}: a sample trained twice"
+        dropped += WIDE_SAMPLES - len(trained)
+    assert dropped == sum(len(seen[r][lost_at[r]]) for r in (LOST, SECOND)), dropped  # the two batches in flight
+    assert all(m["rank_loss"]["dropped_samples"] == dropped for m in members)
+    reference = replay(batches, members[0]["history"], WIDE_SAMPLES)
+    for j, want in enumerate(reference):
+        got = members[0]["history"][j][2]
+        assert all(torch.equal(got, m["history"][j][2]) for m in members[1:]), f"the members differ after batch {j}"
+        for rank, joiner in joiners.items():
+            if j >= joined_at[rank]:
+                assert torch.equal(got, joiner["history"][j - joined_at[rank]][2]), f"rank {rank} after batch {j}"
+        close(got, want, f"after batch {j}")

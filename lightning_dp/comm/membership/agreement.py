@@ -113,11 +113,13 @@ def quorum_problem(
 class Agreement:
     """The agreement state of rank ``rank`` (see the module docstring). ``send(peer, message)`` queues a message on
     the control plane; ``serve_store()`` starts a store for the next generation's groups on this rank and returns
-    its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when a change begins here, and
-    ``on_adopt(decision)`` when this rank adopts a decision (both under the agreement's lock: keep them short);
-    ``candidates()`` names the new processes this rank hears that ask to join, ``connected(peer)`` whether it is
-    connected to ``peer``. With ``joining`` this is such a process: a member of nothing until it adopts the first
-    decision that admits it."""
+    its ``(host, port)``; ``on_change()`` runs (on the control plane's thread) when the training side must leave its
+    exchanges at once: a change that may lose a rank began here (not one that only admits new processes: every
+    member asks for it at the same sync point, and an exchange in flight completes, since every member took part in
+    it), or the agreement failed; ``on_adopt(decision)`` when this rank adopts a decision (both under the agreement's
+    lock: keep them short); ``candidates()`` names the new processes this rank hears that ask to join,
+    ``connected(peer)`` whether it is connected to ``peer``. With ``joining`` this is such a process: a member of
+    nothing until it adopts the first decision that admits it."""
 
     def __init__(
         self,
@@ -157,6 +159,10 @@ class Agreement:
         #: the progress this rank reports (the caller's count of what it completed, see :meth:`commit`)
         self.committed = 0
         self._changing_since: float | None = None
+        #: whether the change under way has had the training side leave its exchanges (``on_change``)
+        self._fenced = False
+        #: when the last change began here (``time.monotonic()``; ``None`` before the first)
+        self.began: float | None = None
         self._suspected: dict[int, str] = {}
         self._reported_to: int | None = None
         self._reports: dict[int, dict[str, Any]] = {}
@@ -224,7 +230,7 @@ class Agreement:
                 return
             if direct:
                 self._suspected.setdefault(peer, cause)
-            self._begin()
+            self._begin(fence=True)
             self._progress()
 
     def request_change(self, why: str) -> None:
@@ -234,7 +240,7 @@ class Agreement:
         with self._cond:
             if self._stale():
                 return
-            self._begin()
+            self._begin(fence=True)
             for peer in self._view():
                 if peer != self.rank:
                     self._send(peer, {"t": "change", "gen": self.generation, "why": why})
@@ -249,7 +255,7 @@ class Agreement:
                 return
             self._admitting |= set(ranks)
             if self._changing_since is None:
-                self._begin()
+                self._begin(fence=False)
                 for peer in self._view():
                     if peer != self.rank:
                         self._send(peer, {"t": "change", "gen": self.generation, "admit": sorted(ranks)})
@@ -284,9 +290,16 @@ class Agreement:
                 ))  # fmt: skip
 
     # ------------------------------------------------------------------ internals (under the condition's lock)
-    def _begin(self) -> None:
-        if self._changing_since is None and self._failure is None:
-            self._changing_since = time.monotonic()
+    def _begin(self, fence: bool) -> None:
+        """A change begins here, or goes on; with ``fence`` the training side leaves its exchanges now (once per
+        change: a loss that follows an admission's start fences then)."""
+        if self._failure is not None:
+            return
+        if self._changing_since is None:
+            self._changing_since = self.began = time.monotonic()
+            self._fenced = False
+        if fence and not self._fenced:
+            self._fenced = True
             self._on_change()
 
     def _view(self) -> list[int]:
@@ -314,7 +327,7 @@ class Agreement:
         leader = min(view)
         report = {"t": "report", "gen": self.generation, "rank": self.rank, "view": view,
                   "committed": self.committed, "causes": {str(k): v for k, v in self._suspected.items()},
-                  "hears": sorted(self._candidates())}  # fmt: skip
+                  "hears": sorted(self._candidates()), "admit": sorted(self._admitting)}  # fmt: skip
         if leader == self.rank:
             self._reports[self.rank] = report
             self._reported_to = self.rank
@@ -377,6 +390,7 @@ class Agreement:
         self._reports.clear()
         self._reported_to = None
         self._changing_since = None
+        self._fenced = False
         self._decision = decision
         self._cond.notify_all()
         later, self._later = self._later, []
@@ -385,7 +399,7 @@ class Agreement:
         for peer, cause in carried.items():
             if self._failure is None and peer in self.members:
                 self._suspected.setdefault(peer, cause)
-                self._begin()
+                self._begin(fence=True)
                 self._progress()
 
     def _receive(self, message: dict[str, Any]) -> None:
@@ -394,7 +408,7 @@ class Agreement:
         generation = int(message.get("gen", -1))
         if self.joining:  # a process waiting to join hears of one thing only: the decision that admits it
             if message.get("t") == "decision" and self.rank in message.get("joined", []):
-                self._begin()
+                self._begin(fence=False)  # (it has no exchange yet)
                 self._adopt(Decision.from_message(message))
             return
         if generation > self.generation + (1 if message.get("t") == "decision" else 0):
@@ -402,20 +416,21 @@ class Agreement:
             return
         kind = message.get("t")
         if kind == "decision" and generation == self.generation + 1:
-            self._begin()
+            self._begin(fence=bool(message.get("lost")))
             decision = Decision.from_message(message)
             # passed on to every other member: if the leader died while sending it, no member is left without it
             for peer in decision.members:
                 if peer not in (self.rank, message.get("from")):
                     self._send(peer, decision.message())
             self._adopt(decision)
-        elif kind == "change" and generation == self.generation:
-            self._admitting |= {int(r) for r in message.get("admit", [])}
-            self._begin()
-            self._progress()
-        elif kind == "report" and generation == self.generation:
-            self._reports[int(message["rank"])] = message
-            self._begin()
+        elif kind in ("change", "report") and generation == self.generation:
+            admitting = {int(r) for r in message.get("admit", [])}
+            self._admitting |= admitting
+            if kind == "report":
+                self._reports[int(message["rank"])] = message
+            # a change that only admits new processes leaves the exchanges in flight to complete; one that a member
+            # asked for otherwise, or whose report suspects a rank, may lose one
+            self._begin(fence=not admitting or bool(message.get("causes")))
             self._progress()
         elif kind == "stop" and generation == self.generation:
             self._fail(QuorumLostError(f"rank {self.rank}, told by rank {message.get('from')}: {message['why']}"))

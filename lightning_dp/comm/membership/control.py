@@ -209,9 +209,11 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ connections
     def descriptors(self) -> set[int]:
-        """The file descriptors of this control plane's sockets (never fenced with a process group's)."""
+        """The file descriptors of this control plane's sockets, those accepted whose hello has not arrived included
+        (never fenced with a process group's)."""
         with self._lock:
             socks = [self._listener, self._waker_read, self._waker_write] + [p.sock for p in self._peers.values()]
+            socks += list(self._hellos)  # (the thread's; a copy taken at once)
         return {s.fileno() for s in socks if s.fileno() >= 0}
 
     def _dial(self, peer: int, host_port: str, deadline: float, incarnation: str, join: bool = False) -> None:

@@ -22,19 +22,21 @@ from typing import Any, NamedTuple, TypeVar
 T = TypeVar("T")
 
 
-def socket_descriptors() -> set[int]:
-    """The file descriptors of this process that are sockets (empty where ``/proc`` is not available)."""
-    found: set[int] = set()
+def socket_descriptors() -> dict[int, str]:
+    """The file descriptors of this process that are sockets, each with its socket's identity (``socket:[inode]``,
+    which a descriptor number reused for another socket does not keep); empty where ``/proc`` is not available."""
+    found: dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return found
     for name in names:
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:["):
-                found.add(int(name))
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile
             continue
+        if target.startswith("socket:["):
+            found[int(name)] = target
     return found
 
 
@@ -74,14 +76,21 @@ def _ends(fd: int) -> tuple[Any, Any] | None:
         sock.detach()
 
 
-def connections_opened_by(create: Callable[[], T], exclude: Iterable[int] = ()) -> tuple[T, list[Connection]]:
+def connections_opened_by(
+    create: Callable[[], T], exclude: Callable[[], Iterable[int]] = lambda: ()
+) -> tuple[T, list[Connection]]:
     """Run ``create`` (which creates a gloo process group) and return its result with the TCP connections it
-    opened, to :func:`fence` later. ``exclude``: descriptors another thread of this process may open meanwhile
-    (they are left out)."""
-    before = socket_descriptors()
+    opened, to :func:`fence` later. ``exclude()``, asked once ``create`` returns: the descriptors of sockets another
+    thread of this process owns (a control plane that accepted a connection meanwhile), left out.
+
+    A socket is new by its identity, not its descriptor number: one that another thread closed meanwhile may have
+    handed its number to a connection of the group."""
+    before = set(socket_descriptors().values())
     result = create()
-    opened = socket_descriptors() - before - set(exclude)
-    connections = [Connection(fd, ends) for fd in sorted(opened) if _is_connection(fd) and (ends := _ends(fd))]
+    after = socket_descriptors()
+    owned = set(exclude())
+    opened = [fd for fd, identity in sorted(after.items()) if identity not in before and fd not in owned]
+    connections = [Connection(fd, ends) for fd in opened if _is_connection(fd) and (ends := _ends(fd))]
     return result, connections
 
 

@@ -159,7 +159,6 @@ class Membership:
         self._served_stores: list[dist.Store] = []
         #: where this rank served the last store it served
         self._served_at: tuple[str, int] = ("", 0)
-        self._change_began: float | None = None
         #: when the last change began on this rank (``time.monotonic()``; ``None`` before the first)
         self.change_began: float | None = None
         if joining:
@@ -292,7 +291,7 @@ class Membership:
                               self.timeout)  # fmt: skip
 
         group, connections = self._interruptible(
-            lambda: connections_opened_by(create, exclude=self.control.descriptors()), f"forming group {name!r}"
+            lambda: connections_opened_by(create, exclude=self.control.descriptors), f"forming group {name!r}"
         )
         with self._lock:
             self._groups[name] = group
@@ -316,7 +315,7 @@ class Membership:
         change as :meth:`group` is; returns it with its connections, fenced with this generation's groups
         (:meth:`guard`)."""
         created, connections = self._interruptible(
-            lambda: connections_opened_by(create, exclude=self.control.descriptors()), what
+            lambda: connections_opened_by(create, exclude=self.control.descriptors), what
         )
         self.guard(connections)
         return created, connections
@@ -395,7 +394,7 @@ class Membership:
         job must stop (or no decision came within ``timeout`` seconds, if given),
         :class:`~lightning_dp.comm.errors.FencedError` where it went on without this rank."""
         decision = self._wait_for_admission(timeout) if self.agreement.joining else self.agreement.wait(timeout)
-        began = self._change_began if self._change_began is not None else time.monotonic()
+        began = self.agreement.began if self.agreement.began is not None else time.monotonic()
         self.change_began = began
         lost = set(self.members) - set(decision.members)
         with self._lock:
@@ -408,7 +407,6 @@ class Membership:
             self._store = served if served is not None and decision.store == self._served_at else None
             self._store_at = decision.store
             self._store_prefix = f"{self.scope}/gen{decision.generation}"
-            self._change_began = None
         self.agreement.activate(decision.generation)
         step = max(decision.committed.values())
         seconds = time.monotonic() - began
@@ -457,10 +455,8 @@ class Membership:
         self.control.clear(set(decision.members))
 
     def _on_change(self) -> None:
-        """A change began (on the control plane's thread): fence this generation's groups at once."""
+        """The exchanges must stop (on the control plane's thread): fence this generation's groups at once."""
         with self._lock:
-            if self._change_began is None:
-                self._change_began = time.monotonic()
             connections = list(self._connections)
         fence(connections)
 
