@@ -116,14 +116,19 @@ class ThroughputBalancer:
     latest_drawn: BatchKey = (-1, -1)
     #: batches per epoch (set by the training loader; 0: unknown)
     batches_per_epoch: int = 0
+    #: the ranks that start with a share, the first of the ``num_ranks`` places (``None``: all of them); the places
+    #: after them are for ranks a job may grow by (:meth:`include`)
+    starting: int | None = None
 
     def __post_init__(self) -> None:
-        if self.global_batch < self.num_ranks:
-            raise ValueError(
-                f"a global batch of {self.global_batch} samples cannot give each of {self.num_ranks} ranks one"
-            )
+        starting = self.num_ranks if self.starting is None else self.starting
+        if not 1 <= starting <= self.num_ranks:
+            raise ValueError(f"{starting} starting ranks for {self.num_ranks} places")
+        if self.global_batch < starting:
+            raise ValueError(f"a global batch of {self.global_batch} samples cannot give each of {starting} ranks one")
         if not self.decisions:
-            self.decisions = [Decision((0, 0), tuple(apportion(self.global_batch, [1.0] * self.num_ranks)))]
+            shares = apportion_among(self.global_batch, [1.0] * self.num_ranks, range(starting))
+            self.decisions = [Decision((0, 0), tuple(shares))]
 
     def shares_at(self, key: BatchKey) -> tuple[int, ...]:
         """The shares of a full global batch at batch ``key``."""
@@ -223,9 +228,10 @@ class ThroughputBalancer:
         return decision
 
     def include(self, joined: Sequence[int], start: BatchKey) -> Decision:
-        """Deal shares to the ``joined`` ranks (new processes in lost ranks' places) from batch ``start`` on, which no
-        rank's loader may have drawn yet: each joins with the mean share of the ranks training now, and the others'
-        keep their proportions. Every rank calls it with the same arguments."""
+        """Deal shares to the ``joined`` ranks (new processes in lost ranks' places, or in places after the starting
+        ranks) from batch ``start`` on, which no rank's loader may have drawn yet: each joins with the mean share of
+        the ranks training now, and the others keep their proportions. Every rank calls it with the same
+        arguments."""
         if start <= self.latest_drawn:
             raise RuntimeError(f"the shares cannot change from batch {start}: batch {self.latest_drawn} is drawn")
         shares = self.shares

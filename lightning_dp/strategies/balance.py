@@ -175,8 +175,8 @@ class ThroughputBatches(EqualBatches):
         # a loader draws up to workers x prefetch_factor batches ahead, and Lightning's fetcher one more
         ahead = dataloader.num_workers * (dataloader.prefetch_factor or 0) if dataloader.num_workers else 0
         if self.balancer is None or self.balancer.global_batch != global_batch:
-            self.balancer = ThroughputBalancer(self._started_ranks(), global_batch, self.interval, self.tolerance,
-                                               lag=ahead + 2)  # fmt: skip
+            self.balancer = ThroughputBalancer(self._places(), global_batch, self.interval, self.tolerance,
+                                               lag=ahead + 2, starting=self._started_ranks())  # fmt: skip
             if self._saved is not None:
                 try:
                     self.balancer.load_state_dict(self._saved)
@@ -207,6 +207,11 @@ class ThroughputBatches(EqualBatches):
         """The ranks the job started with (the shares are theirs; a lost rank's is 0)."""
         membership = self.strategy.rank_loss.membership
         return len(membership.original) if membership is not None else self.strategy.world_size
+
+    def _places(self) -> int:
+        """The ranks the job may have: those it started with, and those it may grow by (``max_ranks``)."""
+        membership = self.strategy.rank_loss.membership
+        return membership.places if membership is not None else self.strategy.world_size
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
         balancer = self.balancer
@@ -306,15 +311,17 @@ class DealtBatches(ThroughputBatches):
         return global_batch, order_ranks
 
     def state_dict(self) -> dict | None:
-        """After a loss (or in a run that resumed one): the global batch and the ranks that order each epoch, so
-        that a resumed run trains the same global batches on any number of ranks; else nothing (a resumed run's
-        global batch is its batch size times its ranks, as under ``ddp``)."""
+        """Once the ranks training are not those the job started with (a loss, ranks it grew by; or in a run that
+        resumed such a job): the global batch and the ranks that order each epoch, so that a resumed run trains the
+        same global batches on any number of ranks; else nothing (a resumed run's global batch is its batch size
+        times its ranks, as under ``ddp``)."""
         balancer = self.balancer
         if balancer is None:
             return {KEPT_KEY: list(self._kept)} if self._kept is not None else None
-        if self._kept is None and all(balancer.shares):
+        training = [r for r, share in enumerate(balancer.shares) if share]
+        if self._kept is None and training == list(range(self._started_ranks())):
             return None
-        return {KEPT_KEY: list(self._kept or (balancer.global_batch, balancer.num_ranks))}
+        return {KEPT_KEY: list(self._kept or (balancer.global_batch, self._started_ranks()))}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is None or KEPT_KEY not in state:  # (shares of balance='throughput': this run's are equal)
@@ -339,6 +346,9 @@ class DealtBatches(ThroughputBatches):
                 gone = sorted(set(membership.original) - set(membership.members))
                 if gone:
                     self.balancer.exclude(gone, (-1, 0))
+                grown = sorted(set(membership.members) - set(membership.original))  # (the ranks it grew by)
+                if grown:
+                    self.balancer.include(grown, (-1, 0))
             if self.balancer is not None:
                 for lost, start in self._lost_early:  # (the new sampler has drawn nothing yet)
                     self.balancer.exclude(lost, start)

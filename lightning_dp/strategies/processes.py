@@ -86,6 +86,9 @@ class ProcessGroupStrategy(DDPStrategy):
             the process that started a machine's ranks starts one that died again (the same command), to join the
             running job in its place (default 0: never). A process started by hand, by ``srun`` or by any launcher
             with the job's command and variables joins the same way.
+        max_ranks: with ``on_rank_loss="continue"``, how many ranks the job may grow to (default: as many as it
+            starts with): a process started with a rank past the starting ones (the job's command with a larger
+            world size, as for a lost rank's replacement) joins the running job in that place.
     """
 
     strategy_name: ClassVar[str] = ""
@@ -104,10 +107,12 @@ class ProcessGroupStrategy(DDPStrategy):
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_SECONDS,
         max_lost_ranks: int | None = None,
         restart_lost_ranks: int = 0,
+        max_ranks: int | None = None,
     ) -> None:
         check_choice("start_method", start_method, START_METHODS)
         #: the ``on_rank_loss`` mode, chosen once here
-        self.rank_loss: StopOnRankLoss = make_rank_loss(on_rank_loss, heartbeat_timeout, max_lost_ranks)
+        self.rank_loss: StopOnRankLoss = make_rank_loss(on_rank_loss, heartbeat_timeout, max_lost_ranks, max_ranks)
+        self.max_ranks = max_ranks
         if self.rank_loss.name == "continue" and start_method != "popen":
             raise ConfigurationError(
                 f"on_rank_loss='continue' needs start_method='popen' (got {start_method!r}): torch's multiprocessing "
@@ -191,7 +196,9 @@ class ProcessGroupStrategy(DDPStrategy):
         among the survivors, it does not change the order)."""
         started = self.rank_loss.started
         replicas = len(started) if started is not None else self.world_size
-        return {"num_replicas": replicas, "rank": self.global_rank}
+        # (a rank the job grew by has no place among them: the balanced sampler deals its training batches, and the
+        # members' sampler its evaluation's)
+        return {"num_replicas": replicas, "rank": min(self.global_rank, replicas - 1)}
 
     @property
     def ranks_on_this_node(self) -> int:

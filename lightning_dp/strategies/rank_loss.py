@@ -230,14 +230,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
     """``on_rank_loss="continue"``: the survivors of a loss go on (see the module docstring).
 
     ``heartbeat_timeout``: seconds of silence after which a rank is taken for lost; ``max_lost``: how many ranks the
-    job may lose in all (``None``: as many as leave a strict majority of the ranks it started with)."""
+    job may lose in all (``None``: as many as leave a strict majority of the ranks it started with); ``max_ranks``:
+    how many ranks the job may grow to by new processes joining it (``None``: as many as it started with)."""
 
     name = "continue"
 
-    def __init__(self, heartbeat_timeout: float, max_lost: int | None) -> None:
+    def __init__(self, heartbeat_timeout: float, max_lost: int | None, max_ranks: int | None = None) -> None:
         super().__init__()
         self.heartbeat_timeout = heartbeat_timeout
         self.max_lost = max_lost
+        self.max_ranks = max_ranks
         self.membership: Membership | None = None
         #: the membership this strategy's stages used last (its first stage counts the losses from there)
         self._attached: Membership | None = None
@@ -350,6 +352,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         env = strategy.cluster_environment
         assert env is not None
         world = env.world_size()
+        if self.max_ranks is not None and self.max_ranks < world and not replaces_lost_rank(strategy.job_scope):
+            raise ConfigurationError(
+                f"strategy {strategy.strategy_name!r}: max_ranks={self.max_ranks} is below the {world} ranks the job "
+                "starts with; it is how many ranks the job may grow to (None: as many as it starts with)"
+            )
         max_lost = self.max_lost if self.max_lost is not None else world
         if max_lost >= world:
             max_lost = world - 1
@@ -375,7 +382,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 strategy.global_rank, list(range(world)), store or distributed_c10d._get_default_store(),
                 f"{scope}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
                 max_lost, backend, strategy.timeout, proof_of(scope), DIRECTORY_KEY if store is not None else None,
-                refuses_joins=self._join_refusal(strategy),
+                refuses_joins=self._join_refusal(strategy), places=self.max_ranks,
             )  # fmt: skip
             _keep_live(job, membership)
         if self._attached is not membership:  # this strategy's first stage: the losses before it are not its own
@@ -1138,16 +1145,22 @@ class MembersGather:
         return type(None), ()
 
 
-def make_rank_loss(on_rank_loss: Any, heartbeat_timeout: Any, max_lost_ranks: Any) -> StopOnRankLoss:
+def make_rank_loss(
+    on_rank_loss: Any, heartbeat_timeout: Any, max_lost_ranks: Any, max_ranks: Any = None
+) -> StopOnRankLoss:
     """The object of the ``on_rank_loss`` mode, its options checked."""
     check_choice("on_rank_loss", on_rank_loss, ON_RANK_LOSS)
     heartbeat = check_positive("heartbeat_timeout", heartbeat_timeout)
     max_lost = None if max_lost_ranks is None else check_count("max_lost_ranks", max_lost_ranks, 0)
+    most = None if max_ranks is None else check_count("max_ranks", max_ranks, 1)
+    if most is not None and most > MAX_JOIN_RANK + 1:
+        raise ConfigurationError(f"max_ranks must be at most {MAX_JOIN_RANK + 1}, got {max_ranks!r}")
     if on_rank_loss == "stop":
-        if max_lost_ranks is not None:
-            raise ConfigurationError("max_lost_ranks applies to on_rank_loss='continue'; it is set with 'stop'")
+        for option, value in (("max_lost_ranks", max_lost_ranks), ("max_ranks", max_ranks)):
+            if value is not None:
+                raise ConfigurationError(f"{option} applies to on_rank_loss='continue'; it is set with 'stop'")
         return StopOnRankLoss()
-    return ContinueOnRankLoss(heartbeat, max_lost)
+    return ContinueOnRankLoss(heartbeat, max_lost, most)
 
 
 #: the membership of each job this process takes part in, kept from one stage (fit, validate, test) to the next

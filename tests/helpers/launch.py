@@ -62,6 +62,7 @@ atexit.register(WARM.close)
 def run_script(
     script: str, *args: str, timeout: float = 180, env: dict | None = None, check: bool = True,
     deaths_expected: bool = False, port: int | None = None, replace_killed: bool = False,
+    grow: tuple[int, Path] | None = None,
 ) -> subprocess.CompletedProcess:  # fmt: skip
     """Run ``python -m tests.scripts.<script> args``; kill the whole process group on timeout. With
     ``LIGHTNING_DP_TEST_NODES=N`` in ``env``, start ``N`` processes, each a single-device node (``NODE_RANK``).
@@ -70,7 +71,9 @@ def run_script(
     process's exit code in ``.codes``. ``deaths_expected``: a process that exits non-zero gives the others no
     shorter time to finish (a test that kills one). ``port``: the nodes' ``MASTER_PORT`` (default: a free one).
     ``replace_killed``: a node killed by a signal is started again, once, with the same command and
-    ``LIGHTNING_DP_TEST_REPLACEMENT=1`` (its code comes after the others' in ``.codes``)."""
+    ``LIGHTNING_DP_TEST_REPLACEMENT=1`` (its code comes after the others' in ``.codes``). ``grow=(M, path)``: once
+    ``path`` exists, nodes ``N`` to ``M - 1`` start as new processes of the running job (``WORLD_SIZE=M``, the
+    command's ``--num-nodes`` set to ``M``, ``LIGHTNING_DP_TEST_REPLACEMENT=1``; their codes come last)."""
     full_env = {**launch_env(), **(env or {})}
     command = [sys.executable, "-m", f"tests.scripts.{script}", *args]
     nodes = int(full_env.get("LIGHTNING_DP_TEST_NODES") or 0)
@@ -80,8 +83,16 @@ def run_script(
                  "NODE_RANK": str(node), "LOCAL_RANK": "0"} for node in range(nodes)]  # fmt: skip
     else:
         envs = [full_env]
+    later: tuple[Path, list[tuple[list[str], dict]]] | None = None
+    if grow is not None:
+        grown, when = grow
+        at = command.index("--num-nodes") + 1
+        bigger = [*command[:at], str(grown), *command[at + 1 :]]
+        later = (when, [(bigger, {**envs[0], "WORLD_SIZE": str(grown), "NODE_RANK": str(node),
+                                  "LIGHTNING_DP_TEST_REPLACEMENT": "1"}) for node in range(nodes, grown)])  # fmt: skip
     codes, outputs, timed_out = run_processes(command, envs, timeout, failure_grace=None if deaths_expected else
-                                              FAILURE_GRACE_SECONDS, replace_killed=replace_killed)  # fmt: skip
+                                              FAILURE_GRACE_SECONDS, replace_killed=replace_killed,
+                                              later=later)  # fmt: skip
     out = _joined(outputs)
     if timed_out:
         raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout}s:\n{out[-5000:]}")
@@ -101,11 +112,13 @@ FAILURE_GRACE_SECONDS = 10.0
 def run_processes(
     command: list[str], envs: list[dict], timeout: float, cwd: Path = REPO,
     failure_grace: float | None = FAILURE_GRACE_SECONDS, replace_killed: bool = False,
+    later: tuple[Path, list[tuple[list[str], dict]]] | None = None,
 ) -> tuple[list[int], list[str], bool]:  # fmt: skip
     """Run ``command`` once per environment in ``envs`` (each in a session of its own, output to a file, not a
     pipe that could fill; started by :data:`WARM`) and wait for all: ``(exit codes, outputs, timed out)``. Once one
     exits non-zero the others get ``failure_grace`` seconds (``None``: no less than ``timeout``); at ``timeout`` all
-    are killed, and nothing is left running either way. ``replace_killed``: see :func:`run_script`."""
+    are killed, and nothing is left running either way. ``replace_killed``: see :func:`run_script`. ``later=(path,
+    starts)``: each ``(command, environment)`` of ``starts`` is started once ``path`` exists."""
     logs = [tempfile.TemporaryFile(mode="w+") for _ in envs]
     procs: list[subprocess.Popen | WarmProcess] = []
     deadline = time.monotonic() + timeout
@@ -116,6 +129,11 @@ def run_processes(
                 procs.append(WARM.start(command, env, cwd, log))
         replaced: set[int] = set()
         while any(p.poll() is None for p in procs):
+            if later is not None and later[0].exists():
+                for extra, env in later[1]:
+                    logs.append(tempfile.TemporaryFile(mode="w+"))
+                    procs.append(WARM.start(extra, env, cwd, logs[-1]))
+                later = None
             for i, env in enumerate(envs):
                 code = procs[i].poll() if replace_killed and i not in replaced else None
                 if code is not None and code < 0:

@@ -132,6 +132,7 @@ parser.add_argument(
     help="RANK (a member handing a new process the job's state, or the new process) dies as the handover begins",
 )
 parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strategy option restart_lost_ranks")
+parser.add_argument("--max-ranks", type=int, default=None, help="strategy option max_ranks")
 parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
                     help="rank 0 waits in this step until the lost rank's replacement sets itself up")  # fmt: skip
 parser.add_argument("--out", required=True)
@@ -430,6 +431,7 @@ options = {
     "num_servers": args.num_servers,
     "compression": args.compression,
     "restart_lost_ranks": args.restart_lost_ranks,
+    "max_ranks": args.max_ranks,
 }
 options = {k: v for k, v in options.items() if v is not None}
 if args.external_servers:

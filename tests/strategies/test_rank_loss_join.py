@@ -363,3 +363,66 @@ def test_a_member_lost_while_a_new_process_joins_leaves_the_job_going_and_both_j
             if j >= joined_at[rank]:
                 assert torch.equal(got, joiner["history"][j - joined_at[rank]][2]), f"rank {rank} after batch {j}"
         close(got, want, f"after batch {j}")
+
+
+#: growth: a job started on 2 ranks with max_ranks=4; once it trains, two processes started as ranks 2 and 3 (the
+#: job's command with 4 nodes) join it, one per step boundary; the global batch stays the 2 ranks' (2 x BATCH)
+STARTED, GROWN, GROW_AT = 2, 4, 2
+GROWN_STEPS = EPOCHS * SAMPLES // (STARTED * BATCH)
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("grown")
+    result = run_script(
+        "midepoch", "--strategy", "sharded_ps", "--devices", "1", "--num-nodes", str(STARTED), "--samples",
+        str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+        "--heartbeat-timeout", "2", "--intra-node", "ring", "--max-ranks", str(GROWN), "--step-seconds", "0.1",
+        "--mark-step", str(GROW_AT), "--await-replacement-at", str(AWAIT_AT), "--out", str(out), timeout=240,
+        env={"LIGHTNING_DP_TEST_NODES": str(STARTED)}, grow=(GROWN, out / f"at-step-{GROW_AT}-rank0"),
+    )  # fmt: skip
+    assert result.codes == [0] * GROWN, result.stdout[-6000:]
+    return out, [torch.load(out / f"rank{r}.pt") for r in range(GROWN)]
+
+
+def test_a_job_grows_from_two_to_four_ranks_and_every_step_equals_one_process_on_its_global_batch(grown):
+    out, records = grown
+    members, joiners = records[:STARTED], records[STARTED:]
+    metrics = members[0]["rank_loss"]
+    assert sorted(metrics["joined_ranks"]) == [2, 3] and metrics["lost_ranks"] == [], metrics
+    joined_at = dict(zip(metrics["joined_ranks"], metrics["join_steps"], strict=True))
+    assert all(r["rank_loss"]["joined_ranks"] == metrics["joined_ranks"] for r in members[1:])
+    new = dict(zip(range(STARTED, GROWN), joiners, strict=True))
+    for rank, joiner in new.items():
+        assert joiner["global_step"] == GROWN_STEPS and len(joiner["trained"]) == GROWN_STEPS - joined_at[rank]
+        assert joiner["world_size"] == GROWN
+    assert GROW_AT < min(joined_at.values()) and max(joined_at.values()) < GROWN_STEPS
+    # every global batch: the two ranks' share of 2 x BATCH samples, then dealt over three and four ranks
+    batches = []
+    for j in range(GROWN_STEPS):
+        parts = [m["trained"][j] for m in members]
+        parts += [joiner["trained"][j - joined_at[r]] for r, joiner in new.items() if j >= joined_at[r]]
+        assert sum(map(len, parts)) == STARTED * BATCH and min(map(len, parts)) > 0, (j, [len(p) for p in parts])
+        if len(parts) == GROWN:
+            assert [len(p) for p in parts] == [STARTED * BATCH // GROWN] * GROWN, (j, parts)
+        batches.append([i for p in parts for i in p])
+    per_epoch = SAMPLES // (STARTED * BATCH)
+    for epoch in range(EPOCHS):  # nothing dropped, nothing trained twice
+        trained = sorted(i for j in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in batches[j])
+        assert trained == list(range(SAMPLES)), f"epoch {epoch}"
+    reference = replay(batches, members[0]["history"], SAMPLES)
+    for j, want in enumerate(reference):
+        got = members[0]["history"][j][2]
+        assert torch.equal(got, members[1]["history"][j][2]), f"the members differ after batch {j}"
+        for rank, joiner in new.items():
+            if j >= joined_at[rank]:
+                assert torch.equal(got, joiner["history"][j - joined_at[rank]][2]), f"rank {rank} after batch {j}"
+        close(got, want, f"after batch {j}")
+    # the servers' state cut over the four ranks: every element served once, each shard replicated on the next rank
+    shards = {r: rec["shards"] for r, rec in enumerate(records)}
+    assert all(s["members"] == tuple(range(GROWN)) for s in shards.values()), shards
+    for rank, mine in shards.items():
+        pairs = zip(mine["replica"], shards[mine["owner"]]["own"], strict=True)
+        assert mine["owner"] == (rank - 1) % GROWN and all(_same_pieces(a, b) for a, b in pairs), rank
+    served = [sum(e - s for pieces in shards[r]["own"] for _, s, e, _ in pieces) for r in range(GROWN)]
+    assert sum(served) == sum(p.numel() for p in Reference(SAMPLES).parameters()) and min(served) > 0, served

@@ -54,6 +54,13 @@ def test_the_options_are_checked_by_name():
         RingAllReduceStrategy(on_rank_loss="continue", restart_lost_ranks=-1)
     with pytest.raises(ConfigurationError, match="restart_lost_ranks=1 needs on_rank_loss='continue'"):
         RingAllReduceStrategy(restart_lost_ranks=1)
+    with pytest.raises(ValueError, match="max_ranks must be an integer >= 1"):
+        RingAllReduceStrategy(on_rank_loss="continue", max_ranks=0)
+    with pytest.raises(ValueError, match="max_ranks must be at most 63"):
+        RingAllReduceStrategy(on_rank_loss="continue", max_ranks=64)
+    with pytest.raises(ConfigurationError, match="max_ranks applies to on_rank_loss='continue'"):
+        ShardedParameterServerStrategy(max_ranks=4)
+    assert ShardedParameterServerStrategy(on_rank_loss="continue", max_ranks=4).max_ranks == 4
 
 
 @pytest.mark.parametrize(

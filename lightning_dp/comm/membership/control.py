@@ -99,7 +99,9 @@ class ControlPlane:
     peer is connected, or raises :class:`~lightning_dp.comm.errors.PeerUnreachableError` after ``timeout``
     seconds. ``proof`` is the job's proof of its shared secret (empty without one): a hello without the same proof
     is refused. With ``joining`` the plane of a process that replaces a lost rank is built: it listens and
-    publishes its endpoint, and connects nowhere until :meth:`connect_as_joiner`.
+    publishes its endpoint, and connects nowhere until :meth:`connect_as_joiner`. ``places``: how many ranks the
+    job may have (``0`` to ``places - 1``; default: ``ranks``): a new process may ask to join in any of those
+    places that no member holds.
 
     Suspicions are sticky: a suspected peer stays suspected (its frames are ignored) until :meth:`retire` drops it
     or :meth:`clear` forgives it after an agreement kept it. What it learns goes to the :class:`ControlHandler` given
@@ -117,6 +119,7 @@ class ControlPlane:
         timeout: float = 60.0,
         proof: str = "",
         joining: bool = False,
+        places: int | None = None,
     ) -> None:
         self.rank = rank
         self.scope = scope
@@ -132,7 +135,7 @@ class ControlPlane:
         self._peers: dict[int, _Peer] = {}
         self._expected = {r for r in ranks if r != rank}
         #: the ranks of the job (a new process may take only one of their places)
-        self._slots = set(ranks)
+        self._slots = set(ranks) | set(range(places or 0))
         self._suspected: dict[int, str] = {}
         self._retired: set[int] = set()
         #: each connected peer's incarnation, and those of the ranks declared lost (refused for good)
@@ -289,7 +292,8 @@ class ControlPlane:
         elif hello.get("join"):
             if peer not in self._slots:
                 sock.setblocking(True)
-                self._refuse(sock, "refused", f"rank {peer} is not a rank of this job (ranks {sorted(self._slots)})")
+                self._refuse(sock, "refused", f"rank {peer} is not a rank of this job: it has places for ranks "
+                             f"{min(self._slots)} to {max(self._slots)}")  # fmt: skip
                 return
             with self._lock:
                 settling = member and peer in self._suspected

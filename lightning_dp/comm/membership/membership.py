@@ -114,6 +114,8 @@ class Membership:
         directory: the key in ``store`` under which the leader keeps the job's directory (its members now, for new
             processes to find them; ``None``: no directory, nobody joins).
         refuses_joins: why the job takes no new process (``None``: it takes them), said to one that asks.
+        places: how many ranks the job may have (``None``: those it starts with); a new process may join in any place
+            ``0`` to ``places - 1`` that no member holds, growing the job past ``ranks``.
     """
 
     def __init__(
@@ -131,9 +133,12 @@ class Membership:
         directory: str | None = None,
         joining: bool = False,
         refuses_joins: str | None = None,
+        places: int | None = None,
     ) -> None:
         self.rank = rank
         self.original = tuple(sorted(ranks))
+        #: how many ranks the job may have (global ranks ``0`` to ``places - 1``)
+        self.places = max(places or 0, max(self.original) + 1)
         self.max_lost = max_lost
         self._directory = directory
         self._directory_store = store
@@ -165,7 +170,8 @@ class Membership:
             self.members = (rank,)
             self.generation = -1
         self.control = ControlPlane(rank, list(self.original), store, scope, host, heartbeat_timeout,
-                                    timeout=timeout.total_seconds(), proof=proof, joining=joining)  # fmt: skip
+                                    timeout=timeout.total_seconds(), proof=proof, joining=joining,
+                                    places=self.places)  # fmt: skip
         self.agreement = Agreement(rank, list(self.members), len(self.original), max_lost,
                                    timeout=max(10.0, 3 * heartbeat_timeout), send=self.control.send,
                                    serve_store=self._serve_store, on_change=self._on_change,
@@ -198,8 +204,15 @@ class Membership:
                 f"rank {rank}: the job is running and takes no new process: {record['refuses_joins']}. Restart the "
                 "whole job from its last checkpoint instead"
             )
+        places = int(record.get("places", len(record["original"])))
+        if not 0 <= rank < places:
+            raise ConfigurationError(
+                f"rank {rank}: the running job has places for ranks 0 to {places - 1} only; a job grows past the ranks "
+                f"it started with up to its strategy's max_ranks (set when the job started)"
+            )
         return cls(rank, list(record["original"]), store, str(record["scope"]), host, heartbeat_timeout,
-                   int(record["max_lost"]), backend, timeout, proof, directory, joining=True)  # fmt: skip
+                   int(record["max_lost"]), backend, timeout, proof, directory, joining=True,
+                   places=places)  # fmt: skip
 
     # ------------------------------------------------------------------ joining
     def ask_to_join(self) -> None:
@@ -249,7 +262,7 @@ class Membership:
         if self._directory is None:
             return
         record = {"scope": self.scope, "generation": self.generation, "members": list(self.members),
-                  "original": list(self.original), "max_lost": self.max_lost,
+                  "original": list(self.original), "max_lost": self.max_lost, "places": self.places,
                   "refuses_joins": self._refuses_joins}  # fmt: skip
         try:
             self._directory_store.set(self._directory, json.dumps(record))
