@@ -7,6 +7,8 @@
         --name faults_dedicated
     python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps \
         --paths join per_host_join emulated_join --name faults_join
+    python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps --paths grow \
+        --name faults_grow
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
@@ -33,7 +35,12 @@ paths:
   killed, 3 go on, the new process joins, 4 again. Measured: the join (from the new process's start to the end of
   its first step), the members' pause (its admission and the handover, as the members report it), the bytes the
   new process was handed, and the median steps/s of rank 0 over the 20 steps before the fault and the 20 steps after
-  the join (``join_window``).
+  the join (``join_window``);
+- **the job grows** (``grow``: one process per host): 2 ranks started with ``max_ranks=4``; as step
+  ``--fault-step`` starts, the benchmark starts ranks 2 and 3 (the same command for 4 nodes), which join in turn.
+  No rank is lost; the global batch stays the app's 128 samples (64 per rank on 2 ranks, then 32). Measured
+  as for a join, each new process's; steps/s over the 20 steps before the growth and after the last join's first
+  step. Its baseline is the 2 ranks that do not grow.
 
 Each path runs once without the fault (its baseline) and once with it. Recovery: from the fault to the end of the
 first step every survivor completed after it (that step's own computation included); of which the agreement: from
@@ -192,8 +199,12 @@ def _run_path(
     server = path in SERVER_PATHS
     lost = {"per_host": 0, "emulated": RANKS - 1}.get(path, 0 if server else 2)
     join = path in JOIN_PATHS
+    grow = path == "grow"
+    if grow:  # (rank 0 only says it got to the step; nothing is lost)
+        lost = 0
     fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
-                     f"+callbacks.fault.cut={path == 'emulated'}", f"+callbacks.fault.server={0 if server else -1}",
+                     f"+callbacks.fault.cut={path in ('emulated', 'grow')}",
+                     f"+callbacks.fault.server={0 if server else -1}",
                      f"+callbacks.fault.silent={path == 'server_silent'}"] if fault else []  # fmt: skip
     name, *options = strategy.split("+")
     servers = [f"strategy.num_servers={SERVERS}"] if options == ["servers"] else []
@@ -202,8 +213,9 @@ def _run_path(
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
     app = str(REPO / "examples" / "train.py")
-    apart = path in ("per_host", "emulated", "per_host_join", "emulated_join")
-    logs = [open(folder / f"process{i}.log", "w") for i in range(RANKS if apart else 1)]  # noqa: SIM115
+    apart = path in ("per_host", "emulated", "per_host_join", "emulated_join", "grow")
+    started = GROWN_FROM if grow else RANKS
+    logs = [open(folder / f"process{i}.log", "w") for i in range(started if apart else 1)]  # noqa: SIM115
     start = time.perf_counter()
     poll = None
     if path in ("emulated", "emulated_join"):
@@ -237,6 +249,27 @@ def _run_path(
             command += [f"strategy.heartbeat_timeout={args.heartbeat_timeout}"]
         procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
                                   start_new_session=True)]  # fmt: skip
+    elif grow:
+        port = str(_free_port())
+        command = [sys.executable, app, *overrides, "trainer.devices=1", "strategy.on_rank_loss=continue",
+                   f"strategy.max_ranks={RANKS}"]  # fmt: skip
+        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_RANK": "0"}
+        procs = [subprocess.Popen([*command, f"trainer.num_nodes={GROWN_FROM}"], cwd=folder, stdout=logs[i],
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**env, "WORLD_SIZE": str(GROWN_FROM), "NODE_RANK": str(i)})
+                 for i in range(GROWN_FROM)]  # fmt: skip
+
+        def poll() -> None:  # rank 0 got to the step: start the two new processes, for a world of RANKS
+            if (folder / "at-fault").exists() and len(procs) == GROWN_FROM:
+                (folder / "fault").write_text(f"{time.time()!r} {args.fault_step}\n")
+                for i in range(GROWN_FROM, RANKS):
+                    logs.append(open(folder / f"process{i}.log", "w"))  # noqa: SIM115
+                    procs.append(subprocess.Popen(
+                        [*command, f"trainer.num_nodes={RANKS}"], cwd=folder, stdout=logs[-1],
+                        stderr=subprocess.STDOUT, start_new_session=True,
+                        env={**env, "WORLD_SIZE": str(RANKS), "NODE_RANK": str(i), RESTART_VARIABLE: "1"},
+                    ))  # fmt: skip
+
     elif path in ("per_host", "per_host_join"):
         port = str(_free_port())
         command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
@@ -274,7 +307,9 @@ def _run_path(
     for log in logs:
         log.close()
     metrics_file = folder / "run" / "metrics.json"
-    want = [-9 if fault and i == lost and not server else 0 for i in range(len(procs))] if apart else [0]
+    want = [-9 if fault and i == lost and not server and not grow else 0 for i in range(len(procs))] if apart else [0]
+    if grow and fault and len(procs) != RANKS:
+        want = [0] * RANKS
     if path == "emulated" and fault:  # the cut host stops on its own, a minority of one
         want[lost] = 1
     if codes != want or not metrics_file.exists():
@@ -286,7 +321,9 @@ def _run_path(
         "lost_server": lost if fault and server else None, "seconds": seconds,
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
-    if fault:
+    if fault and grow:
+        row.update(_growth(folder, args.fault_step, metrics.get("rank_loss") or {}))
+    elif fault:
         row.update(_recovery(folder, lost, args.fault_step, first_processes_only=join))
         loss = metrics.get("rank_loss") or {}
         reported = loss.get("server_recovery_seconds" if server else "recovery_seconds")
@@ -326,6 +363,34 @@ def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dic
         "first_step_with_it_seconds": ends[join_step + 1] - ends[join_step],
         "steps_per_second_before": median_rate(fault_step - window, fault_step - 1),
         "steps_per_second_after": median_rate(join_step + 2, join_step + 1 + window), "join_window": window,
+    }  # fmt: skip
+
+
+def _growth(folder: Path, grow_step: int, loss: dict[str, Any]) -> dict[str, Any]:
+    """The growth's measurements (see the module docstring): per new process, as :func:`_join` measures one."""
+    ends = {s: t for a, s, t in _steps(folder, 0)}
+    joins = dict(zip(loss["joined_ranks"], loss["join_steps"], strict=True))
+    seconds, asked, moved = [], [], []
+    for rank in range(GROWN_FROM, RANKS):
+        first_end = _steps(folder, rank)[0][2]
+        seconds.append(first_end - float((folder / f"started-rank{rank}").read_text()))
+        new = json.loads((folder / f"rank_loss-rank{rank}-attempt1.json").read_text())
+        asked.append(new["join_seconds"])
+        moved.append(new["handover_bytes"][0])
+
+    def median_rate(first: int, last: int) -> float:
+        rates = [1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s in ends and s - 1 in ends]
+        if not rates:
+            raise RuntimeError(f"no step of rank 0 between {first} and {last}: too few steps around the growth")
+        return statistics.median(rates)
+
+    last = max(joins.values())
+    return {
+        "joined_ranks": loss["joined_ranks"], "join_steps": loss["join_steps"], "join_seconds_each": seconds,
+        "join_asked_seconds_each": asked, "join_pause_seconds_each": loss["join_pause_seconds"],
+        "handover_bytes_each": moved,
+        "steps_per_second_before": median_rate(grow_step - JOIN_WINDOW, grow_step - 1),
+        "steps_per_second_after": median_rate(last + 2, last + 1 + JOIN_WINDOW), "join_window": JOIN_WINDOW,
     }  # fmt: skip
 
 
@@ -400,6 +465,8 @@ SERVER_PATHS = ("server", "server_silent")
 #: the paths where a new process joins in the lost rank's place, and the steps compared before the loss and after
 JOIN_PATHS = ("join", "per_host_join", "emulated_join")
 JOIN_WINDOW = 20
+#: the ranks the growth path starts with (it grows to ``RANKS``)
+GROWN_FROM = 2
 PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
     "server": "a dedicated server lost, its replica takes over (strategy's launcher)",
@@ -410,6 +477,7 @@ PATHS = {
     "join": "a new process joins (the strategy's launcher restarts it)",
     "per_host_join": "a new process joins (one process per host, started again by hand)",
     "emulated_join": "a new process joins (emulated hosts, 1 Gbit/s, started again on its host)",
+    "grow": "the job grows from 2 to 4 ranks (one process per host)",
 }
 
 
@@ -428,6 +496,12 @@ def report_lines(rows: list[dict]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     baselines = {(r["strategy"], r["path"]): r for r in rows if not r["fault"]}
+    if any(r["path"] == "grow" for r in rows):
+        lines[0] = (f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the "
+                    "example app (digits, reference CNN, global batch 128: 64 samples per rank on 2 ranks), started on "
+                    f"{GROWN_FROM} ranks with max_ranks={RANKS}; as step {first['fault_step']} starts, ranks "
+                    f"{GROWN_FROM} to {RANKS - 1} are started and join in turn.")  # fmt: skip
+        return lines[:2] + growth_lines(rows, baselines)
     if any(r["path"] in JOIN_PATHS for r in rows):
         return lines[:2] + join_lines(rows, baselines)
     for r in rows:
@@ -478,6 +552,36 @@ def join_lines(rows: list[dict], baselines: dict) -> list[str]:
               "first step with it also waits for its restore and the start of its loop. Steps/s: rank 0's median over "
               f"the {rows[0].get('join_window', JOIN_WINDOW)} steps before the fault and as many after the join's "
               "first step."]  # fmt: skip
+    return lines
+
+
+def growth_lines(rows: list[dict], baselines: dict) -> list[str]:
+    """The growth's table: 2 ranks, then 3, then 4."""
+    lines = [
+        "| strategy | joined (after step) | join (s) | of which asking to join (s) | members' pause (s) "
+        "| bytes handed over | steps/s on 2 ranks | steps/s on 4 | 4 / 2 | test accuracy (2 ranks / grown) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r["fault"]:
+            continue
+        base = baselines[r["strategy"], r["path"]]
+        before, after = r["steps_per_second_before"], r["steps_per_second_after"]
+        joined = ", ".join(f"rank {k} ({s})" for k, s in zip(r["joined_ranks"], r["join_steps"], strict=True))
+
+        def each(values: list[float], unit: str = "") -> str:
+            return " / ".join(f"{v:.2f}{unit}" for v in values)
+
+        lines.append(
+            f"| {_strategy(r['strategy'])} | {joined} | {each(r['join_seconds_each'])} "
+            f"| {each(r['join_asked_seconds_each'])} | {' / '.join(f'{v:.3f}' for v in r['join_pause_seconds_each'])} "
+            f"| {' / '.join(f'{b / 1e6:.1f} MB' for b in r['handover_bytes_each'])} "
+            f"| {before:.1f} | {after:.1f} | {after / before:.2f}× | {_accuracy(base)} / {_accuracy(r)} |"
+        )
+    lines += ["", "Per new process, in the order they joined. Steps/s: rank 0's median over the "
+              f"{rows[0].get('join_window', JOIN_WINDOW)} steps before the growth and as many after the last join's "
+              "first step; four processes share the machine's cores, so a step on 4 ranks is no faster here (on "
+              "machines of their own each rank's share of the step would halve)."]  # fmt: skip
     return lines
 
 

@@ -293,13 +293,18 @@ class DealtBatches(ThroughputBatches):
         self._kept: tuple[int, int] | None = None
         #: a new member's: the members' schedule of shares was handed over (the training loader takes it as it is)
         self._joined = False
+        #: a new member's: the members' ``(global batch, order ranks)`` (its own loader's batch size, for a world it
+        #: grew into, may differ)
+        self._handed: tuple[int, int] | None = None
 
     def reset(self) -> None:
         super().reset()
         self._dropping, self._counted, self.dropped, self._committed_key = None, set(), 0, (-1, -1)
-        self._lost_early, self._kept, self._joined = [], None, False
+        self._lost_early, self._kept, self._joined, self._handed = [], None, False, None
 
     def _global_batch(self, batch_size: int) -> tuple[int, int]:
+        if self._handed is not None:
+            return self._handed
         if self._kept is None:
             return super()._global_batch(batch_size)
         global_batch, order_ranks = self._kept
@@ -480,12 +485,15 @@ class DealtBatches(ThroughputBatches):
 
     def join_state(self) -> dict:
         assert self.balancer is not None
-        return {"schedule": self.balancer.state_dict(), "kept": list(self._kept) if self._kept else None}
+        order = self._kept[1] if self._kept else self._started_ranks()
+        return {"schedule": self.balancer.state_dict(), "kept": list(self._kept) if self._kept else None,
+                "batch": [self.balancer.global_batch, order]}  # fmt: skip
 
     def take_join_state(self, state: dict) -> None:
         self.balancer = None
         self._saved = state["schedule"]
         self._kept = (int(state["kept"][0]), int(state["kept"][1])) if state["kept"] else None
+        self._handed = (int(state["batch"][0]), int(state["batch"][1]))
         self._joined = True
 
 

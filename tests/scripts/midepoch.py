@@ -41,6 +41,9 @@ parser.add_argument(
 )
 parser.add_argument("--max-epochs", type=int, default=2)
 parser.add_argument("--batch-size", type=int, default=4)
+parser.add_argument("--global-batch", type=int, default=None,
+                    help="each rank's training batch is this over the ranks it was started for (as the app's "
+                    "global_batch_size), instead of --batch-size")  # fmt: skip
 parser.add_argument("--samples", type=int, default=64)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--workers", type=int, default=0)
@@ -301,8 +304,9 @@ class Model(L.LightningModule):
 
     def train_dataloader(self):
         # shuffle=True: Lightning replaces the sampler with its DistributedSampler(shuffle=True)
-        return DataLoader(IndexedData(args.samples), batch_size=args.batch_size, shuffle=True,
-                          num_workers=args.workers)  # fmt: skip
+        started_for = int(os.environ.get("WORLD_SIZE", self.trainer.world_size))
+        size = args.batch_size if args.global_batch is None else args.global_batch // started_for
+        return DataLoader(IndexedData(args.samples), batch_size=size, shuffle=True, num_workers=args.workers)
 
 
 class ReadGradients(L.Callback):

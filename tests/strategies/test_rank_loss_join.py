@@ -366,7 +366,8 @@ def test_a_member_lost_while_a_new_process_joins_leaves_the_job_going_and_both_j
 
 
 #: growth: a job started on 2 ranks with max_ranks=4; once it trains, two processes started as ranks 2 and 3 (the
-#: job's command with 4 nodes) join it, one per step boundary; the global batch stays the 2 ranks' (2 x BATCH)
+#: job's command with 4 nodes) join it, one per step boundary; the global batch stays the 2 ranks' (2 x BATCH), though
+#: the new processes' own loaders, of the global batch over the 4 ranks they were started for, are half the size
 STARTED, GROWN, GROW_AT = 2, 4, 2
 GROWN_STEPS = EPOCHS * SAMPLES // (STARTED * BATCH)
 
@@ -376,7 +377,7 @@ def grown(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("grown")
     result = run_script(
         "midepoch", "--strategy", "sharded_ps", "--devices", "1", "--num-nodes", str(STARTED), "--samples",
-        str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
+        str(SAMPLES), "--global-batch", str(STARTED * BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
         "--heartbeat-timeout", "2", "--intra-node", "ring", "--max-ranks", str(GROWN), "--step-seconds", "0.1",
         "--mark-step", str(GROW_AT), "--await-replacement-at", str(AWAIT_AT), "--out", str(out), timeout=240,
         env={"LIGHTNING_DP_TEST_NODES": str(STARTED)}, grow=(GROWN, out / f"at-step-{GROW_AT}-rank0"),
