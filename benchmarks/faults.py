@@ -8,7 +8,7 @@
     python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps \
         --paths join per_host_join emulated_join --name faults_join
     python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps --paths grow \
-        --name faults_grow
+        --fault-step 20 --app trainer.max_epochs=30 --name faults_grow
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections import deque
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -429,6 +430,46 @@ def test_ranks_that_finish_at_the_same_moment_take_no_one_for_lost():
         # both left as finished: rank 2 keeps no connection to them (its own listener and waker pair only)
         assert working.suspected == {} and len(working.descriptors()) == 3, f"attempt {attempt}"
         working.close()
+
+
+@pytest.mark.unit
+def test_a_new_process_whose_job_ends_before_it_reaches_a_member_stops_instead_of_dialing_on():
+    """A new process dials members that have gone (the job ended as it started): once the job's store is gone too it
+    stops with JoinAbandonedError, within a few seconds rather than the strategy's timeout."""
+    import json
+    import socket
+
+    from lightning_dp.comm.errors import JoinAbandonedError
+    from lightning_dp.comm.membership import Membership
+    from lightning_dp.comm.membership.control import endpoint
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with socket.socket() as gone:  # a member's endpoint nobody listens on any more
+        gone.bind(("127.0.0.1", 0))
+        port = gone.getsockname()[1]
+    master.set("ended/control/0", endpoint("127.0.0.1", port, "x"))
+    master.set("directory", json.dumps({"scope": "ended", "generation": 0, "members": [0], "original": [0, 1],
+                                        "max_lost": 1, "places": 2, "refuses_joins": None}))  # fmt: skip
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    joining = Membership.join(1, client, "directory", "127.0.0.1", 5.0, timeout=timedelta(seconds=120))
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            joining.ask_to_join()
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001
+            outcome.append(error)
+
+    asking = threading.Thread(target=ask)
+    started = time.monotonic()
+    asking.start()
+    time.sleep(1.0)
+    del master  # the job's store goes with its last process
+    asking.join(timeout=30)
+    assert outcome and isinstance(outcome[0], JoinAbandonedError), outcome
+    assert time.monotonic() - started < 20
+    joining.close(farewell=False)
 
 
 # ---------------------------------------------------------------------------------------------------- fencing

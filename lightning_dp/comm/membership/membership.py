@@ -39,6 +39,7 @@ from torch.distributed import distributed_c10d
 
 from lightning_dp.comm.errors import (
     ConfigurationError,
+    ForeignJobError,
     JoinAbandonedError,
     MembershipChange,
     PeerUnreachableError,
@@ -49,6 +50,8 @@ from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import Connection, connections_opened_by, fence
 
 log = logging.getLogger(__name__)
+#: how long a new process dials the members at a time before it reads the job's directory again
+JOIN_DIAL_SECONDS = 5.0
 T = TypeVar("T")
 
 #: seconds a failed exchange waits for the control plane to name a lost peer before it is taken for a local error
@@ -232,7 +235,21 @@ class Membership:
                 )
             time.sleep(0.1)
         log.warning("rank %d: asking the job's members %s to join", self.rank, members)
-        self.control.connect_as_joiner(members, self._directory_store)
+        while True:  # (a member out of reach for a while: the directory read again, in case the job ended)
+            attempt = min(JOIN_DIAL_SECONDS, max(0.1, deadline - time.monotonic()))
+            try:
+                self.control.connect_as_joiner(members, self._directory_store, timeout=attempt)
+                return
+            except RuntimeError as error:  # (PeerUnreachableError among them)
+                if isinstance(error, ForeignJobError) or time.monotonic() > deadline:
+                    raise
+                record = read_directory(self._directory_store, self._directory)
+                if record is None:
+                    raise JoinAbandonedError(
+                        f"rank {self.rank}: the job's store is gone before this process could reach every member "
+                        "(the job ended)"
+                    ) from error
+                members = [int(r) for r in record["members"] if int(r) != self.rank]
 
     def _dial_members(self) -> None:
         """A joining process, while it waits: dial the members it is not connected to (a member admitted since it
