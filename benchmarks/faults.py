@@ -317,7 +317,8 @@ def _run_path(
         raise RuntimeError(f"{path} ({'fault' if fault else 'no fault'}): exit codes {codes}, expected {want}\n{tail}")
     metrics = json.loads(metrics_file.read_text())
     row: dict[str, Any] = {
-        "strategy": strategy, "path": path, "fault": fault, "lost_rank": lost if fault and not server else None,
+        "strategy": strategy, "path": path, "fault": fault,
+        "lost_rank": lost if fault and not server and not grow else None,
         "lost_server": lost if fault and server else None, "seconds": seconds,
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
@@ -351,10 +352,7 @@ def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dic
     ends = {s: t for a, s, t in _steps(folder, 0)}
 
     def median_rate(first: int, last: int) -> float:
-        rates = [1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s in ends and s - 1 in ends]
-        if not rates:
-            raise RuntimeError(f"no step of rank 0 between {first} and {last}: too few steps around the fault and join")
-        return statistics.median(rates)
+        return _median_rate(ends, first, last)
 
     window = JOIN_WINDOW
     return {
@@ -369,29 +367,29 @@ def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dic
 def _growth(folder: Path, grow_step: int, loss: dict[str, Any]) -> dict[str, Any]:
     """The growth's measurements (see the module docstring): per new process, as :func:`_join` measures one."""
     ends = {s: t for a, s, t in _steps(folder, 0)}
-    joins = dict(zip(loss["joined_ranks"], loss["join_steps"], strict=True))
     seconds, asked, moved = [], [], []
-    for rank in range(GROWN_FROM, RANKS):
+    for rank in loss["joined_ranks"]:  # (in the order they joined, as the members' lists are)
         first_end = _steps(folder, rank)[0][2]
         seconds.append(first_end - float((folder / f"started-rank{rank}").read_text()))
         new = json.loads((folder / f"rank_loss-rank{rank}-attempt1.json").read_text())
         asked.append(new["join_seconds"])
         moved.append(new["handover_bytes"][0])
-
-    def median_rate(first: int, last: int) -> float:
-        rates = [1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s in ends and s - 1 in ends]
-        if not rates:
-            raise RuntimeError(f"no step of rank 0 between {first} and {last}: too few steps around the growth")
-        return statistics.median(rates)
-
-    last = max(joins.values())
+    last = max(loss["join_steps"])
     return {
         "joined_ranks": loss["joined_ranks"], "join_steps": loss["join_steps"], "join_seconds_each": seconds,
         "join_asked_seconds_each": asked, "join_pause_seconds_each": loss["join_pause_seconds"],
         "handover_bytes_each": moved,
-        "steps_per_second_before": median_rate(grow_step - JOIN_WINDOW, grow_step - 1),
-        "steps_per_second_after": median_rate(last + 2, last + 1 + JOIN_WINDOW), "join_window": JOIN_WINDOW,
+        "steps_per_second_before": _median_rate(ends, grow_step - JOIN_WINDOW, grow_step - 1),
+        "steps_per_second_after": _median_rate(ends, last + 2, last + 1 + JOIN_WINDOW), "join_window": JOIN_WINDOW,
     }  # fmt: skip
+
+
+def _median_rate(ends: dict[int, float], first: int, last: int) -> float:
+    """Rank 0's median steps/s over steps ``first`` to ``last`` (``ends``: when each step ended)."""
+    rates = [1 / (ends[s] - ends[s - 1]) for s in range(first, last + 1) if s in ends and s - 1 in ends]
+    if not rates:
+        raise RuntimeError(f"no step of rank 0 between {first} and {last}: too few steps around the fault and join")
+    return statistics.median(rates)
 
 
 def _recovery(folder: Path, lost: int, fault_step: int, first_processes_only: bool = False) -> dict[str, Any]:
@@ -499,8 +497,9 @@ def report_lines(rows: list[dict]) -> list[str]:
     if any(r["path"] == "grow" for r in rows):
         lines[0] = (f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the "
                     "example app (digits, reference CNN, global batch 128: 64 samples per rank on 2 ranks), started on "
-                    f"{GROWN_FROM} ranks with max_ranks={RANKS}; as step {first['fault_step']} starts, ranks "
-                    f"{GROWN_FROM} to {RANKS - 1} are started and join in turn.")  # fmt: skip
+                    f"{GROWN_FROM} ranks with max_ranks={RANKS}; as step {first['fault_step']} starts, the "
+                    f"processes of ranks {GROWN_FROM} to {RANKS - 1} are started (at once) and join in "
+                    "turn.")  # fmt: skip
         return lines[:2] + growth_lines(rows, baselines)
     if any(r["path"] in JOIN_PATHS for r in rows):
         return lines[:2] + join_lines(rows, baselines)

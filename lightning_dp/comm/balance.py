@@ -273,15 +273,19 @@ class ThroughputBalancer:
         """The schedule (equal on every rank); the measurements of a window in progress are not kept."""
         return {
             "num_ranks": self.num_ranks,
+            "starting": self.num_ranks if self.starting is None else self.starting,
             "global_batch": self.global_batch,
             "decisions": [[list(d.start), list(d.shares)] for d in self.decisions],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_ranks"] != self.num_ranks or state["global_batch"] != self.global_batch:
+        saved = (int(state["num_ranks"]), int(state.get("starting", state["num_ranks"])), int(state["global_batch"]))
+        mine = (self.num_ranks, self.num_ranks if self.starting is None else self.starting, self.global_batch)
+        if saved != mine:
             raise ValueError(
-                f"the saved shares are of {state['num_ranks']} ranks and a global batch of {state['global_batch']}, "
-                f"this run has {self.num_ranks} ranks and a global batch of {self.global_batch}"
+                f"the saved shares are of {saved[1]} starting ranks ({saved[0]} places with max_ranks) and a global "
+                f"batch of {saved[2]}, this run has {mine[1]} starting ranks ({mine[0]} places) and a global batch "
+                f"of {mine[2]}"
             )
         self.decisions = [Decision((int(s[0]), int(s[1])), tuple(int(n) for n in shares))
                           for s, shares in state["decisions"]]  # fmt: skip

@@ -174,6 +174,11 @@ class ThroughputBatches(EqualBatches):
         global_batch, order_ranks = self._global_batch(batch_sampler.batch_size)
         # a loader draws up to workers x prefetch_factor batches ahead, and Lightning's fetcher one more
         ahead = dataloader.num_workers * (dataloader.prefetch_factor or 0) if dataloader.num_workers else 0
+        if self._places() > global_batch:
+            raise ConfigurationError(
+                f"max_ranks={self._places()} cannot be dealt the global batch of {global_batch} samples (each rank "
+                "trains at least one): lower max_ranks or raise the batch size"
+            )
         if self.balancer is None or self.balancer.global_batch != global_batch:
             self.balancer = ThroughputBalancer(self._places(), global_batch, self.interval, self.tolerance,
                                                lag=ahead + 2, starting=self._started_ranks())  # fmt: skip

@@ -255,7 +255,12 @@ class ProcessGroupStrategy(DDPStrategy):
             self._launcher = ProcessLauncher(self, start_method=self._start_method)
 
     def _check_world_size(self, world_size: int) -> None:
-        """Validate options against the number of processes (subclasses)."""
+        """Validate options against the number of processes (subclasses add theirs)."""
+        if world_size and self.max_ranks is not None and self.max_ranks < world_size:
+            raise ConfigurationError(
+                f"strategy {self.strategy_name!r}: max_ranks={self.max_ranks} is below the {world_size} ranks the job "
+                "starts with; it is how many ranks the job may grow to (None: as many as it starts with)"
+            )
 
     @override
     def set_world_ranks(self) -> None:

@@ -334,6 +334,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         refusal = self._join_refusal(strategy)
         if getattr(strategy, "restart_lost_ranks", 0) and refusal is not None:
             raise ConfigurationError(f"restart_lost_ranks={strategy.restart_lost_ranks} cannot be kept: {refusal}")
+        if self.max_ranks is not None and refusal is not None:
+            raise ConfigurationError(f"max_ranks={self.max_ranks} cannot be kept: {refusal}")
 
     @property
     def interrupt(self) -> Callable[[], None] | None:
@@ -352,11 +354,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         env = strategy.cluster_environment
         assert env is not None
         world = env.world_size()
-        if self.max_ranks is not None and self.max_ranks < world and not replaces_lost_rank(strategy.job_scope):
-            raise ConfigurationError(
-                f"strategy {strategy.strategy_name!r}: max_ranks={self.max_ranks} is below the {world} ranks the job "
-                "starts with; it is how many ranks the job may grow to (None: as many as it starts with)"
-            )
         max_lost = self.max_lost if self.max_lost is not None else world
         if max_lost >= world:
             max_lost = world - 1

@@ -155,6 +155,14 @@ def test_state_round_trip_and_mismatch():
     assert restored.decisions == balancer.decisions
     with pytest.raises(ValueError, match="ranks"):
         ThroughputBalancer(2, 30).load_state_dict(balancer.state_dict())
+    # places a job may grow into (max_ranks): the starting ranks hold the shares, and a schedule of other starting
+    # ranks is refused even with as many places (a job of 2 in 4 places resumed as a job of 4)
+    growing = ThroughputBalancer(4, 30, starting=2)
+    assert growing.shares == (15, 15, 0, 0)
+    with pytest.raises(ValueError, match="2 starting ranks .* this run has 4 starting ranks"):
+        ThroughputBalancer(4, 30).load_state_dict(growing.state_dict())
+    growing.include([2, 3], (0, 0))
+    assert growing.shares_at((0, 0)) == (8, 8, 7, 7)
 
 
 def test_weighted_average_is_the_global_batch_mean():

@@ -277,6 +277,20 @@ def test_a_new_process_not_heard_by_every_member_or_in_a_change_that_loses_a_ran
 
 
 @pytest.mark.unit
+def test_max_lost_ranks_counts_from_the_largest_membership_the_job_grew_to():
+    """A job started on 2 ranks with max_lost=0 that grew to 4 may not go on without one of them (counted from the 2
+    it started with, 3 of 4 would look like a gain)."""
+    grown = Agreement(0, [0, 1], 2, 0, timeout=5.0, send=lambda peer, message: True,
+                      serve_store=lambda: ("host0", 1000), on_change=lambda: None)  # fmt: skip
+    grown.receive({"t": "decision", "gen": 1, "members": [0, 1, 2, 3], "committed": {"0": 5, "1": 5},
+                   "store": ["host0", 1000], "lost": [], "joined": [2, 3], "asked": [2, 3]})  # fmt: skip
+    grown.activate(grown.wait().generation)
+    grown.suspect(1, "closed", True)
+    assert isinstance(grown.failure, QuorumLostError) and "max_lost_ranks=0" in str(grown.failure), grown.failure
+    assert "([1])" in str(grown.failure)
+
+
+@pytest.mark.unit
 def test_a_side_without_a_majority_of_the_last_generation_stops_even_with_one_of_the_first():
     # a job grown back to four after losing one of three: two against two is no majority of the last generation
     assert "last generation" in str(quorum_problem([0, 1], 3, 3, [2, 3], previous=(0, 1, 2, 3)))

@@ -86,6 +86,8 @@ def run_script(
     later: tuple[Path, list[tuple[list[str], dict]]] | None = None
     if grow is not None:
         grown, when = grow
+        if not nodes or "--num-nodes" not in command:
+            raise ValueError("grow= needs LIGHTNING_DP_TEST_NODES and a command with --num-nodes N")
         at = command.index("--num-nodes") + 1
         bigger = [*command[:at], str(grown), *command[at + 1 :]]
         later = (when, [(bigger, {**envs[0], "WORLD_SIZE": str(grown), "NODE_RANK": str(node),

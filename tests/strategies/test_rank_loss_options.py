@@ -61,6 +61,8 @@ def test_the_options_are_checked_by_name():
     with pytest.raises(ConfigurationError, match="max_ranks applies to on_rank_loss='continue'"):
         ShardedParameterServerStrategy(max_ranks=4)
     assert ShardedParameterServerStrategy(on_rank_loss="continue", max_ranks=4).max_ranks == 4
+    with pytest.raises(ConfigurationError, match="max_ranks=4 cannot be kept: .*num_servers=2 does not admit"):
+        ShardedParameterServerStrategy(on_rank_loss="continue", num_servers=2, max_ranks=4)
 
 
 @pytest.mark.parametrize(

@@ -145,8 +145,12 @@ class Agreement:
         self.joining = joining
         #: the new processes the training side asked to admit in the change under way
         self._admitting: set[int] = set()
-        self._started_with = self.members
         self.original = original
+        #: every rank that has been a member here (the ranks a quorum problem names as lost are those not heard now)
+        self._ever = set(self.members)
+        #: the most ranks the job has had (it may grow past ``original`` with new processes): the quorum and
+        #: ``max_lost`` count from there
+        self._most = original
         self.max_lost = max_lost
         self.timeout = timeout
         self._send = send
@@ -161,8 +165,8 @@ class Agreement:
         self._changing_since: float | None = None
         #: whether the change under way has had the training side leave its exchanges (``on_change``)
         self._fenced = False
-        #: when the last change began here (``time.monotonic()``; ``None`` before the first)
-        self.began: float | None = None
+        #: when the change that led to each generation adopted here began (``time.monotonic()``)
+        self.began_at: dict[int, float] = {}
         self._suspected: dict[int, str] = {}
         self._reported_to: int | None = None
         self._reports: dict[int, dict[str, Any]] = {}
@@ -296,7 +300,7 @@ class Agreement:
         if self._failure is not None:
             return
         if self._changing_since is None:
-            self._changing_since = self.began = time.monotonic()
+            self._changing_since = time.monotonic()
             self._fenced = False
         if fence and not self._fenced:
             self._fenced = True
@@ -319,7 +323,7 @@ class Agreement:
         if self._failure is not None or self._changing_since is None:
             return
         view = self._view()
-        problem = quorum_problem(view, self.original, self.max_lost, sorted(set(self._started_with) - set(view)),
+        problem = quorum_problem(view, self._most, self.max_lost, sorted(self._ever - set(view)),
                                  self.members)  # fmt: skip
         if problem is not None:
             self._fail(QuorumLostError(f"rank {self.rank}: {problem}"))
@@ -343,7 +347,7 @@ class Agreement:
         reports = {r: self._reports[r] for r in view}
         members = choose_members({r: set(m["view"]) for r, m in reports.items()})
         lost = sorted(set(self.members) - set(members))
-        problem = quorum_problem(members, self.original, self.max_lost, sorted(set(self._started_with) - set(members)),
+        problem = quorum_problem(members, self._most, self.max_lost, sorted(self._ever - set(members)),
                                  self.members)  # fmt: skip
         if problem is not None:
             for peer in reports:
@@ -378,6 +382,9 @@ class Agreement:
             self.committed = max(decision.committed.values(), default=0)
         self.generation = decision.generation
         self.members = decision.members
+        self._most = max(self._most, len(decision.members))
+        self._ever |= set(decision.members)
+        self.began_at[decision.generation] = self._changing_since or time.monotonic()
         self.joining = False
         self._admitting = set()
         self._on_adopt(decision)

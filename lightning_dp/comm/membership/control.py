@@ -269,52 +269,58 @@ class ControlPlane:
             self._drop_hello(sock)
             sock.close()
             return
-        self._drop_hello(sock)
-        peer = hello.get("rank") if isinstance(hello, dict) else None
-        if not isinstance(hello, dict) or hello.get("t") != "hello" or hello.get("job") != self.scope:
-            log.warning("control plane of rank %d: refused a connection from another job (%s)", self.rank, hello)
-            sock.close()
-            return
-        if not isinstance(peer, int) or not hmac.compare_digest(str(hello.get("proof", "")), self._proof):
-            log.warning("control plane of rank %d: refused rank %s without the job's shared secret", self.rank, peer)
-            sock.setblocking(True)
-            self._refuse(sock, "refused", "it does not hold the job's shared secret (LIGHTNING_DP_JOB_SECRET)")
-            return
-        incarnation = str(hello.get("inc", ""))
-        with self._lock:
-            fenced = incarnation in self._fenced_incarnations or (peer in self._retired and not hello.get("join"))
-            member = peer in self._expected or peer == self.rank
-            known = member and peer not in self._peers
-            taken = peer in self._candidates and peer in self._peers
-        if fenced:
-            sock.setblocking(True)
-            self._refuse(sock, "fenced", "this rank was declared lost by the job; only a new process may join")
-        elif hello.get("join"):
-            if peer not in self._slots:
-                sock.setblocking(True)
-                self._refuse(sock, "refused", f"rank {peer} is not a rank of this job: it has places for ranks "
-                             f"{min(self._slots)} to {max(self._slots)}")  # fmt: skip
+        # (in ``_hellos`` until adopted or closed: a group forming meanwhile leaves it out of its connections)
+        self._unregister(sock)
+        try:
+            peer = hello.get("rank") if isinstance(hello, dict) else None
+            if not isinstance(hello, dict) or hello.get("t") != "hello" or hello.get("job") != self.scope:
+                log.warning("control plane of rank %d: refused a connection from another job (%s)", self.rank, hello)
+                sock.close()
                 return
+            if not isinstance(peer, int) or not hmac.compare_digest(str(hello.get("proof", "")), self._proof):
+                log.warning(
+                    "control plane of rank %d: refused rank %s without the job's shared secret", self.rank, peer
+                )
+                sock.setblocking(True)
+                self._refuse(sock, "refused", "it does not hold the job's shared secret (LIGHTNING_DP_JOB_SECRET)")
+                return
+            incarnation = str(hello.get("inc", ""))
             with self._lock:
-                settling = member and peer in self._suspected
-            if settling:  # its loss is not agreed on yet here
+                fenced = incarnation in self._fenced_incarnations or (peer in self._retired and not hello.get("join"))
+                member = peer in self._expected or peer == self.rank
+                known = member and peer not in self._peers
+                taken = peer in self._candidates and peer in self._peers
+            if fenced:
                 sock.setblocking(True)
-                self._refuse(sock, "retry", f"the job has not yet gone on without rank {peer}")
-                return
-            if member or taken:
-                held = "a live member of the job" if member else "asked for by another process already"
-                sock.setblocking(True)
-                self._refuse(sock, "refused", f"rank {peer} is {held}: a process cannot join in its place")
-                return
-            log.warning("control plane of rank %d: a new process asks to join as rank %d", self.rank, peer)
-            with self._lock:
-                self._candidates[peer] = incarnation
-                self._suspected.pop(peer, None)  # (the suspicion of the process it replaces)
-            self._adopt(peer, sock, incarnation)
-        elif not known:
-            sock.close()
-        else:
-            self._adopt(peer, sock, incarnation)
+                self._refuse(sock, "fenced", "this rank was declared lost by the job; only a new process may join")
+            elif hello.get("join"):
+                if peer not in self._slots:
+                    sock.setblocking(True)
+                    self._refuse(sock, "refused", f"rank {peer} is not a rank of this job: it has places for ranks "
+                                 f"{min(self._slots)} to {max(self._slots)}")  # fmt: skip
+                    return
+                with self._lock:
+                    settling = member and peer in self._suspected
+                if settling:  # its loss is not agreed on yet here
+                    sock.setblocking(True)
+                    self._refuse(sock, "retry", f"the job has not yet gone on without rank {peer}")
+                    return
+                if member or taken:
+                    held = "a live member of the job" if member else "asked for by another process already"
+                    sock.setblocking(True)
+                    self._refuse(sock, "refused", f"rank {peer} is {held}: a process cannot join in its place")
+                    return
+                log.warning("control plane of rank %d: a new process asks to join as rank %d", self.rank, peer)
+                with self._lock:
+                    self._candidates[peer] = incarnation
+                    self._suspected.pop(peer, None)  # (the suspicion of the process it replaces)
+                self._adopt(peer, sock, incarnation)
+            elif not known:
+                sock.close()
+            else:
+                self._adopt(peer, sock, incarnation)
+        finally:
+            self._hellos.pop(sock, None)
 
     def _drop_hello(self, sock: socket.socket) -> None:
         self._hellos.pop(sock, None)

@@ -424,7 +424,7 @@ class Membership:
         job must stop (or no decision came within ``timeout`` seconds, if given),
         :class:`~lightning_dp.comm.errors.FencedError` where it went on without this rank."""
         decision = self._wait_for_admission(timeout) if self.agreement.joining else self.agreement.wait(timeout)
-        began = self.agreement.began if self.agreement.began is not None else time.monotonic()
+        began = self.agreement.began_at.get(decision.generation, time.monotonic())
         self.change_began = began
         lost = set(self.members) - set(decision.members)
         with self._lock:
