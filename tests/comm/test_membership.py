@@ -288,6 +288,15 @@ def test_max_lost_ranks_counts_from_the_largest_membership_the_job_grew_to():
     grown.suspect(1, "closed", True)
     assert isinstance(grown.failure, QuorumLostError) and "max_lost_ranks=0" in str(grown.failure), grown.failure
     assert "([1])" in str(grown.failure)
+    # a new process admitted after the job had 4 and lost one counts from the 4 the decision carries (from the 3 it
+    # sees, 2 would look like a majority)
+    joiner = Agreement(3, [3], 2, 1, timeout=5.0, send=lambda peer, message: True,
+                       serve_store=lambda: ("host3", 1003), on_change=lambda: None, joining=True)  # fmt: skip
+    joiner.receive({"t": "decision", "gen": 3, "members": [0, 2, 3], "committed": {"0": 9, "2": 9},
+                    "store": ["host0", 1000], "lost": [], "joined": [3], "asked": [3], "most": 4})  # fmt: skip
+    joiner.activate(joiner.wait().generation)
+    joiner.suspect(0, "closed", True)
+    assert isinstance(joiner.failure, QuorumLostError) and "job's 4 ranks" in str(joiner.failure), joiner.failure
 
 
 @pytest.mark.unit
@@ -449,11 +458,12 @@ def test_ranks_that_finish_at_the_same_moment_take_no_one_for_lost():
 @pytest.mark.unit
 def test_a_new_process_whose_job_ends_before_it_reaches_a_member_stops_instead_of_dialing_on():
     """A new process dials members that have gone (the job ended as it started): once the job's store is gone too it
-    stops with JoinAbandonedError, within a few seconds rather than the strategy's timeout."""
+    stops with JoinAbandonedError, within a few seconds rather than the strategy's timeout. One for a place the job
+    does not have is refused at once."""
     import json
     import socket
 
-    from lightning_dp.comm.errors import JoinAbandonedError
+    from lightning_dp.comm.errors import ConfigurationError, JoinAbandonedError
     from lightning_dp.comm.membership import Membership
     from lightning_dp.comm.membership.control import endpoint
 
@@ -465,6 +475,9 @@ def test_a_new_process_whose_job_ends_before_it_reaches_a_member_stops_instead_o
     master.set("directory", json.dumps({"scope": "ended", "generation": 0, "members": [0], "original": [0, 1],
                                         "max_lost": 1, "places": 2, "refuses_joins": None}))  # fmt: skip
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    # a process for a place the job does not have (past max_ranks) is refused before it dials anyone
+    with pytest.raises(ConfigurationError, match="places for ranks 0 to 1 only.*max_ranks"):
+        Membership.join(2, client, "directory", "127.0.0.1", 5.0, timeout=timedelta(seconds=120))
     joining = Membership.join(1, client, "directory", "127.0.0.1", 5.0, timeout=timedelta(seconds=120))
     outcome: list[BaseException | None] = []
 

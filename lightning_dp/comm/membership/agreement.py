@@ -56,12 +56,14 @@ class Decision:
     joined: tuple[int, ...] = ()
     #: the new processes the change was asked to admit (admitted or not)
     asked: tuple[int, ...] = ()
+    #: the most ranks the job has had, this generation's included (a new member counts its quorum from there)
+    most: int = 0
 
     def message(self) -> dict[str, Any]:
         return {"t": "decision", "gen": self.generation, "members": list(self.members),
                 "committed": {str(k): v for k, v in self.committed.items()}, "store": list(self.store),
                 "lost": list(self.lost), "causes": {str(k): v for k, v in self.causes.items()},
-                "joined": list(self.joined), "asked": list(self.asked)}  # fmt: skip
+                "joined": list(self.joined), "asked": list(self.asked), "most": self.most}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> Decision:
@@ -71,6 +73,7 @@ class Decision:
             (str(message["store"][0]), int(message["store"][1])), tuple(int(r) for r in message["lost"]),
             {int(k): str(v) for k, v in message.get("causes", {}).items()},
             tuple(int(r) for r in message.get("joined", [])), tuple(int(r) for r in message.get("asked", [])),
+            int(message.get("most", 0)),
         )  # fmt: skip
 
 
@@ -364,8 +367,9 @@ class Agreement:
         heard = [set(m.get("hears", ())) for m in reports.values()]
         joined = [] if lost else sorted(r for r in self._admitting if all(r in h for h in heard))
         committed = {r: int(reports[r]["committed"]) for r in members}
-        decision = Decision(self.generation + 1, tuple(sorted(members + joined)), committed, self._serve_store(),
-                            tuple(lost), causes, tuple(joined), tuple(sorted(self._admitting)))  # fmt: skip
+        grown = tuple(sorted(members + joined))
+        decision = Decision(self.generation + 1, grown, committed, self._serve_store(), tuple(lost), causes,
+                            tuple(joined), tuple(sorted(self._admitting)), max(self._most, len(grown)))  # fmt: skip
         for peer in [*reports, *joined]:
             if peer != self.rank:
                 self._send(peer, decision.message())
@@ -382,7 +386,7 @@ class Agreement:
             self.committed = max(decision.committed.values(), default=0)
         self.generation = decision.generation
         self.members = decision.members
-        self._most = max(self._most, len(decision.members))
+        self._most = max(self._most, len(decision.members), decision.most)
         self._ever |= set(decision.members)
         self.began_at[decision.generation] = self._changing_since or time.monotonic()
         self.joining = False
