@@ -157,6 +157,26 @@ def test_balance_refuses_a_loader_it_cannot_resize():
 
 
 @pytest.mark.unit
+def test_max_ranks_past_the_global_batch_is_refused_at_the_training_loader():
+    """Each rank trains at least one sample of the global batch: a job of 2 ranks with 2 samples each may not grow
+    to 8."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import RunningStage
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_dp.comm.errors import ConfigurationError
+
+    strategy = RingAllReduceStrategy(on_rank_loss="continue", max_ranks=8)
+    strategy.rank_loss.membership = SimpleNamespace(places=8, original=(0, 1), members=(0, 1))  # type: ignore[assignment]
+    trainer = SimpleNamespace(state=SimpleNamespace(stage=RunningStage.TRAINING))
+    data = TensorDataset(torch.arange(16))
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    with pytest.raises(ConfigurationError, match="max_ranks=8 cannot be dealt the global batch of 4 samples"):
+        strategy.batches.training_loader(trainer, loader)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "device, intra_node, nodes, notice",
     [("cuda", "shm", 2, True), ("cuda", "ring", 2, False), ("cuda", "shm", 1, False), ("cpu", "shm", 2, False)],

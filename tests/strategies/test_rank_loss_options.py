@@ -63,6 +63,10 @@ def test_the_options_are_checked_by_name():
     assert ShardedParameterServerStrategy(on_rank_loss="continue", max_ranks=4).max_ranks == 4
     with pytest.raises(ConfigurationError, match="max_ranks=4 cannot be kept: .*num_servers=2 does not admit"):
         ShardedParameterServerStrategy(on_rank_loss="continue", num_servers=2, max_ranks=4)
+    # below the ranks the job starts with: refused once the world size is known, before any process starts
+    with pytest.raises(ConfigurationError, match="max_ranks=2 is below the 4 ranks the job starts with"):
+        RingAllReduceStrategy(on_rank_loss="continue", max_ranks=2)._check_world_size(4)
+    RingAllReduceStrategy(on_rank_loss="continue", max_ranks=4)._check_world_size(4)
 
 
 @pytest.mark.parametrize(
