@@ -112,7 +112,6 @@ class ProcessGroupStrategy(DDPStrategy):
         check_choice("start_method", start_method, START_METHODS)
         #: the ``on_rank_loss`` mode, chosen once here
         self.rank_loss: StopOnRankLoss = make_rank_loss(on_rank_loss, heartbeat_timeout, max_lost_ranks, max_ranks)
-        self.max_ranks = max_ranks
         if self.rank_loss.name == "continue" and start_method != "popen":
             raise ConfigurationError(
                 f"on_rank_loss='continue' needs start_method='popen' (got {start_method!r}): torch's multiprocessing "
@@ -253,6 +252,11 @@ class ProcessGroupStrategy(DDPStrategy):
             self._launcher.restarts = self.restart_lost_ranks
         else:
             self._launcher = ProcessLauncher(self, start_method=self._start_method)
+
+    @property
+    def max_ranks(self) -> int | None:
+        """How many ranks the job may grow to (``None``: as many as it starts with)."""
+        return getattr(self.rank_loss, "max_ranks", None)
 
     def _check_world_size(self, world_size: int) -> None:
         """Validate options against the number of processes (subclasses add theirs)."""
