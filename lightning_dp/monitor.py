@@ -70,6 +70,9 @@ class CommSummary:
                 )
             for server, seconds in zip(loss.get("lost_servers", []), loss.get("server_recovery_seconds", [])):
                 lines.append(f"lost dedicated server {server}; its replica took its share over {seconds:.3f} s later")
+            for server, seconds in zip(loss.get("returned_servers", []), loss.get("server_return_seconds", [])):
+                lines.append(f"dedicated server {server} started again and serves again, {seconds:.3f} s after it "
+                             "claimed its place")  # fmt: skip
             lines += _join_lines(loss)
             lines.append(f"samples of global batches no survivor trained: {loss['dropped_samples']}")
             if loss.get("lost_residuals"):
@@ -276,7 +279,12 @@ class CommMonitor(Callback):
         summary.skipped_steps = getattr(trainer.strategy, "skipped_steps", 0)
         rank_loss = getattr(trainer.strategy, "rank_loss", None)
         lost = rank_loss.metrics() if rank_loss is not None else {}
-        changed = lost.get("lost_ranks") or lost.get("lost_servers") or lost.get("joined_ranks")
+        changed = (
+            lost.get("lost_ranks")
+            or lost.get("lost_servers")
+            or lost.get("joined_ranks")
+            or lost.get("returned_servers")
+        )
         summary.rank_loss = lost if changed else None
         mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}
         summary.measured = {name: (mean[name] if timed or name.startswith("bytes") else None) for name in METRICS}

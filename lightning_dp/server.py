@@ -8,6 +8,10 @@ itself; across machines start one per server on the CPU machines::
 
     python -m lightning_dp.server --master-addr HOST --master-port PORT --server-index I --num-servers K
 
+With ``on_rank_loss="continue"`` the same command started again for a server the trainers lost joins the running
+job: once the trainers took it for lost it waits (``--timeout``) for their leader to let it in, receives the state of
+its shares from the server that served them meanwhile and serves again.
+
 Needs no Lightning: the optimizer classes the trainers use must be importable here (``torch.optim`` ones are).
 """
 
@@ -18,14 +22,23 @@ import json
 import os
 import pickle
 import sys
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from lightning_dp.comm.cluster.rendezvous import die_with_parent, interface_with_address, local_address_towards
-from lightning_dp.comm.errors import ForeignJobError
+from lightning_dp.comm.errors import ConfigurationError, ForeignJobError
 from lightning_dp.comm.membership.fence import connections_opened_by
 from lightning_dp.comm.servers import DedicatedServer, MemberGroup, run_store
-from lightning_dp.comm.servers.regroup import RegroupingServer, RegroupListener
+from lightning_dp.comm.servers.regroup import (
+    RegroupingServer,
+    RegroupListener,
+    claim_return,
+    join_running_job,
+    listener_key,
+)
 
 #: how long a server waits for the trainers' next message: without a deadline in practice (validation, checkpoint
 #: writing and a slow epoch end all pause the trainers); a lost trainer's closed sockets end any wait at once
@@ -53,6 +66,30 @@ def _exit_lost(name: str, error: BaseException) -> None:
     """A trainer was lost mid-run: the run cannot go on, and the serving loop may be waiting for trainer 0."""
     _log(f"{name} stops: {error}")
     os._exit(1)
+
+
+def _rejoin(store: dist.Store, args: argparse.Namespace, num_servers: int) -> RegroupingServer:
+    """A process started again for a lost server joins the running job (``on_rank_loss="continue"``): it claims the
+    server's place once the trainers took it for lost, and waits for their leader to let it in."""
+    started = time.monotonic()
+    plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
+    regroup = plan.extra.get("regroup")
+    if regroup is None:
+        raise ConfigurationError(
+            f"server {args.server_index} served this job already, which does not take a server started again "
+            "(it runs with on_rank_loss='stop'): restart the job"
+        )
+    listener = RegroupListener(local_address_towards(args.master_addr), regroup["token"], lambda message: None)
+    claim_return(store, args.server_index, listener.address, args.timeout)
+    _log(f"server {args.server_index} (pid {os.getpid()}) started again: waiting for the trainers to let it in")
+    rejoin = float(regroup["rejoin_timeout"])
+    server = join_running_job(plan, args.server_index, num_servers, listener, max(args.timeout, rejoin), rejoin,
+                              IDLE_TIMEOUT)  # fmt: skip
+    _log(
+        f"server {args.server_index} joined the running job in {time.monotonic() - started:.2f} s, at the trainers' "
+        f"generation {server.generation}, serving shares {list(server.serving[args.server_index])}"
+    )
+    return server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,19 +125,24 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{args.num_servers}")  # fmt: skip
         return 2
     try:
-        members, connections = connections_opened_by(
-            lambda: MemberGroup(store, num_trainers + args.server_index, num_trainers, expected, IDLE_TIMEOUT)
-        )
-        plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
-        regroup = plan.extra.get("regroup")
         server: DedicatedServer
-        if regroup is None:
-            server = DedicatedServer(members, plan, on_lost=lambda error: _exit_lost(name, error))
-        else:  # on_rank_loss="continue": it goes on with the trainers that survive a loss
-            server = RegroupingServer(members, plan, connections, float(regroup["rejoin_timeout"]), IDLE_TIMEOUT)
-            listener = RegroupListener(local_address_towards(args.master_addr), regroup["token"], server.on_regroup)
-            store.set(f"listener/{args.server_index}", json.dumps(list(listener.address)))
-        _log(f"{name} (pid {os.getpid()}) serves {server.layout.storage.numel()} elements for {num_trainers} trainers")
+        if store.check([listener_key(args.server_index)]):  # it served before: started again after its loss
+            server = _rejoin(store, args, expected)
+        else:
+            members, connections = connections_opened_by(
+                lambda: MemberGroup(store, num_trainers + args.server_index, num_trainers, expected, IDLE_TIMEOUT)
+            )
+            plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
+            regroup = plan.extra.get("regroup")
+            if regroup is None:
+                server = DedicatedServer(members, plan, on_lost=lambda error: _exit_lost(name, error))
+            else:  # on_rank_loss="continue": it goes on with the trainers that survive a loss
+                server = RegroupingServer(members, plan, connections, float(regroup["rejoin_timeout"]), IDLE_TIMEOUT)
+                listener = RegroupListener(local_address_towards(args.master_addr), regroup["token"],
+                                           server.on_regroup)  # fmt: skip
+                store.set(listener_key(args.server_index), json.dumps(list(listener.address)))
+            _log(f"{name} (pid {os.getpid()}) serves {server.layout.storage.numel()} elements for {num_trainers} "
+                 "trainers")  # fmt: skip
         server.run()
     except Exception as error:  # noqa: BLE001 - the run failed: exit non-zero with the reason
         _log(f"{name} stops: {error}")
@@ -109,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(server, RegroupingServer) and server.regroups:
         done += f" and {server.regroups} regroups" + (f", {server.replicas_made} replicas made again"
                                                        if server.replicas_made else "")  # fmt: skip
+    if isinstance(server, RegroupingServer) and server.shares_taken_back:
+        done += f" (joined the running job, {server.shares_taken_back} shares taken back)"
     _log(done)
     return 0
 

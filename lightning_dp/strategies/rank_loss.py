@@ -251,6 +251,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._welcoming: set[int] = set()
         #: the change that was to admit the new processes dealt a share did not
         self._refused = False
+        #: called at every step boundary before the members' row is gathered: where a change that loses no rank is
+        #: requested (a lost dedicated server started again), so that it happens at a sync point, not mid-checkpoint
+        self.boundary_hooks: list[Callable[[], None]] = []
         self._reset()
         self._reset_counters()
 
@@ -283,6 +286,10 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.lost_servers: list[int] = []
         self._joins: list[Join] = []
         self.server_recovery_seconds: list[float] = []
+        #: dedicated servers a process started again for serves again, and the seconds from its claim on the run's
+        #: store to the trainers going on with it (the leader's clock)
+        self.returned_servers: list[int] = []
+        self.server_return_seconds: list[float] = []
         #: lost ranks whose error-feedback residual (the codec's rounding not yet sent) was lost with them
         self.lost_residuals: list[int] = []
         #: per admission: the seconds the members paused for it (from the admission to the state handed over), and
@@ -833,6 +840,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return
         membership = self.membership
         assert membership is not None
+        for hook in self.boundary_hooks:
+            hook()
         pending, start = (self._pending[0], self._pending[1]) if self._pending is not None else ([], (-1, -1))
         offered = sorted(membership.candidates() - set(membership.members)) if self._pending is None else []
         row = [1 if getattr(trainer, "received_sigterm", False) else 0, _mask(offered), _mask(pending), *start,
@@ -997,6 +1006,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "caught_up_steps": self.caught_up_steps,
             "lost_servers": list(self.lost_servers),
             "server_recovery_seconds": list(self.server_recovery_seconds),
+            "returned_servers": list(self.returned_servers),
+            "server_return_seconds": list(self.server_return_seconds),
             "lost_residuals": list(self.lost_residuals),
             "joined_ranks": [join.rank for join in self.joins],
             "join_steps": list(self.join_steps),

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
+import json
 
-from lightning_dp.comm.servers.regroup import replica_holders, replicas_to_make, serving_after, union_segments
+import pytest
+import torch.distributed as dist
+
+from lightning_dp.comm.servers.regroup import (
+    LOST,
+    Regroup,
+    claim_return,
+    replica_holders,
+    replicas_to_make,
+    returning_address,
+    serving_after,
+    serving_back,
+    state_key,
+    union_segments,
+)
 from lightning_dp.comm.servers.replicas import ReplicaLostError
+from tests.helpers.distributed import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +72,53 @@ def test_a_server_serving_two_shares_serves_one_range_of_every_bucket():
     assert union_segments(segments, [(0, 1), (2,)]) == [[(0, 20), (20, 30)], [(0, 4), (4, 9)]]
     with pytest.raises(ValueError, match="do not adjoin"):
         union_segments(segments, [(0, 2), (1,)])
+
+
+def test_a_server_started_again_takes_back_its_share_and_those_on_its_side():
+    """Every server keeps one contiguous run of shares (adjoining ranges of every bucket), its own among them; the
+    giver keeps its copy as the replica where it holds the returning server's replicas, so no replica is made of it
+    (planted: a giver that keeps nothing makes share 1's replica missing)."""
+    assert serving_back({0: (0,), 2: (1, 2)}, 1) == ({0: (0,), 1: (1,), 2: (2,)}, 2)
+    assert serving_back({0: (0, 1, 2)}, 2) == ({0: (0, 1), 2: (2,)}, 0)
+    assert serving_back({0: (0, 1), 2: (2,)}, 1) == ({0: (0,), 1: (1,), 2: (2,)}, 0)
+    assert serving_back({0: (0,), 3: (1, 2, 3)}, 1) == ({0: (0,), 1: (1,), 3: (2, 3)}, 3)
+    with pytest.raises(ValueError, match="serves already"):
+        serving_back({0: (0,), 1: (1,)}, 1)
+    before, after = {0: (0,), 2: (1, 2)}, {0: (0,), 1: (1,), 2: (2,)}
+    assert replicas_to_make(before, after, [(1, 2, 1)]) == {1: (0, 2)}
+    assert replicas_to_make(before, after) == {1: (0, 2), 2: (1,)}
+    message = Regroup(3, 2, (0, 1, 2), ((0,), (1,), (2,)), ("127.0.0.1", 1), "p", "run", ((1, 2, 1),))
+    assert Regroup.decode(json.loads(message.encode()[4:])) == message
+
+
+def test_a_process_started_again_claims_a_lost_servers_place_once():
+    """It waits while the server serves (refused after its timeout), claims the place once the leader marked it lost,
+    and a second process for the same place is refused."""
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    with pytest.raises(TimeoutError, match="was not lost"):
+        claim_return(store, 1, ("127.0.0.1", 5), wait_seconds=0.5)
+    assert returning_address(store, 1) is None
+    store.set(state_key(1), LOST)
+    claim_return(store, 1, ("127.0.0.1", 5), wait_seconds=5)
+    assert returning_address(store, 1) == ("127.0.0.1", 5)
+    with pytest.raises(TimeoutError, match="was not lost"):  # claimed: no longer lost
+        claim_return(store, 1, ("127.0.0.1", 6), wait_seconds=0.5)
+    assert returning_address(store, 1) == ("127.0.0.1", 5)
+
+
+def test_every_sequence_of_losses_and_returns_keeps_each_servers_shares_adjoining():
+    """Four servers, any two lost in turn (each while the others serve) and both started again in either order:
+    every server serves its own share and one contiguous run of shares, every share is served once, and the
+    ranges of every bucket adjoin (:func:`union_segments` accepts them)."""
+    segments = [[(10 * s, 10 * s + 10) for s in range(4)]]
+    for first, second in itertools.permutations(range(4), 2):
+        for back in itertools.permutations((first, second)):
+            serves = serving_after(serving_after({s: (s,) for s in range(4)}, {first}), {second})
+            for server in back:
+                serves, giver = serving_back(serves, server)
+                assert giver != server and server in serves[server]
+                for s, shares in serves.items():
+                    assert s in shares and list(shares) == list(range(shares[0], shares[-1] + 1)), serves
+                assert sorted(x for shares in serves.values() for x in shares) == [0, 1, 2, 3]
+                union_segments(segments, [serves[s] for s in sorted(serves)])
+            assert serves == {s: (s,) for s in range(4)}

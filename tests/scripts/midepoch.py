@@ -12,6 +12,8 @@ import argparse
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,6 +119,16 @@ parser.add_argument(
     help="trainer 0 SIGKILLs the dedicated server it started, at STEP (see --lose-server-when); repeatable",
 )
 parser.add_argument(
+    "--replace-server",
+    type=int,
+    nargs=2,
+    action="append",
+    default=[],
+    metavar=("SERVER", "STEP"),
+    help="trainer 0 starts python -m lightning_dp.server again for the lost SERVER in its training step of STEP, and "
+    "waits there until the new process claimed the server's place",
+)
+parser.add_argument(
     "--lose-server-when",
     choices=("flight", "exchange", "pull"),
     default="flight",
@@ -144,6 +156,9 @@ args = parser.parse_args()
 REPLACEMENT = os.environ.get("LIGHTNING_DP_TEST_REPLACEMENT") == "1" or "LIGHTNING_DP_RESTART" in os.environ
 #: --lose-server's steps and the server lost at each
 server_losses = {step: server for server, step in args.lose_server}
+#: --replace-server's steps and the server started again at each; the processes started
+server_returns = {step: server for server, step in args.replace_server}
+started_again: list[subprocess.Popen] = []
 out = Path(args.out)
 
 
@@ -212,6 +227,8 @@ class Model(L.LightningModule):
             if self.global_step in server_losses:
                 kill_server(server_losses[self.global_step])
                 time.sleep(0.3)
+        if self.global_rank == 0 and self.global_step in server_returns:
+            start_server_again(server_returns[self.global_step])
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.collectives:
             self.log("train_loss", loss, sync_dist=True)
@@ -331,6 +348,24 @@ def kill_server(server: int) -> None:
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
     (out / f"server-lost-{server}").touch()
+
+
+def start_server_again(server: int) -> None:
+    """Start ``python -m lightning_dp.server`` for the lost dedicated ``server`` as a user would (the trainers'
+    MASTER_ADDR and MASTER_PORT, no job scope), and wait until it claimed the server's place in the run's store and
+    the leader (this process) saw the claim: the change that lets it in comes before any later step's loss."""
+    from lightning_dp.comm.servers.regroup import returning_address
+
+    command = [sys.executable, "-m", "lightning_dp.server", "--master-addr", os.environ["MASTER_ADDR"],
+               "--master-port", os.environ["MASTER_PORT"], "--server-index", str(server), "--num-servers",
+               str(args.num_servers), "--timeout", "60"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    started_again.append(subprocess.Popen(command, env=env))  # noqa: S603 - our own module
+    engine = trainer.strategy.engine
+    deadline = time.monotonic() + 60
+    while returning_address(engine._run_store, server) is None or server not in engine._returning:
+        assert time.monotonic() < deadline, f"server {server} started again was not seen within 60 s"
+        time.sleep(0.1)
 
 
 class LoseServerAfterBackward(L.Callback):
@@ -495,6 +530,7 @@ trainer = L.Trainer(
     plugins=[VariablesEnvironment()] if args.variables_environment else None,
 )
 trainer.fit(model, ckpt_path=resume)
+returned_codes = [process.wait(30) for process in started_again]  # (stopped by trainer 0 at the fit's end)
 if args.lose_after_fit and trainer.global_rank == args.lose_rank:  # between two stages of the job
     time.sleep(1.0)  # the others are in the next stage's first collectives by now
     os.kill(os.getpid(), signal.SIGKILL)
@@ -522,7 +558,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "codec": getattr(trainer.strategy, "codec", None).__class__.__name__,
             "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-            "val_counted": counted, "step_ends": model.step_ends,
+            "val_counted": counted, "step_ends": model.step_ends, "returned_codes": returned_codes,
             "full_gradients": getattr(trainer.strategy, "full_gradients", None),
             "final_states": getattr(getattr(trainer.strategy, "engine", None), "final_states", None), "shards": shards,
             "gradient_norms": next((c.norms for c in trainer.callbacks if isinstance(c, ReadGradients)), None)},

@@ -6,6 +6,7 @@ state of the last checkpoint the one process's, and each server stepped once per
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 from lightning_dp.comm.servers.regroup import Regroup, RegroupListener, tell_server
 from tests.helpers.distributed import free_port
 from tests.helpers.launch import run_script, subprocess_env
-from tests.helpers.midepoch import read_seen, replay_loss
+from tests.helpers.midepoch import read_seen, replay, replay_loss
 from tests.helpers.replicas import close
 
 DEVICES, BATCH, SAMPLES, EPOCHS, LOST_AT, SERVER_LOST_AT, SECOND_SERVER_LOST_AT, CLIP = 3, 4, 72, 2, 4, 7, 10, 0.05
@@ -245,3 +246,46 @@ def test_a_lost_server_without_a_replica_stops_every_trainer_naming_it(tmp_path)
     )  # fmt: skip
     assert all(code != 0 for code in result.codes), result.codes
     assert "ReplicaLostError: dedicated server 0 was lost with share 0" in result.stdout, result.stdout[-5000:]
+
+
+RETURN_LOST_AT, RETURN_AT, OTHER_LOST_AT, RETURN_TRAINERS = 4, 7, 12, 2
+
+
+@pytest.mark.multiprocess
+def test_a_lost_server_started_again_serves_again_and_the_next_loss_is_survived(tmp_path):
+    """``sharded_ps`` with two trainers and two dedicated servers: server 1 is SIGKILLed at step 4 (server 0 serves
+    both shares from its replica); at step 7 ``python -m lightning_dp.server`` is started again for it, as a user
+    would, and claims its place; the trainers let it in at their next change: it takes its share back from server 0,
+    which keeps it as its replica, and receives server 0's to replicate. At step 12 server 0 is SIGKILLed: server 1
+    serves both shares from that replica to the end. Every step equals one process on the global batch, the last
+    checkpoint's optimizer state the one process's (a planted handover without the optimizer state fails it)."""
+    steps = EPOCHS * SAMPLES // (RETURN_TRAINERS * BATCH)
+    result = run_script(
+        "midepoch", "--strategy", "sharded_ps", "--devices", str(RETURN_TRAINERS), "--num-servers", "2",
+        "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
+        "continue", "--heartbeat-timeout", "2", "--lose-server", "1", str(RETURN_LOST_AT), "--replace-server", "1",
+        str(RETURN_AT), "--lose-server", "0", str(OTHER_LOST_AT), "--clip-norm", str(CLIP), "--out", str(tmp_path),
+        timeout=180,
+    )  # fmt: skip
+    trainers = [torch.load(tmp_path / f"rank{r}.pt") for r in range(RETURN_TRAINERS)]
+    for t in trainers:
+        metrics = t["rank_loss"]
+        assert metrics["lost_ranks"] == [] and metrics["lost_servers"] == [1, 0], metrics
+        assert metrics["returned_servers"] == [1] and len(metrics["server_return_seconds"]) == 1, metrics
+        assert len(t["history"]) == t["global_step"] == steps
+    assert trainers[0]["returned_codes"] == [0]
+    assert "server 1 joined the running job" in result.stdout, result.stdout[-5000:]
+    done = re.search(r"server 1 done after (\d+) steps and 1 regroups, 1 replicas made again \(joined the running "
+                     r"job, 1 shares taken back\)", result.stdout)  # fmt: skip
+    assert done is not None and steps - RETURN_AT >= int(done.group(1)) >= steps - OTHER_LOST_AT, result.stdout[-5000:]
+    assert "started again and serve again: server 1 takes back shares [1] from server 0" in result.stdout
+    assert "did not stop cleanly" not in result.stdout
+    batches = [[i for t in trainers for i in t["trained"][j]] for j in range(steps)]
+    momenta: list[torch.Tensor] = []
+    reference = replay(batches, trainers[0]["history"], SAMPLES, clip_norm=CLIP, momenta=momenta)
+    assert len(reference) == steps
+    for j, want in enumerate(reference):
+        assert torch.equal(trainers[0]["history"][j][2], trainers[1]["history"][j][2]), f"after batch {j}"
+        close(trainers[0]["history"][j][2], want, f"after batch {j}")
+    state = torch.load(tmp_path / "ckpt" / f"step={steps}.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    close(torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)]), momenta[-1], "the momenta")

@@ -9,11 +9,17 @@ which the server listens on from set-up (:class:`RegroupListener`). The server f
 whatever it waited for fails at once, and forms the next one with the survivors.
 
 The trainers hold no share: the servers hold the whole state, and a trainer's loss takes none of it. Each server's
-server's shares have their replicas on its neighbour (:func:`replica_holders`): the server forwards its summed
-gradients to it at every synchronization and the neighbour steps its copies with the same request, so a lost server's
-shares are taken over by its neighbour, whose range of every bucket they adjoin (:func:`serving_after`,
-:func:`union_segments`). After a loss every share the servers left serve has its replica made again on its server's
-new neighbour (:func:`replicas_to_make`), its state sent once by the server, so that the next loss is survived too.
+shares have their replicas on its neighbour (:func:`replica_holders`): the server forwards its summed gradients to it
+at every synchronization and the neighbour steps its copies with the same request, so a lost server's shares are
+taken over by its neighbour, whose range of every bucket they adjoin (:func:`serving_after`, :func:`union_segments`).
+After a loss every share the servers left serve has its replica made again on its server's new neighbour
+(:func:`replicas_to_make`), its state sent once by the server, so that the next loss is survived too.
+
+A process started again for a lost server (``python -m lightning_dp.server``, the same command) claims its place in
+the run's store once the leader took it for lost (:func:`claim_return`); the leader's watch sees the claim, the
+trainers agree on a change that loses nobody, and the leader's regroup message lets it serve again: it takes back its
+own share, with the shares its taker took over on its side (:func:`serving_back`), whose state the server that served
+them sends it before either serves (:meth:`RegroupingServer._hand_over`); then the replicas are made as after a loss.
 
 Each step is a sequence of requests from the leader that a server can answer again after a regroup
 (:class:`RegroupingServer`): ``SYNC`` (sum every trainer's gradients, forward them to the replica, acknowledge),
@@ -32,7 +38,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,18 +72,22 @@ class Regroup:
     prefix: str
     #: proof that the message comes from this run, not from a stray process
     token: str
+    #: ``(share, from server, to server)``: shares a server that returned takes back, their state sent by the server
+    #: that served them (:func:`serving_back`)
+    handed: tuple[tuple[int, int, int], ...] = ()
 
     def encode(self) -> bytes:
         return _frame({"generation": self.generation, "num_trainers": self.num_trainers, "servers": list(self.servers),
                        "serves": [list(s) for s in self.serves], "store": list(self.store), "prefix": self.prefix,
-                       "token": self.token})  # fmt: skip
+                       "token": self.token, "handed": [list(h) for h in self.handed]})  # fmt: skip
 
     @classmethod
     def decode(cls, fields: dict[str, Any]) -> Regroup:
+        handed = tuple((int(a), int(b), int(c)) for a, b, c in fields.get("handed", []))
         return cls(int(fields["generation"]), int(fields["num_trainers"]), tuple(int(s) for s in fields["servers"]),
                    tuple(tuple(int(x) for x in s) for s in fields["serves"]),
                    (str(fields["store"][0]), int(fields["store"][1])), str(fields["prefix"]),
-                   str(fields["token"]))  # fmt: skip
+                   str(fields["token"]), handed)  # fmt: skip
 
 
 def _frame(fields: dict[str, Any]) -> bytes:
@@ -116,20 +127,42 @@ def serving_after(
     return after
 
 
+def serving_back(serves: dict[int, tuple[int, ...]], server: int) -> tuple[dict[int, tuple[int, ...]], int]:
+    """Which shares each server serves once ``server``, lost earlier, serves again (``serves``: by server in member
+    order, ``server`` not among them), and the server that hands them to it. It takes back its own share from the
+    server that serves it now, with the shares that server took over on its side of ``server``'s share, so that every
+    server's shares stay one contiguous run of the servers' order (adjoining ranges of every bucket); that server
+    keeps its own share. :class:`ValueError` where ``server`` serves already or its share is nowhere."""
+    if server in serves:
+        raise ValueError(f"dedicated server {server} serves already")
+    holder = next((s for s, shares in serves.items() if server in shares), None)
+    if holder is None:
+        raise ValueError(f"share {server} is served by no server: {serves}")
+    taken = tuple(s for s in serves[holder] if (s >= server if holder < server else s <= server))
+    after = {s: tuple(x for x in shares if x not in taken) if s == holder else shares for s, shares in serves.items()}
+    after[server] = taken
+    return dict(sorted(after.items())), holder
+
+
 def replicas_to_make(
-    before: dict[int, tuple[int, ...]], after: dict[int, tuple[int, ...]]
+    before: dict[int, tuple[int, ...]],
+    after: dict[int, tuple[int, ...]],
+    handed: Collection[tuple[int, int, int]] = (),
 ) -> dict[int, tuple[int, ...]]:
     """``server -> shares``: the replicas each server must receive once the servers serve ``after`` instead of
     ``before`` (both by server in member order): those of the shares whose holder changed, a share taken over by its
-    holder among them."""
+    holder among them. A share ``handed`` back ``(share, from, to)`` needs none where its giver holds ``to``'s
+    replicas (the giver keeps its copy as the replica)."""
     held_before = replica_holders(sorted(before))
-    where_before = {share: held_before.get(server) for server, shares in before.items() for share in shares}
+    where_before = {share: {held_before.get(server)} for server, shares in before.items() for share in shares}
+    for share, giver, _ in handed:
+        where_before.setdefault(share, set()).add(giver)
     holders = replica_holders(sorted(after))
     make: dict[int, tuple[int, ...]] = {}
     for server, shares in after.items():
         holder = holders.get(server)
         if holder is not None:
-            moved = tuple(share for share in shares if where_before.get(share) != holder)
+            moved = tuple(share for share in shares if holder not in where_before.get(share, set()))
             if moved:
                 make[holder] = tuple(sorted((*make.get(holder, ()), *moved)))
     return make
@@ -149,6 +182,53 @@ def union_segments(server_segments: list[list[Segment]], serves: list[tuple[int,
             row.append((ranges[0][0], ranges[-1][1]) if ranges else (0, 0))
         table.append(row)
     return table
+
+
+#: a dedicated server's state in the run's store, by the trainers' leader: lost (a process started again for it may
+#: join), serving again; a process started again for it claims the place with :data:`JOINING` and its listener
+LOST, SERVING, JOINING = "lost", "serving", "joining "
+
+
+def state_key(index: int) -> str:
+    """The run store's key of dedicated server ``index``'s state (:data:`LOST`, ...); absent until it is lost."""
+    return f"server/{index}/state"
+
+
+def listener_key(index: int) -> str:
+    """The run store's key of dedicated server ``index``'s first listener (written at set-up)."""
+    return f"listener/{index}"
+
+
+def claim_return(store: dist.Store, index: int, address: tuple[str, int], wait_seconds: float) -> None:
+    """A process started again for dedicated server ``index``, listening at ``address``: waits up to
+    ``wait_seconds`` for the trainers' leader to have taken the server for lost, then claims its place, one process
+    at a time, so that the leader lets it in at its next probe. :class:`TimeoutError` where the server is not lost
+    (it still serves), :class:`RuntimeError` where another process claimed the place first."""
+    key, claim = state_key(index), JOINING + json.dumps(list(address))
+    deadline = time.monotonic() + wait_seconds
+    while not (store.check([key]) and store.get(key).decode() == LOST):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"dedicated server {index} was not lost (it still serves, or its loss was not noticed within "
+                f"{wait_seconds:.0f} s): a process started again for it joins only after its loss"
+            )
+        time.sleep(0.2)
+    got = store.compare_set(key, LOST, claim)
+    if (got.decode() if isinstance(got, bytes) else str(got)) != claim:
+        raise RuntimeError(f"another process started for dedicated server {index} is joining the running job")
+
+
+def returning_address(store: dist.Store, index: int) -> tuple[str, int] | None:
+    """The listener of a process that claimed lost dedicated server ``index``'s place (:func:`claim_return`), if
+    one did."""
+    key = state_key(index)
+    if not store.check([key]):
+        return None
+    value = store.get(key).decode()
+    if not value.startswith(JOINING):
+        return None
+    host, port = json.loads(value[len(JOINING) :])
+    return str(host), int(port)
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
@@ -183,8 +263,9 @@ class ServerWatch:
     ``timeout`` seconds or finds its host unreachable: a host cut off or a process stopped, which closes no
     connection. Any other failure is not silence and is not reported: a process that died refuses the connection
     and has closed its own (the trainers' next exchange with it fails at once), and a local error is not a lost
-    server. ``watching()``: the servers to probe now (none where this trainer is not the leader);
-    ``on_silent(server, why)`` runs on the watch's thread."""
+    server. ``listeners``: each server's listener, by server (read at each probe: a server started again listens
+    elsewhere); ``watching()``: the servers to probe now (none where this trainer is not the leader);
+    ``on_silent(server, why)`` and ``on_tick()`` (once per interval, before the probes) run on the watch's thread."""
 
     def __init__(
         self,
@@ -194,9 +275,10 @@ class ServerWatch:
         timeout: float,
         watching: Callable[[], Sequence[int]],
         on_silent: Callable[[int, str], None],
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
-        self.listeners, self.token, self.interval, self.timeout = list(listeners), token, interval, timeout
-        self.watching, self.on_silent = watching, on_silent
+        self.listeners, self.token, self.interval, self.timeout = listeners, token, interval, timeout
+        self.watching, self.on_silent, self.on_tick = watching, on_silent, on_tick
         #: the servers reported silent
         self.silent: set[int] = set()
         self._stopped = threading.Event()
@@ -204,6 +286,8 @@ class ServerWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
+            if self.on_tick is not None:
+                self.on_tick()
             for server in self.watching():
                 if server in self.silent:
                     continue
@@ -275,7 +359,9 @@ class RegroupingServer(DedicatedServer):
 
     ``connections``: the TCP connections of ``members`` (fenced when a regroup message arrives); ``rejoin_timeout``:
     seconds it waits after its member group failed for the trainers' leader to say how the run goes on, before it
-    stops with that failure; ``group_timeout``: the timeout of the member groups it forms."""
+    stops with that failure; ``group_timeout``: the timeout of the member groups it forms. ``joining``: the regroup
+    message that let this server, started again after its loss, join the running job (``members`` formed from it);
+    ``num_servers``: the servers the run started with (with ``joining``: ``members`` has those serving now)."""
 
     def __init__(
         self,
@@ -284,10 +370,16 @@ class RegroupingServer(DedicatedServer):
         connections: list[Connection],
         rejoin_timeout: float,
         group_timeout: timedelta,
+        joining: Regroup | None = None,
+        num_servers: int | None = None,
     ) -> None:
-        super().__init__(members, plan)
-        self.index = members.rank - members.num_trainers
-        self.num_servers = k = members.num_servers
+        k = members.num_servers if num_servers is None else num_servers
+        place = members.rank - members.num_trainers
+        index = place if joining is None else joining.servers[place]
+        #: the member rank of server 0 when the run started (the plan's segments are laid out by those ranks)
+        self._first_server_member = len(plan.segments[0]) - k if plan.segments else members.num_trainers
+        super().__init__(members, plan, member_index=self._first_server_member + index)
+        self.index, self.num_servers = index, k
         self.rejoin_timeout = rejoin_timeout
         self.group_timeout = group_timeout
         self.generation = 0
@@ -295,8 +387,6 @@ class RegroupingServer(DedicatedServer):
         self.servers: tuple[int, ...] = tuple(range(k))
         #: the shares each server serving now serves (a share: the index of the server that served it at first)
         self.serving: dict[int, tuple[int, ...]] = {s: (s,) for s in range(k)}
-        #: the member rank of server 0 when the run started (the plan's segments are laid out by those ranks)
-        self._first_server_member = members.num_trainers
         #: the shares this server serves: its own (itself), then those it took over
         self.shares: dict[int, DedicatedServer] = {self.index: self}
         #: the replicas of shares other servers serve, held here, by share
@@ -305,6 +395,17 @@ class RegroupingServer(DedicatedServer):
         #: replicas received from another server since the run started (after a loss)
         self.replicas_made = 0
         self._replicas_pending = False
+        #: shares this server gave back to a server that returned (``share -> (state, to server)``), kept until the
+        #: next step in case it asks again
+        self._handing: dict[int, tuple[DedicatedServer, int]] = {}
+        #: shares a returning server is still to receive from the server that served them (``share -> giver``)
+        self._receiving: dict[int, int] = {}
+        #: the servers this one receives shares from, and those it sends shares to, in the handover under way
+        self._givers: list[int] = []
+        self._takers: list[int] = []
+        self._handover_pending = False
+        #: shares received from the servers that served them while this one was lost
+        self.shares_taken_back = 0
         #: the last step key each share (or replica) stepped optimizer ``index`` with: ``(server, index) -> key``
         self.stepped: dict[tuple[int, int], Any] = {}
         #: regroups this server went through
@@ -314,6 +415,10 @@ class RegroupingServer(DedicatedServer):
         self._connections = list(connections)
         self._pending: Regroup | None = None
         self._regroup_cond = threading.Condition()
+        if joining is not None:  # nothing held yet: every share it serves and replica it holds comes from the others
+            self.replicas = {}
+            self.generation = joining.generation
+            self._follow(joining)
         self._lay_out()
 
     def _lay_out(self) -> None:
@@ -355,6 +460,8 @@ class RegroupingServer(DedicatedServer):
         exchange waits for the trainers' regroup (:meth:`_regroup`), and raises where none comes."""
         while True:
             try:
+                if self._handover_pending:
+                    self._hand_over()
                 if self._replicas_pending:
                     self._make_replicas()
                 self._serve()
@@ -476,6 +583,7 @@ class RegroupingServer(DedicatedServer):
             stepped = stepped or server in self.shares
         if stepped:
             self.steps += 1
+        self._handing = {}  # every server answered since the handover: nobody asks for those shares again
         spec = self.plan.optimizers[index]
         self._send_weights([b for b in buckets_of(spec.groups, self.plan.buckets) if b in self.ranges])
 
@@ -534,22 +642,66 @@ class RegroupingServer(DedicatedServer):
         self.members = members
         self.generation = message.generation
         self.regroups += 1
+        self._follow(message)
+        self._lay_out()
+
+    def _follow(self, message: Regroup) -> None:
+        """Take the shares ``message`` says this server serves: its own and those it served before, those whose
+        replica it holds (their server is lost), and those handed back to it (received before it serves); give back
+        those it hands to a server that returned (kept as the replica where it holds that server's); keep the
+        replicas it still holds."""
         self.servers = message.servers
         self.serving = dict(zip(message.servers, message.serves, strict=True))
+        holders = replica_holders(self.servers)
+        for share, giver, taker in message.handed:
+            if giver == self.index and share in self.shares and share != self.index:
+                served = self.shares.pop(share)
+                self._handing[share] = (served, taker)
+                if holders.get(taker) == self.index:  # the copy given back stays here as its replica
+                    self.replicas[share] = served
+        self._receiving = {share: giver for share, giver, taker in message.handed if taker == self.index}
+        self._givers = sorted({giver for _, giver, taker in message.handed if taker == self.index} - {self.index})
+        self._takers = sorted({taker for _, giver, taker in message.handed if giver == self.index} - {self.index})
         for share in self.serving[self.index]:
             if share in self.shares:
                 continue
-            if share not in self.replicas:
+            if share in self.replicas:  # its server is lost: the replica held here serves now
+                self.shares[share] = self.replicas.pop(share)
+            elif share in self._handing:  # the server it was handed to is lost before it served it
+                self.shares[share] = self._handing.pop(share)[0]
+            elif share in self._receiving:
+                self.shares[share] = self if share == self.index else self._share(share)
+            else:
                 raise ReplicaLostError(
                     f"dedicated server {self.index} was told to serve share {share}, of which it holds no replica"
                 )
-            self.shares[share] = self.replicas.pop(share)  # its server is lost: the replica held here serves now
-        holders = replica_holders(self.servers)
         wanted = {share for server, shares in self.serving.items() if holders.get(server) == self.index
                   for share in shares}  # fmt: skip
         self.replicas = {share: replica for share, replica in self.replicas.items() if share in wanted}
+        self._handover_pending = bool(message.handed)
         self._replicas_pending = True
-        self._lay_out()
+
+    def _hand_over(self) -> None:
+        """Every server, after a regroup that lets a lost server serve again: each returning server asks the server
+        that served its shares for the state of those it has not received yet, and that server sends it (as for a
+        replica made again, :meth:`_share_state`)."""
+        asks = {self._member(g): [share for share, giver in sorted(self._receiving.items()) if giver == g]
+                for g in self._givers}  # fmt: skip
+        asked = self.members.exchange_objects(asks, [self._member(t) for t in self._takers], Tag.REPLICA)
+        outgoing: dict[int, Any] = {}
+        for member, shares in asked.items():
+            missing = [share for share in shares if share not in self._handing]
+            if missing:
+                raise ReplicaLostError(f"dedicated server {self.index} was asked for shares {missing}, which it "
+                                       "no longer holds")  # fmt: skip
+            outgoing[member] = [self._share_state(share, self._handing[share][0]) for share in shares]
+        arrived = self.members.exchange_objects(outgoing, list(asks), Tag.REPLICA)
+        for member, shares in asks.items():
+            for share, state in zip(shares, arrived[member], strict=True):
+                self._load_share(self.shares[share], share, state)
+                self._receiving.pop(share)
+                self.shares_taken_back += 1
+        self._handover_pending = False
 
     def _make_replicas(self) -> None:
         """Every server: ask each server whose replicas it holds for those of its shares it holds no replica of
@@ -574,9 +726,9 @@ class RegroupingServer(DedicatedServer):
                 self.replicas_made += 1
         self._replicas_pending = False
 
-    def _share_state(self, share: int) -> dict[str, Any]:
-        """What a new replica of ``share`` (served here) needs to go on as the share does."""
-        served = self.shares[share]
+    def _share_state(self, share: int, served: DedicatedServer | None = None) -> dict[str, Any]:
+        """What a new replica of ``share`` (served here, or ``served``) needs to go on as the share does."""
+        served = self.shares[share] if served is None else served
         count = len(served.optimizers)
         return {
             "weights": served.layout.storage, "gradients": served.gradients, "flags": served.flags,
@@ -586,7 +738,10 @@ class RegroupingServer(DedicatedServer):
         }  # fmt: skip
 
     def _replica_from(self, share: int, state: dict[str, Any]) -> DedicatedServer:
-        replica = self._share(share)
+        return self._load_share(self._share(share), share, state)
+
+    def _load_share(self, replica: DedicatedServer, share: int, state: dict[str, Any]) -> DedicatedServer:
+        """``replica`` (a copy of ``share``) set to ``state`` (:meth:`_share_state`)."""
         with torch.no_grad():
             replica.layout.storage.copy_(state["weights"])
             replica.gradients.copy_(state["gradients"])
@@ -603,34 +758,110 @@ class RegroupingServer(DedicatedServer):
 
     def _form(self, message: Regroup) -> MemberGroup | None:
         """The member group of ``message``'s generation (``None`` where a newer message came first)."""
-        outcome: list[Any] = []
-        done = threading.Event()
-        rank = message.num_trainers + message.servers.index(self.index)
 
-        def create() -> MemberGroup:
-            store = dist.TCPStore(message.store[0], message.store[1], is_master=False, timeout=self.group_timeout)
-            return MemberGroup(dist.PrefixStore(message.prefix, store), rank, message.num_trainers,
-                               len(message.servers), self.group_timeout)  # fmt: skip
-
-        def run() -> None:
-            try:
-                outcome.append(connections_opened_by(create))
-            except BaseException as failure:  # noqa: BLE001 - handed to the serving thread
-                outcome.append(failure)
-            done.set()
-
-        threading.Thread(target=run, daemon=True, name="lddp-server-form").start()
-        while not done.wait(0.05):
+        def newer() -> bool:
             with self._regroup_cond:
-                if self._pending is not None:  # a newer generation: this one will not form
-                    return None
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        members, connections = outcome[0]
+                return self._pending is not None
+
+        formed = form_member_group(message, self.index, self.group_timeout, newer)
+        if formed is None:
+            return None
+        members, connections = formed
         with self._regroup_cond:
             self._connections = connections
-            newer = self._pending is not None
-        if newer:
+            later = self._pending is not None
+        if later:
             fence(connections)
             return None
         return members
+
+
+def form_member_group(
+    message: Regroup, index: int, timeout: timedelta, newer: Callable[[], bool]
+) -> tuple[MemberGroup, list[Connection]] | None:
+    """Server ``index``'s member group of ``message``'s generation and its TCP connections (``None`` where
+    ``newer()`` says a newer message came first: that generation will not form)."""
+    outcome: list[Any] = []
+    done = threading.Event()
+    rank = message.num_trainers + message.servers.index(index)
+
+    def create() -> MemberGroup:
+        store = dist.TCPStore(message.store[0], message.store[1], is_master=False, timeout=timeout)
+        return MemberGroup(dist.PrefixStore(message.prefix, store), rank, message.num_trainers,
+                           len(message.servers), timeout)  # fmt: skip
+
+    def run() -> None:
+        try:
+            outcome.append(connections_opened_by(create))
+        except BaseException as failure:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(failure)
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="lddp-server-form").start()
+    while not done.wait(0.05):
+        if newer():
+            return None
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return cast("tuple[MemberGroup, list[Connection]]", outcome[0])
+
+
+def _newer_than(messages: list[Regroup], generation: int) -> bool:
+    return messages[-1].generation > generation
+
+
+def join_running_job(
+    plan: ServerPlan,
+    index: int,
+    num_servers: int,
+    listener: RegroupListener,
+    wait_seconds: float,
+    rejoin_timeout: float,
+    group_timeout: timedelta,
+) -> RegroupingServer:
+    """Dedicated server ``index``, started again after its loss, joins the running job: it waits up to
+    ``wait_seconds`` for the trainers' leader to say on ``listener`` that it serves again (the leader finds it at
+    its next probe, see :func:`claim_return`), forms the member group of that generation (a newer message
+    meanwhile: that one's) and returns the server, which receives the state of its shares from the server that served
+    them before it serves (:meth:`RegroupingServer.run`). :class:`TimeoutError` where no message comes,
+    :class:`RuntimeError` where the trainers went on without it."""
+    cond = threading.Condition()
+    messages: list[Regroup] = []
+
+    def take(message: Regroup) -> None:
+        with cond:
+            if not messages or message.generation > messages[-1].generation:
+                messages.append(message)
+                cond.notify_all()
+
+    listener.on_message = take
+    deadline, tried = time.monotonic() + wait_seconds, -1
+    while True:
+        with cond:
+            while not messages or messages[-1].generation <= tried:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"dedicated server {index} was not let into the running job within {wait_seconds:.0f} s"
+                    )
+                cond.wait(left)
+            message = messages[-1]
+        if index not in message.servers:
+            raise RuntimeError(f"the trainers went on without dedicated server {index}")
+        tried = message.generation
+        try:
+            formed = form_member_group(message, index, group_timeout, partial(_newer_than, messages, tried))
+        except Exception:  # noqa: BLE001 - a peer lost while forming: the leader's next message says more
+            deadline = time.monotonic() + rejoin_timeout
+            continue
+        if formed is not None:
+            break
+    members, connections = formed
+    server = RegroupingServer(members, plan, connections, rejoin_timeout, group_timeout, joining=message,
+                              num_servers=num_servers)  # fmt: skip
+    with cond:
+        listener.on_message = server.on_regroup
+        later = messages[-1] if messages[-1].generation > message.generation else None
+    if later is not None:
+        server.on_regroup(later)
+    return server

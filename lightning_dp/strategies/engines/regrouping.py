@@ -22,11 +22,17 @@ from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
 from lightning_dp.comm.servers.regroup import (
+    LOST,
+    SERVING,
     Regroup,
     ServerWatch,
+    listener_key,
     replica_holders,
     replicas_to_make,
+    returning_address,
     serving_after,
+    serving_back,
+    state_key,
     tell_server,
     union_segments,
 )
@@ -42,6 +48,12 @@ from lightning_dp.strategies.rank_loss import PULL
 TELL_SECONDS = 10.0
 #: regroups in one step that lose nothing before the failure behind them is taken for what it is
 MAX_EMPTY_REGROUPS = 3
+
+#: the leader's finding at a regroup: the servers serving, their shares, the shares handed back, and the listener of
+#: each server that returns with the seconds since it claimed its place
+_Found = tuple[
+    tuple[int, ...], dict[int, tuple[int, ...]], list[tuple[int, int, int]], dict[int, tuple[tuple[str, int], float]]
+]
 
 
 class RegroupingDedicatedEngine(DedicatedEngine):
@@ -76,6 +88,14 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         #: the leader's probe of the servers, which finds a silent one (started once the servers joined)
         self.watch: ServerWatch | None = None
         self._server_failed_at: float | None = None
+        #: the run's store (where a process started again for a lost server claims its place), on every trainer
+        self._run_store: dist.Store | None = None
+        #: the leader: lost servers a process was started again for, by server: its listener and when it was seen;
+        #: those the leader asked the trainers to let in (at a step boundary)
+        self._returning: dict[int, tuple[tuple[str, int], float]] = {}
+        self._requested: set[int] = set()
+        #: ``(share, from, to)`` handed back to servers that returned, until every server answered a request after it
+        self._handed: list[tuple[int, int, int]] = []
 
     _transport_type = RegroupingServerTransport
 
@@ -147,16 +167,61 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self._unreplicated = set()
         self.server_segments = [row[-self.num_servers :] for row in self.transport.segments]
         self.transport.members.on_failure = self._member_failed
-        addresses = [json.loads(store.get(f"listener/{i}")) for i in range(self.num_servers)]
+        addresses = [json.loads(store.get(listener_key(i))) for i in range(self.num_servers)]
         self.listeners = [(str(host), int(port)) for host, port in addresses]
+        self._run_store, self._returning, self._requested, self._handed = store, {}, set(), []
+        hooks = cast("Any", self.strategy.rank_loss).boundary_hooks
+        if self._let_returning_in not in hooks:
+            hooks.append(self._let_returning_in)
         heartbeat = float(cast("Any", self.strategy.rank_loss).heartbeat_timeout)
-        self.watch = ServerWatch(self.listeners, self.token, heartbeat / 4, heartbeat, self._watched, self._silent)
+        self.watch = ServerWatch(self.listeners, self.token, heartbeat / 4, heartbeat, self._watched, self._silent,
+                                 self._look_for_returning)  # fmt: skip
 
     def _watched(self) -> tuple[int, ...]:
         """The servers the leader probes now: every one serving, until training ends."""
         membership = self.strategy.rank_loss.membership
         leads = membership is not None and membership.leader == self.strategy.global_rank
         return self.servers if leads and not (self.closed or self.stopped) else ()
+
+    def _look_for_returning(self) -> None:
+        """The leader (on the watch's thread): the processes started again for lost servers that claimed their place
+        (let in at the next step boundary, :meth:`_let_returning_in`)."""
+        membership, store = self.strategy.rank_loss.membership, self._run_store
+        if membership is None or store is None or self.closed or self.stopped:
+            return
+        if membership.leader != self.strategy.global_rank:
+            return
+        for server in range(self.num_servers):
+            if server in self.servers or server in self._returning:
+                continue
+            try:
+                address = returning_address(store, server)
+            except Exception:  # noqa: BLE001 - the store went with global rank 0: nobody can claim a place
+                return
+            if address is not None:
+                self._returning[server] = (address, time.monotonic())
+
+    def _let_returning_in(self) -> None:
+        """The leader, at a step boundary (a sync point follows): a change that loses no trainer for the servers
+        started again since the last one, at whose regroup they serve again."""
+        membership = self.strategy.rank_loss.membership
+        waiting = sorted(set(self._returning) - self._requested)
+        if membership is None or not waiting or self.closed or self.stopped:
+            return
+        self._requested.update(waiting)
+        membership.request_change(f"a process was started again for dedicated server(s) {waiting}")
+
+    def _mark(self, servers: list[int], state: str) -> None:
+        """The leader: record ``servers``' state in the run's store (:data:`LOST`: a process started again for one
+        may join)."""
+        store = self._run_store
+        if store is None or self.member_rank != 0:
+            return
+        for server in servers:
+            try:
+                store.set(state_key(server), state)
+            except Exception:  # noqa: BLE001 - the store went with global rank 0: no process can join any more
+                return
 
     def _silent(self, server: int, why: str) -> None:
         """A server did not answer the leader's probe: a change that loses no trainer, as for a server that failed."""
@@ -189,6 +254,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         assert isinstance(transport, RegroupingServerTransport)
         transport.wait_summed()
         self._unreplicated = set()  # every server replied: each made the replicas it was to make before serving
+        self._handed = []  # (and each server that returned received its shares)
         sum_everywhere(torch.zeros(1), self.strategy.gradient_group)
 
     @property
@@ -225,7 +291,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             for bucket in buckets:
                 bucket.pack_params(*transport.owned(bucket))
             transport.share_weights_all(buckets)
-            self._unreplicated = set()  # (as after the exchange: every server answered)
+            self._unreplicated, self._handed = set(), []  # (as after the exchange: every server answered)
             for bucket in buckets:
                 bucket.unpack_params()
             sum_everywhere(torch.zeros(1), strategy.gradient_group)
@@ -273,13 +339,17 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         dist.broadcast_object_list(outcome, group=strategy.gradient_group, group_src=0)
         if isinstance(outcome[0], str):
             raise ReplicaLostError(outcome[0])
-        servers, serves = outcome[0]
+        servers, serves, handed, returning = outcome[0]
+        received = time.monotonic()
+        for server, (address, _) in returning.items():  # (every trainer: a later leader probes them there)
+            self.listeners[server] = address
         lost = [s for s in self.servers if s not in servers]
+        returned = [s for s in servers if s not in self.servers]
         before = self.serves
         prefix = f"{self.token}/gen{membership.generation}"
         if me == 0:
             message = Regroup(membership.generation, n, servers, tuple(serves[s] for s in servers),
-                              membership.store_address, prefix, self.token)  # fmt: skip
+                              membership.store_address, prefix, self.token, tuple(handed))  # fmt: skip
             for server in servers:
                 address = self.listeners[server]
                 try:
@@ -305,10 +375,16 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                                               segments=segments)  # fmt: skip
         transport.bind(strategy.reducer.buckets)
         self.transport = strategy.transport = transport
-        made = replicas_to_make(before, serves)
+        made = replicas_to_make(before, serves, handed)
         self._unreplicated |= {share for shares in made.values() for share in shares}
+        self._handed = list(handed)
         holders = replica_holders(sorted(before))
         self.servers, self.serves = servers, serves
+        self._mark(lost, LOST)
+        self._mark(returned, SERVING)
+        if returned:
+            waited = {s: age + time.monotonic() - received for s, (_, age) in returning.items()}
+            self._report_returned(returned, handed, made, waited)
         if lost:
             began = [t for t in (self._server_failed_at, membership.change_began) if t is not None]
             seconds = time.monotonic() - min(began) if began else 0.0
@@ -323,7 +399,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             rank_zero_warn(f"strategy {self.name!r}: lost dedicated server(s) {lost}; {moved} (recovered in "
                            f"{seconds:.2f} s); {replicas}")  # fmt: skip
         self._server_failed_at = None
-        if not lost and not [loss for loss in membership.losses if loss.generation == membership.generation]:
+        if not lost and not returned and not [loss for loss in membership.losses
+                                              if loss.generation == membership.generation]:  # fmt: skip
             self._empty_regroups += 1  # nothing was lost: the wait that failed is run again
             if self._empty_regroups > MAX_EMPTY_REGROUPS:
                 raise RuntimeError(
@@ -332,9 +409,11 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                     "failure is not a lost peer (see the errors logged before)"
                 )
 
-    def _find_servers(self) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]] | str:
-        """The leader: the servers that answer a probe and which shares each serves from now on (a lost server's
-        own share moves to its replica's holder), or why that cannot be."""
+    def _find_servers(self) -> _Found | str:
+        """The leader: the servers that answer a probe, which shares each serves from now on (a lost server's share
+        moves to its replica's holder; a server started again takes its own back, :func:`serving_back`), the shares
+        handed back ``(share, from, to)`` (those of an earlier regroup that no server answered after included) and
+        the listeners of the servers that return; or why that cannot be."""
         alive = []
         silent = self.watch.silent if self.watch is not None else set()
         timeout = float(cast("Any", self.strategy.rank_loss).heartbeat_timeout)
@@ -346,10 +425,43 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                 alive.append(server)
             except OSError:
                 continue
+        returning: dict[int, tuple[tuple[str, int], float]] = {}
+        for server, (address, claimed) in sorted(self._returning.items()):
+            try:
+                tell_server(address, None, timeout, token=self.token)
+                returning[server] = (address, time.monotonic() - claimed)
+            except OSError:  # gone before it was let in: another process may claim the place
+                del self._returning[server]
+                self._requested.discard(server)
+                self._mark([server], LOST)
         try:
-            return tuple(alive), serving_after(self.serves, set(self.servers) - set(alive), self._unreplicated)
+            serves = serving_after(self.serves, set(self.servers) - set(alive), self._unreplicated)
         except ReplicaLostError as error:
             return str(error)
+        handed = [(share, giver, taker) for share, giver, taker in self._handed
+                  if giver in serves and share in serves.get(taker, ())]  # fmt: skip
+        for server in returning:
+            serves, giver = serving_back(serves, server)
+            handed += [(share, giver, server) for share in serves[server]]
+        if returning:
+            silent.difference_update(returning)
+        return tuple(sorted(serves)), serves, handed, returning
+
+    def _report_returned(
+        self, returned: list[int], handed: list[tuple[int, int, int]], made: dict, waited: dict[int, float]
+    ) -> None:
+        """Count and say which servers serve again, and how long each took from its claim (``waited``)."""
+        rank_loss: Any = self.strategy.rank_loss
+        for server in returned:
+            self._returning.pop(server, None)
+            self._requested.discard(server)
+            rank_loss.returned_servers.append(server)
+            rank_loss.server_return_seconds.append(waited.get(server, 0.0))
+        back = "; ".join(f"server {s} takes back shares {[h for h, _, t in handed if t == s]} from server "
+                         f"{next(g for _, g, t in handed if t == s)}" for s in returned)  # fmt: skip
+        again = "; ".join(f"shares {list(shares)} on server {s}" for s, shares in sorted(made.items()))
+        rank_zero_warn(f"strategy {self.name!r}: dedicated server(s) {returned} started again and serve again: {back}"
+                       + (f"; replicas made again of {again}" if made else ""))  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints and the end
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -403,6 +515,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
 
     def close(self, stop: bool = True) -> None:
         self._stop_watch()
+        hooks = cast("Any", self.strategy.rank_loss).boundary_hooks
+        if self._let_returning_in in hooks:
+            hooks.remove(self._let_returning_in)
         for server in self.expected_exits:  # lost: a local one stopped or cut off would only hold up the end
             if server < len(self.processes):
                 self.processes[server].kill()
