@@ -9,6 +9,8 @@
         --paths join per_host_join emulated_join --name faults_join
     python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps --paths grow \
         --fault-step 20 --app trainer.max_epochs=30 --name faults_grow
+    python -m benchmarks.faults --strategies sharded_ps+servers --paths server_again --fault-step 20 \
+        --app trainer.max_epochs=30 --name faults_server_again
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
@@ -27,6 +29,11 @@ paths:
   instead, whose share its replica on server 1 takes over; **a dedicated server silent** (``server_silent``):
   trainer 0 SIGSTOPs it instead (its connections stay open, as a host cut off leaves them), found by the leader's
   probe within ``heartbeat_timeout`` (below);
+- **a dedicated server started again** (``server_again``, ``+servers`` only): server 0 lost as above, then the
+  benchmark starts ``python -m lightning_dp.server`` for it again (the trainers' ``MASTER_ADDR`` and ``MASTER_PORT``):
+  it claims its place, the trainers let it in at a step boundary and it takes its share back. Measured: from its
+  start to serving, the trainers' step that let it in, the bytes it took back, and the median steps/s of rank 0
+  over the 20 steps before the loss and the 20 after its return;
 - **torchrun restart** (``--nproc-per-node 4 --max-restarts 1``, ``on_rank_loss="stop"``, ``ckpt_path=last``): every
   process restarts and resumes from the newest checkpoint;
 - **a new process joins** (``join``: the strategy's launcher with ``restart_lost_ranks=1`` starts rank 2 again;
@@ -55,6 +62,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -218,6 +226,9 @@ def _run_path(
     logs = [open(folder / f"process{i}.log", "w") for i in range(started if apart else 1)]  # noqa: SIM115
     start = time.perf_counter()
     poll = None
+    #: a server started again (``server_again``): when and the process; when it said it joined
+    again: list[tuple[float, subprocess.Popen]] = []
+    in_again: list[float] = []
     if path in ("emulated", "emulated_join"):
         hosts = stack.enter_context(delayed_hosts(RANKS, rate_mbit=1000, latency_ms=0.1))
         command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
@@ -247,8 +258,23 @@ def _run_path(
             command += ["strategy.restart_lost_ranks=1"]
         if path == "server_silent":
             command += [f"strategy.heartbeat_timeout={args.heartbeat_timeout}"]
-        procs = [subprocess.Popen(command, cwd=folder, env=_env(), stdout=logs[0], stderr=subprocess.STDOUT,
-                                  start_new_session=True)]  # fmt: skip
+        port = str(_free_port())  # (known here: a server started again finds the job there)
+        procs = [subprocess.Popen(command, cwd=folder, env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                                  stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
+        if path == "server_again" and fault:
+
+            def poll() -> None:  # the server was lost: start it again with python -m lightning_dp.server
+                if (folder / "fault").exists() and not again:
+                    log = open(folder / "server-again.log", "w")  # noqa: SIM115
+                    logs.append(log)
+                    again.append((time.time(), subprocess.Popen(
+                        [sys.executable, "-m", "lightning_dp.server", "--master-addr", "127.0.0.1", "--master-port",
+                         port, "--server-index", "0", "--num-servers", str(SERVERS), "--timeout", "120"],
+                        cwd=folder, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    )))  # fmt: skip
+                    stack.callback(_kill_all, [again[0][1]])
+                elif again and not in_again and "joined the running job" in (folder / "server-again.log").read_text():
+                    in_again.append(time.time())
     elif grow:
         port = str(_free_port())
         command = [sys.executable, app, *overrides, "trainer.devices=1", "strategy.on_rank_loss=continue",
@@ -303,11 +329,16 @@ def _run_path(
     stack.callback(_kill_all, procs)  # (a failure before they finish leaves none running)
     codes = _wait(procs, args.run_timeout, poll)
     seconds = time.perf_counter() - start
+    if again:  # (stopped by trainer 0 at the fit's end)
+        codes.append(again[0][1].wait(30))
+        want_again = [0]
     stack.close()
     for log in logs:
         log.close()
     metrics_file = folder / "run" / "metrics.json"
     want = [-9 if fault and i == lost and not server and not grow else 0 for i in range(len(procs))] if apart else [0]
+    if again:
+        want += want_again
     if grow and fault and len(procs) != RANKS:
         want = [0] * RANKS
     if path == "emulated" and fault:  # the cut host stops on its own, a minority of one
@@ -334,6 +365,8 @@ def _run_path(
             row["steps_redone"] = loss.get("redone_steps", 0)
         if join:
             row.update(_join(folder, lost, args.fault_step, loss))
+        if again:
+            row.update(_server_again(folder, args.fault_step, loss, again[0][0], in_again))
     return row
 
 
@@ -361,6 +394,25 @@ def _join(folder: Path, lost: int, fault_step: int, loss: dict[str, Any]) -> dic
         "first_step_with_it_seconds": ends[join_step + 1] - ends[join_step],
         "steps_per_second_before": median_rate(fault_step - window, fault_step - 1),
         "steps_per_second_after": median_rate(join_step + 2, join_step + 1 + window), "join_window": window,
+    }  # fmt: skip
+
+
+def _server_again(
+    folder: Path, fault_step: int, loss: dict[str, Any], started: float, joined: list[float]
+) -> dict[str, Any]:
+    """A lost server started again (see the module docstring): when it served again, what it took back, steps/s."""
+    (step,) = loss["server_return_steps"]
+    done = re.search(r"shares taken back: (\d+) bytes", (folder / "server-again.log").read_text())
+    if done is None or not joined:
+        raise RuntimeError(f"the server started again did not say it joined and what it took back ({folder})")
+    ends = {s: t for a, s, t in _steps(folder, 0)}
+    return {
+        "return_step": step, "return_seconds": joined[0] - started, "return_claim_seconds":
+        loss["server_return_seconds"][0], "taken_back_bytes": int(done.group(1)),
+        "step_with_return_seconds": ends[step + 1] - ends[step],
+        "steps_per_second_before": _median_rate(ends, fault_step - JOIN_WINDOW, fault_step - 1),
+        "steps_per_second_after": _median_rate(ends, step + 2, step + 1 + JOIN_WINDOW), "join_window": JOIN_WINDOW,
+        "median_step_seconds": 1 / _median_rate(ends, fault_step - JOIN_WINDOW, fault_step - 1),
     }  # fmt: skip
 
 
@@ -459,7 +511,7 @@ def main() -> None:
 STRATEGIES = ("ring_allreduce", "parameter_server", "sharded_ps", "sharded_ps+servers")
 SERVERS = 2
 #: the paths that lose dedicated server 0 instead of a trainer
-SERVER_PATHS = ("server", "server_silent")
+SERVER_PATHS = ("server", "server_silent", "server_again")
 #: the paths where a new process joins in the lost rank's place, and the steps compared before the loss and after
 JOIN_PATHS = ("join", "per_host_join", "emulated_join")
 JOIN_WINDOW = 20
@@ -469,6 +521,7 @@ PATHS = {
     "launcher": "survivors go on (strategy's launcher)",
     "server": "a dedicated server lost, its replica takes over (strategy's launcher)",
     "server_silent": "a dedicated server silent (SIGSTOP), found by the leader's probe (strategy's launcher)",
+    "server_again": "a dedicated server lost and started again (strategy's launcher)",
     "per_host": "survivors go on (one process per host)",
     "emulated": "survivors go on (emulated hosts, link cut)",
     "torchrun": "torchrun restarts from the checkpoint",
@@ -503,6 +556,8 @@ def report_lines(rows: list[dict]) -> list[str]:
         return lines[:2] + growth_lines(rows, baselines)
     if any(r["path"] in JOIN_PATHS for r in rows):
         return lines[:2] + join_lines(rows, baselines)
+    if any(r["path"] == "server_again" for r in rows):
+        return lines[:2] + server_again_lines(rows, baselines)
     for r in rows:
         if not r["fault"]:
             continue
@@ -551,6 +606,35 @@ def join_lines(rows: list[dict], baselines: dict) -> list[str]:
               "first step with it also waits for its restore and the start of its loop. Steps/s: rank 0's median over "
               f"the {rows[0].get('join_window', JOIN_WINDOW)} steps before the fault and as many after the join's "
               "first step."]  # fmt: skip
+    return lines
+
+
+def server_again_lines(rows: list[dict], baselines: dict) -> list[str]:
+    """The table of a lost server started again: 2 servers, then 1, then 2 again."""
+    lines = [
+        "| strategy | served again (after step) | start to serving (s) | of which from its claim (s) "
+        "| the trainers' step with it (s) | a step before (s) | bytes taken back | steps/s before the loss "
+        "| steps/s after its return | after / before | test accuracy (no fault / fault) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r["fault"]:
+            continue
+        base = baselines[r["strategy"], r["path"]]
+        before, after = r["steps_per_second_before"], r["steps_per_second_after"]
+        lines.append(
+            f"| {_strategy(r['strategy'])} | {r['return_step']} | {r['return_seconds']:.2f} "
+            f"| {r['return_claim_seconds']:.2f} | {r['step_with_return_seconds']:.3f} "
+            f"| {r['median_step_seconds']:.3f} | {r['taken_back_bytes'] / 1e3:.1f} kB "
+            f"| {before:.1f} | {after:.1f} | {after / before:.2f}× | {_accuracy(base)} / {_accuracy(r)} |"
+        )
+    lines += ["", "Start to serving: from the benchmark starting `python -m lightning_dp.server` again to its saying "
+              "it joined (its interpreter's start and imports included); from its claim: from its claim on the run's "
+              "store to the trainers going on with it (the leader's clock; it waits for the next step boundary). The "
+              "trainers' step with it: the step whose boundary let it in (the change, the regroup, the state handed "
+              "back and the replicas made again), against rank 0's median step before the loss. Steps/s: rank 0's "
+              f"median over the {rows[0].get('join_window', JOIN_WINDOW)} steps before the loss and as many after "
+              "its return's step."]  # fmt: skip
     return lines
 
 

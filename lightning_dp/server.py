@@ -38,6 +38,7 @@ from lightning_dp.comm.servers.regroup import (
     claim_return,
     join_running_job,
     listener_key,
+    warm_up,
 )
 
 #: how long a server waits for the trainers' next message: without a deadline in practice (validation, checkpoint
@@ -79,6 +80,7 @@ def _rejoin(store: dist.Store, args: argparse.Namespace, num_servers: int) -> Re
             f"server {args.server_index} served this job already, which does not take a server started again "
             "(it runs with on_rank_loss='stop'): restart the job"
         )
+    warm_up(plan)
     listener = RegroupListener(local_address_towards(args.master_addr), regroup["token"], lambda message: None)
     claim_return(store, args.server_index, listener.address, args.timeout)
     _log(f"server {args.server_index} (pid {os.getpid()}) started again: waiting for the trainers to let it in")
@@ -152,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         done += f" and {server.regroups} regroups" + (f", {server.replicas_made} replicas made again"
                                                        if server.replicas_made else "")  # fmt: skip
     if isinstance(server, RegroupingServer) and server.shares_taken_back:
-        done += f" (joined the running job, {server.shares_taken_back} shares taken back)"
+        done += (f" (joined the running job, {server.shares_taken_back} shares taken back: "
+                 f"{server.bytes_taken_back} bytes)")  # fmt: skip
     _log(done)
     return 0
 

@@ -286,10 +286,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self.lost_servers: list[int] = []
         self._joins: list[Join] = []
         self.server_recovery_seconds: list[float] = []
-        #: dedicated servers a process started again for serves again, and the seconds from its claim on the run's
-        #: store to the trainers going on with it (the leader's clock)
+        #: dedicated servers a process started again for serves again, the seconds from its claim on the run's store
+        #: to the trainers going on with it (the leader's clock), and the global step it served again from
         self.returned_servers: list[int] = []
         self.server_return_seconds: list[float] = []
+        self.server_return_steps: list[int] = []
         #: lost ranks whose error-feedback residual (the codec's rounding not yet sent) was lost with them
         self.lost_residuals: list[int] = []
         #: per admission: the seconds the members paused for it (from the admission to the state handed over), and
@@ -1008,6 +1009,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "server_recovery_seconds": list(self.server_recovery_seconds),
             "returned_servers": list(self.returned_servers),
             "server_return_seconds": list(self.server_return_seconds),
+            "server_return_steps": list(self.server_return_steps),
             "lost_residuals": list(self.lost_residuals),
             "joined_ranks": [join.rank for join in self.joins],
             "join_steps": list(self.join_steps),

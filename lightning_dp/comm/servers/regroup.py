@@ -404,8 +404,9 @@ class RegroupingServer(DedicatedServer):
         self._givers: list[int] = []
         self._takers: list[int] = []
         self._handover_pending = False
-        #: shares received from the servers that served them while this one was lost
+        #: shares received from the servers that served them while this one was lost, and their state's bytes
         self.shares_taken_back = 0
+        self.bytes_taken_back = 0
         #: the last step key each share (or replica) stepped optimizer ``index`` with: ``(server, index) -> key``
         self.stepped: dict[tuple[int, int], Any] = {}
         #: regroups this server went through
@@ -701,6 +702,7 @@ class RegroupingServer(DedicatedServer):
                 self._load_share(self.shares[share], share, state)
                 self._receiving.pop(share)
                 self.shares_taken_back += 1
+                self.bytes_taken_back += _tensor_bytes(state)
         self._handover_pending = False
 
     def _make_replicas(self) -> None:
@@ -804,6 +806,28 @@ def form_member_group(
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return cast("tuple[MemberGroup, list[Connection]]", outcome[0])
+
+
+def warm_up(plan: ServerPlan) -> None:
+    """Build each of the plan's optimizer classes once on a one-element parameter, so that their first construction
+    (torch's lazy imports: most of a second) happens before the trainers wait for this server, not while they do.
+    A class that cannot be built so is left to the real construction, which says why."""
+    for spec in plan.optimizers:
+        try:
+            spec.cls([torch.nn.Parameter(torch.zeros(1, dtype=plan.dtype))], **spec.defaults)
+        except Exception:  # noqa: BLE001, S112 - only a warm-up
+            continue
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def _newer_than(messages: list[Regroup], generation: int) -> bool:

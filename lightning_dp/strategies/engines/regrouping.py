@@ -447,6 +447,11 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             silent.difference_update(returning)
         return tuple(sorted(serves)), serves, handed, returning
 
+    def _global_step(self) -> int:
+        module = self.strategy.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return int(trainer.global_step) if trainer is not None else -1
+
     def _report_returned(
         self, returned: list[int], handed: list[tuple[int, int, int]], made: dict, waited: dict[int, float]
     ) -> None:
@@ -457,6 +462,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             self._requested.discard(server)
             rank_loss.returned_servers.append(server)
             rank_loss.server_return_seconds.append(waited.get(server, 0.0))
+            rank_loss.server_return_steps.append(self._global_step())
         back = "; ".join(f"server {s} takes back shares {[h for h, _, t in handed if t == s]} from server "
                          f"{next(g for _, g, t in handed if t == s)}" for s in returned)  # fmt: skip
         again = "; ".join(f"shares {list(shares)} on server {s}" for s, shares in sorted(made.items()))
