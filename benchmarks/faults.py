@@ -263,6 +263,9 @@ def _run_path(
                                   stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
         if path == "server_again" and fault:
 
+            # the threads the strategy's launcher gives the processes it starts, the servers among them
+            threads = {**_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // RANKS))}
+
             def poll() -> None:  # the server was lost: start it again with python -m lightning_dp.server
                 if (folder / "fault").exists() and not again:
                     log = open(folder / "server-again.log", "w")  # noqa: SIM115
@@ -270,7 +273,7 @@ def _run_path(
                     again.append((time.time(), subprocess.Popen(
                         [sys.executable, "-m", "lightning_dp.server", "--master-addr", "127.0.0.1", "--master-port",
                          port, "--server-index", "0", "--num-servers", str(SERVERS), "--timeout", "120"],
-                        cwd=folder, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                        cwd=folder, env=threads, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     )))  # fmt: skip
                     stack.callback(_kill_all, [again[0][1]])
                 elif again and not in_again and "joined the running job" in (folder / "server-again.log").read_text():

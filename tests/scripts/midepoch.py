@@ -129,6 +129,11 @@ parser.add_argument(
     "waits there until the new process claimed the server's place",
 )
 parser.add_argument(
+    "--kill-returning-server",
+    action="store_true",
+    help="trainer 0 SIGKILLs the server it started again as the trainers let it in (it is taking its shares back)",
+)
+parser.add_argument(
     "--lose-server-when",
     choices=("flight", "exchange", "pull"),
     default="flight",
@@ -362,6 +367,16 @@ def start_server_again(server: int) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     started_again.append(subprocess.Popen(command, env=env))  # noqa: S603 - our own module
     engine = trainer.strategy.engine
+    if args.kill_returning_server:
+        report = engine._report_returned
+
+        def killed_first(*report_args):  # (the trainers formed the member group with it: it takes its shares back)
+            process = started_again[-1]
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            return report(*report_args)
+
+        engine._report_returned = killed_first
     deadline = time.monotonic() + 60
     while returning_address(engine._run_store, server) is None or server not in engine._returning:
         assert time.monotonic() < deadline, f"server {server} started again was not seen within 60 s"
@@ -530,7 +545,7 @@ trainer = L.Trainer(
     plugins=[VariablesEnvironment()] if args.variables_environment else None,
 )
 trainer.fit(model, ckpt_path=resume)
-returned_codes = [process.wait(30) for process in started_again]  # (stopped by trainer 0 at the fit's end)
+returned_codes = [process.wait(30) for process in started_again]  # (stopped by trainer 0 at the fit's end, or killed)
 if args.lose_after_fit and trainer.global_rank == args.lose_rank:  # between two stages of the job
     time.sleep(1.0)  # the others are in the next stage's first collectives by now
     os.kill(os.getpid(), signal.SIGKILL)
