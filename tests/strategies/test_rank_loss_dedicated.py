@@ -289,3 +289,34 @@ def test_a_lost_server_started_again_serves_again_and_the_next_loss_is_survived(
         close(trainers[0]["history"][j][2], want, f"after batch {j}")
     state = torch.load(tmp_path / "ckpt" / f"step={steps}.ckpt", weights_only=False)["optimizer_states"][0]["state"]
     close(torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)]), momenta[-1], "the momenta")
+
+
+@pytest.mark.multiprocess
+def test_a_server_started_again_and_lost_as_it_takes_its_share_back_leaves_the_job_going(tmp_path):
+    """As above, but the server started again is SIGKILLed as the trainers let it in (it is taking its share back, or
+    has just taken it): server 0, which handed the share over and kept its copy as the replica, serves both shares
+    again, and the run goes on to the end, every step one process's on the global batch (planted: a leader that counts
+    the share handed back as having no replica ends the run with ReplicaLostError)."""
+    steps = EPOCHS * SAMPLES // (RETURN_TRAINERS * BATCH)
+    result = run_script(
+        "midepoch", "--strategy", "sharded_ps", "--devices", str(RETURN_TRAINERS), "--num-servers", "2",
+        "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
+        "continue", "--heartbeat-timeout", "2", "--lose-server", "1", str(RETURN_LOST_AT), "--replace-server", "1",
+        str(RETURN_AT), "--kill-returning-server", "--clip-norm", str(CLIP), "--out", str(tmp_path), timeout=180,
+    )  # fmt: skip
+    trainers = [torch.load(tmp_path / f"rank{r}.pt") for r in range(RETURN_TRAINERS)]
+    for t in trainers:
+        metrics = t["rank_loss"]
+        assert metrics["lost_ranks"] == [] and metrics["lost_servers"] == [1, 1], metrics
+        assert metrics["returned_servers"] == [1], metrics
+        assert len(t["history"]) == t["global_step"] == steps
+    assert trainers[0]["returned_codes"] == [-9]
+    assert f"server 0 done after {steps} steps and 3 regroups" in result.stdout, result.stdout[-5000:]
+    batches = [[i for t in trainers for i in t["trained"][j]] for j in range(steps)]
+    momenta: list[torch.Tensor] = []
+    reference = replay(batches, trainers[0]["history"], SAMPLES, clip_norm=CLIP, momenta=momenta)
+    for j, want in enumerate(reference):
+        assert torch.equal(trainers[0]["history"][j][2], trainers[1]["history"][j][2]), f"after batch {j}"
+        close(trainers[0]["history"][j][2], want, f"after batch {j}")
+    state = torch.load(tmp_path / "ckpt" / f"step={steps}.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    close(torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)]), momenta[-1], "the momenta")
