@@ -262,7 +262,6 @@ def _run_path(
         procs = [subprocess.Popen(command, cwd=folder, env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
                                   stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
         if path == "server_again" and fault:
-
             # the threads the strategy's launcher gives the processes it starts, the servers among them
             threads = {**_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // RANKS))}
 
