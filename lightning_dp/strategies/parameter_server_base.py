@@ -61,6 +61,9 @@ class ParameterServerBase(DataParallelStrategy):
             Synchronous only (``staleness=0``), uncompressed.
         start_servers: with ``num_servers > 0``, whether trainer 0 starts the servers on its own machine (default)
             or they are started elsewhere with ``python -m lightning_dp.server`` (on spare CPU machines).
+        restart_lost_servers: with ``num_servers > 0``, ``start_servers`` and ``on_rank_loss="continue"``: how
+            many times in all trainer 0 starts a server it started that died again (default ``0``); the new process
+            joins the running job and takes its share back (see ``docs/faults.md``).
         overlap_pull: with the servers among the trainers and ``staleness=0`` (default ``True``): the step only
             starts the pull of the new weights, in the order the next forward uses them, and each module's forward
             waits for its own weights, so the pull runs behind the next forward (see
@@ -87,6 +90,7 @@ class ParameterServerBase(DataParallelStrategy):
         staleness: int | None = 0,
         num_servers: int = 0,
         start_servers: bool = True,
+        restart_lost_servers: int = 0,
         backup_workers: int = 0,
         overlap_pull: bool = True,
         **kwargs: Any,
@@ -99,6 +103,19 @@ class ParameterServerBase(DataParallelStrategy):
             raise ConfigurationError(str(error)) from None
         self.num_servers = check_count("num_servers", num_servers, 0)
         self.start_servers = check_flag("start_servers", start_servers)
+        self.restart_lost_servers = check_count("restart_lost_servers", restart_lost_servers, 0)
+        if self.restart_lost_servers:
+            loss = self.rank_loss.name
+            required = {"num_servers": (self.num_servers, self.num_servers > 0, "> 0"),
+                      "start_servers": (self.start_servers, self.start_servers, "True"),
+                      "on_rank_loss": (loss, loss == "continue", "'continue'")}  # fmt: skip
+            for option, (value, kept, wanted) in required.items():
+                if not kept:
+                    raise ConfigurationError(
+                        f"restart_lost_servers={self.restart_lost_servers} needs {option} {wanted} (trainer 0 starts "
+                        f"again the dedicated servers it started, which join a job that goes on after a loss); got "
+                        f"{option}={value!r}"
+                    )
         try:
             self.backup_workers = check_backup_workers(backup_workers)
         except ValueError as error:

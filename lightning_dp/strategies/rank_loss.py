@@ -431,7 +431,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
         name = f"strategy={strategy.strategy_name!r}"
         if getattr(strategy, "num_servers", 0):
             return (f"{name} with num_servers={strategy.num_servers} does not admit a new process yet (with the "  # type: ignore[attr-defined]
-                    "servers among the trainers, num_servers=0, it does)")  # fmt: skip
+                    "servers among the trainers, num_servers=0, it does; a lost dedicated server started again "
+                    "joins: restart_lost_servers)")  # fmt: skip
         return None
 
     @property

@@ -128,6 +128,10 @@ parser.add_argument(
     help="trainer 0 starts python -m lightning_dp.server again for the lost SERVER in its training step of STEP, and "
     "waits there until the new process claimed the server's place",
 )
+parser.add_argument("--restart-lost-servers", type=int, default=None, help="strategy option restart_lost_servers")
+parser.add_argument("--await-server-return", type=int, nargs=2, default=None, metavar=("SERVER", "STEP"),
+                    help="trainer 0 waits in its training step of STEP until the leader saw SERVER's new process "
+                    "claim its place (so that it is let in before a later step's loss)")  # fmt: skip
 parser.add_argument(
     "--kill-returning-server",
     action="store_true",
@@ -234,6 +238,8 @@ class Model(L.LightningModule):
                 time.sleep(0.3)
         if self.global_rank == 0 and self.global_step in server_returns:
             start_server_again(server_returns[self.global_step])
+        if self.global_rank == 0 and args.await_server_return and self.global_step == args.await_server_return[1]:
+            await_claim(args.await_server_return[0])
         loss = nn.functional.mse_loss(self.net(x), y)
         if args.collectives:
             self.log("train_loss", loss, sync_dist=True)
@@ -359,8 +365,6 @@ def start_server_again(server: int) -> None:
     """Start ``python -m lightning_dp.server`` for the lost dedicated ``server`` as a user would (the trainers'
     MASTER_ADDR and MASTER_PORT, no job scope), and wait until it claimed the server's place in the run's store and
     the leader (this process) saw the claim: the change that lets it in comes before any later step's loss."""
-    from lightning_dp.comm.servers.regroup import returning_address
-
     command = [sys.executable, "-m", "lightning_dp.server", "--master-addr", os.environ["MASTER_ADDR"],
                "--master-port", os.environ["MASTER_PORT"], "--server-index", str(server), "--num-servers",
                str(args.num_servers), "--timeout", "60"]  # fmt: skip
@@ -377,6 +381,15 @@ def start_server_again(server: int) -> None:
             return report(*report_args)
 
         engine._report_returned = killed_first
+    await_claim(server)
+
+
+def await_claim(server: int) -> None:
+    """Wait until the lost dedicated ``server``'s new process claimed its place in the run's store and the leader (this
+    process) saw the claim: the change that lets it in comes at the next step boundary."""
+    from lightning_dp.comm.servers.regroup import returning_address
+
+    engine = trainer.strategy.engine
     deadline = time.monotonic() + 60
     while returning_address(engine._run_store, server) is None or server not in engine._returning:
         assert time.monotonic() < deadline, f"server {server} started again was not seen within 60 s"
@@ -486,6 +499,7 @@ options = {
     "compression": args.compression,
     "restart_lost_ranks": args.restart_lost_ranks,
     "max_ranks": args.max_ranks,
+    "restart_lost_servers": args.restart_lost_servers,
 }
 options = {k: v for k, v in options.items() if v is not None}
 if args.external_servers:

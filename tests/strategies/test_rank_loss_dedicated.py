@@ -254,18 +254,19 @@ RETURN_LOST_AT, RETURN_AT, OTHER_LOST_AT, RETURN_TRAINERS = 4, 7, 12, 2
 @pytest.mark.multiprocess
 def test_a_lost_server_started_again_serves_again_and_the_next_loss_is_survived(tmp_path):
     """``sharded_ps`` with two trainers and two dedicated servers: server 1 is SIGKILLed at step 4 (server 0 serves
-    both shares from its replica); at step 7 ``python -m lightning_dp.server`` is started again for it, as a user
-    would, and claims its place; the trainers let it in at their next change: it takes its share back from server 0,
-    which keeps it as its replica, and receives server 0's to replicate. At step 12 server 0 is SIGKILLed: server 1
-    serves both shares from that replica to the end. Every step equals one process on the global batch, the last
-    checkpoint's optimizer state the one process's (a planted handover without the optimizer state fails it)."""
+    both shares from its replica); trainer 0 starts it again (``restart_lost_servers=1``), and the new process claims
+    its place; the trainers let it in at a step boundary (trainer 0 waits at step 7 until it claimed it): it takes
+    its share back from server 0, which keeps it as its replica, and receives server 0's to replicate. At step 12
+    server 0 is SIGKILLed: server 1 serves both shares from that replica to the end. Every step equals one process on
+    the global batch, the last checkpoint's optimizer state the one process's (a planted handover without the
+    optimizer state fails it). A process started by hand: the next test."""
     steps = EPOCHS * SAMPLES // (RETURN_TRAINERS * BATCH)
     result = run_script(
         "midepoch", "--strategy", "sharded_ps", "--devices", str(RETURN_TRAINERS), "--num-servers", "2",
         "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
-        "continue", "--heartbeat-timeout", "2", "--lose-server", "1", str(RETURN_LOST_AT), "--replace-server", "1",
-        str(RETURN_AT), "--lose-server", "0", str(OTHER_LOST_AT), "--clip-norm", str(CLIP), "--out", str(tmp_path),
-        timeout=180,
+        "continue", "--heartbeat-timeout", "2", "--lose-server", "1", str(RETURN_LOST_AT), "--restart-lost-servers",
+        "1", "--await-server-return", "1", str(RETURN_AT), "--lose-server", "0", str(OTHER_LOST_AT), "--clip-norm",
+        str(CLIP), "--out", str(tmp_path), timeout=180,
     )  # fmt: skip
     trainers = [torch.load(tmp_path / f"rank{r}.pt") for r in range(RETURN_TRAINERS)]
     for t in trainers:
@@ -273,7 +274,7 @@ def test_a_lost_server_started_again_serves_again_and_the_next_loss_is_survived(
         assert metrics["lost_ranks"] == [] and metrics["lost_servers"] == [1, 0], metrics
         assert metrics["returned_servers"] == [1] and len(metrics["server_return_seconds"]) == 1, metrics
         assert len(t["history"]) == t["global_step"] == steps
-    assert trainers[0]["returned_codes"] == [0]
+    assert "dedicated server 1 started again (restart_lost_servers: 0 left)" in result.stdout
     assert "server 1 joined the running job" in result.stdout, result.stdout[-5000:]
     done = re.search(r"server 1 done after (\d+) steps and 1 regroups, 1 replicas made again \(joined the running "
                      r"job, 1 shares taken back: \d+ bytes\)", result.stdout)  # fmt: skip
@@ -293,8 +294,9 @@ def test_a_lost_server_started_again_serves_again_and_the_next_loss_is_survived(
 
 @pytest.mark.multiprocess
 def test_a_server_started_again_and_lost_as_it_takes_its_share_back_leaves_the_job_going(tmp_path):
-    """As above, but the server started again is SIGKILLed as the trainers let it in (it is taking its share back, or
-    has just taken it): server 0, which handed the share over and kept its copy as the replica, serves both shares
+    """As above, but started by hand (``python -m lightning_dp.server`` with the trainers' ``MASTER_ADDR`` and
+    ``MASTER_PORT``, no job scope) and SIGKILLed as the trainers let it in (it is taking its share back, or has just
+    taken it): server 0, which handed the share over and kept its copy as the replica, serves both shares
     again, and the run goes on to the end, every step one process's on the global batch (planted: a leader that counts
     the share handed back as having no replica ends the run with ReplicaLostError)."""
     steps = EPOCHS * SAMPLES // (RETURN_TRAINERS * BATCH)

@@ -69,6 +69,23 @@ def test_the_options_are_checked_by_name():
     RingAllReduceStrategy(on_rank_loss="continue", max_ranks=4)._check_world_size(4)
 
 
+def test_restarting_lost_servers_needs_servers_trainer_0_starts_and_a_job_that_goes_on():
+    """Each missing condition is named with the value given (planted: a check that forgets one fails its case)."""
+    for cls in (ParameterServerStrategy, ShardedParameterServerStrategy):
+        kept = cls(on_rank_loss="continue", num_servers=2, restart_lost_servers=3)
+        assert kept.restart_lost_servers == 3
+        with pytest.raises(ValueError, match="restart_lost_servers"):
+            cls(on_rank_loss="continue", num_servers=2, restart_lost_servers=-1)
+        with pytest.raises(
+            ConfigurationError, match="restart_lost_servers=1 needs num_servers > 0 .* got num_servers=0"
+        ):
+            cls(on_rank_loss="continue", restart_lost_servers=1)
+        with pytest.raises(ConfigurationError, match="needs start_servers True .* got start_servers=False"):
+            cls(on_rank_loss="continue", num_servers=2, start_servers=False, restart_lost_servers=1)
+        with pytest.raises(ConfigurationError, match="needs on_rank_loss 'continue' .* got on_rank_loss='stop'"):
+            cls(num_servers=2, restart_lost_servers=1)
+
+
 @pytest.mark.parametrize(
     ("cls", "options", "match"),
     [

@@ -64,6 +64,8 @@ class DedicatedEngine(StepEngine):
         self.trainers_serve = trainers_serve
         self.run_key = ""
         self.processes: list[subprocess.Popen] = []
+        #: trainer 0 with ``start_servers``: what it started its servers with (``start_local_servers``' arguments)
+        self.local_servers: tuple[str, int, int, str, float, str] | None = None
         self.transport: DedicatedServerTransport | None = None
         self.layout: ShardLayout | None = None
         self.optimizers: list[ShardedOptimizer] = []
@@ -136,8 +138,8 @@ class DedicatedEngine(StepEngine):
             )
         scope = strategy.job_scope or EXTERNAL_SCOPE
         if self.is_trainer_zero and self.start_servers:
-            self.processes = start_local_servers(env.main_address, env.main_port, k, self.run_key,
-                                                 timeout.total_seconds(), scope)  # fmt: skip
+            self.local_servers = (env.main_address, env.main_port, k, self.run_key, timeout.total_seconds(), scope)
+            self.processes = start_local_servers(*self.local_servers)
         # where another party created the default group no record names the scope: servers started by hand need one
         publish = strategy.job_scope is None and self.is_trainer_zero and not self.start_servers
         store = run_store(env.main_address, env.main_port, self.run_key, timeout, scope=scope, publish=publish)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import secrets
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -21,6 +22,7 @@ from lightning_dp.comm.cluster.peers import is_transport_error
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
 from lightning_dp.comm.membership.fence import Connection
 from lightning_dp.comm.servers import Control, MemberGroup, ServerPlan, member_shares
+from lightning_dp.comm.servers.launch import start_local_server
 from lightning_dp.comm.servers.regroup import (
     LOST,
     SERVING,
@@ -94,6 +96,10 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         #: those the leader asked the trainers to let in (at a step boundary)
         self._returning: dict[int, tuple[tuple[str, int], float]] = {}
         self._requested: set[int] = set()
+        #: trainer 0: how many more times it starts a local server that died again (``restart_lost_servers``), and
+        #: the processes replaced (reaped at the end)
+        self._restarts_left = 0
+        self._replaced: list[subprocess.Popen] = []
         #: ``(share, from, to)`` handed back to servers that returned, until every server answered a request after it
         self._handed: list[tuple[int, int, int]] = []
 
@@ -131,6 +137,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             )
         self._empty_regroups = 0
         self._old_members = []
+        self._restarts_left = int(getattr(self.strategy, "restart_lost_servers", 0))
         super().setup_gradient_sync()
         rank_zero_info(
             f"{self.name}: on_rank_loss='continue': the {self.num_servers} dedicated servers hold every share and "
@@ -210,6 +217,22 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             return
         self._requested.update(waiting)
         membership.request_change(f"a process was started again for dedicated server(s) {waiting}")
+
+    def _restart(self, lost: list[int]) -> None:
+        """Trainer 0 (``restart_lost_servers``): start the lost servers it started again, with the same command; each
+        claims its place once marked lost (:meth:`_mark`) and is let in at a step boundary."""
+        if self.local_servers is None:
+            return
+        for server in lost:
+            if self._restarts_left <= 0 or server >= len(self.processes):
+                continue
+            self._restarts_left -= 1
+            self.processes[server].kill()  # (one taken for lost while stopped never comes back)
+            self._replaced.append(self.processes[server])
+            self.processes[server] = start_local_server(server, *self.local_servers)
+            self.expected_exits.discard(server)  # (the new process stops when the fit ends, as the others)
+            rank_zero_info(f"strategy {self.name!r}: dedicated server {server} started again "
+                           f"(restart_lost_servers: {self._restarts_left} left)")  # fmt: skip
 
     def _mark(self, servers: list[int], state: str) -> None:
         """The leader: record ``servers``' state in the run's store (:data:`LOST`: a process started again for one
@@ -382,6 +405,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self.servers, self.serves = servers, serves
         self._mark(lost, LOST)
         self._mark(returned, SERVING)
+        self._restart(lost)
         if returned:
             waited = {s: age + time.monotonic() - received for s, (_, age) in returning.items()}
             self._report_returned(returned, handed, made, waited)
@@ -521,6 +545,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
 
     def close(self, stop: bool = True) -> None:
         self._stop_watch()
+        for process in self._replaced:  # (killed when they were replaced)
+            process.wait()
+        self._replaced = []
         hooks = cast("Any", self.strategy.rank_loss).boundary_hooks
         if self._let_returning_in in hooks:
             hooks.remove(self._let_returning_in)
