@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_dp.comm.cluster.rendezvous import die_with_parent, interface_with_address, local_address_towards
-from lightning_dp.comm.errors import ConfigurationError, ForeignJobError
+from lightning_dp.comm.errors import ForeignJobError
 from lightning_dp.comm.membership.fence import connections_opened_by
 from lightning_dp.comm.servers import DedicatedServer, MemberGroup, run_store
 from lightning_dp.comm.servers.regroup import (
@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-index", required=True, type=int, help="this server's index, in [0, num-servers)")
     parser.add_argument("--num-servers", required=True, type=int, help="the strategy's num_servers")
     parser.add_argument("--run-key", default="0", help="which fit of the trainers' process to join (0: the first)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the trainers to be there")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds to wait for the trainers to be there (started again for a lost server: also "
+                        "for its loss to be noticed and for the trainers to let it in)")  # fmt: skip
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)  # local servers die with it
     parser.add_argument("--scope", default=None, help=argparse.SUPPRESS)  # local servers: the trainers' job scope
     return parser
@@ -70,26 +72,24 @@ def _exit_lost(name: str, error: BaseException) -> None:
 
 
 def _rejoin(store: dist.Store, args: argparse.Namespace, num_servers: int) -> RegroupingServer:
-    """A process started again for a lost server joins the running job (``on_rank_loss="continue"``): it claims the
-    server's place once the trainers took it for lost, and waits for their leader to let it in."""
+    """A process started again for a lost server joins the running job (``on_rank_loss="continue"``: only there do
+    servers write their listener, which says the server served before): it claims the server's place once the
+    trainers took it for lost, and waits for their leader to let it in."""
     started = time.monotonic()
     plan = pickle.loads(store.get("plan"))  # noqa: S301 - written by trainer 0 of this run
-    regroup = plan.extra.get("regroup")
-    if regroup is None:
-        raise ConfigurationError(
-            f"server {args.server_index} served this job already, which does not take a server started again "
-            "(it runs with on_rank_loss='stop'): restart the job"
-        )
+    regroup = plan.extra["regroup"]
     warm_up(plan)
-    listener = RegroupListener(local_address_towards(args.master_addr), regroup["token"], lambda message: None)
-    claim_return(store, args.server_index, listener.address, args.timeout)
-    _log(f"server {args.server_index} (pid {os.getpid()}) started again: waiting for the trainers to let it in")
-    rejoin = float(regroup["rejoin_timeout"])
-    server = join_running_job(plan, args.server_index, num_servers, listener, max(args.timeout, rejoin), rejoin,
-                              IDLE_TIMEOUT)  # fmt: skip
+    index, rejoin = args.server_index, float(regroup["rejoin_timeout"])
+
+    def claim(address: tuple[str, int]) -> None:
+        claim_return(store, index, address, args.timeout)
+        _log(f"server {index} (pid {os.getpid()}) started again: waiting for the trainers to let it in")
+
+    server = join_running_job(plan, index, num_servers, local_address_towards(args.master_addr), regroup["token"],
+                              claim, max(args.timeout, rejoin), rejoin, IDLE_TIMEOUT)  # fmt: skip
     _log(
-        f"server {args.server_index} joined the running job in {time.monotonic() - started:.2f} s, at the trainers' "
-        f"generation {server.generation}, serving shares {list(server.serving[args.server_index])}"
+        f"server {index} joined the running job in {time.monotonic() - started:.2f} s, at the trainers' "
+        f"generation {server.generation}, serving shares {list(server.serving[index])}"
     )
     return server
 

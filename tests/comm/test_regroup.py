@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from lightning_dp.comm.servers.regroup import (
     LOST,
+    SERVING,
     Regroup,
     claim_return,
     replica_holders,
@@ -93,7 +94,7 @@ def test_a_server_started_again_takes_back_its_share_and_those_on_its_side():
 
 def test_a_process_started_again_claims_a_lost_servers_place_once():
     """It waits while the server serves (refused after its timeout), claims the place once the leader marked it lost,
-    and a second process for the same place is refused."""
+    and a second process for the same place is refused at once."""
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     with pytest.raises(TimeoutError, match="was not lost"):
         claim_return(store, 1, ("127.0.0.1", 5), wait_seconds=0.5)
@@ -101,22 +102,32 @@ def test_a_process_started_again_claims_a_lost_servers_place_once():
     store.set(state_key(1), LOST)
     claim_return(store, 1, ("127.0.0.1", 5), wait_seconds=5)
     assert returning_address(store, 1) == ("127.0.0.1", 5)
-    with pytest.raises(TimeoutError, match="was not lost"):  # claimed: no longer lost
-        claim_return(store, 1, ("127.0.0.1", 6), wait_seconds=0.5)
+    with pytest.raises(RuntimeError, match="another process started for dedicated server 1 is joining"):
+        claim_return(store, 1, ("127.0.0.1", 6), wait_seconds=30)  # (at once, not after its wait)
     assert returning_address(store, 1) == ("127.0.0.1", 5)
+    store.set(state_key(1), SERVING)  # let in: a process started now waits for its loss
+    with pytest.raises(TimeoutError, match="was not lost"):
+        claim_return(store, 1, ("127.0.0.1", 6), wait_seconds=0.5)
 
 
 def test_every_sequence_of_losses_and_returns_keeps_each_servers_shares_adjoining():
     """Four servers, any two lost in turn (each while the others serve) and both started again in either order:
     every server serves its own share and one contiguous run of shares, every share is served once, and the
-    ranges of every bucket adjoin (:func:`union_segments` accepts them)."""
+    ranges of every bucket adjoin (:func:`union_segments` accepts them); a server lost again at once, before its
+    shares' new replicas are made, leaves no share without a live copy."""
     segments = [[(10 * s, 10 * s + 10) for s in range(4)]]
     for first, second in itertools.permutations(range(4), 2):
         for back in itertools.permutations((first, second)):
             serves = serving_after(serving_after({s: (s,) for s in range(4)}, {first}), {second})
             for server in back:
+                before = serves
                 serves, giver = serving_back(serves, server)
                 assert giver != server and server in serves[server]
+                # lost again before any server answered after its return: its shares go to its replicas' holder,
+                # which holds them already (the giver's copy, or its replica of the giver's shares)
+                handed = [(share, giver, server) for share in serves[server]]
+                made = replicas_to_make(before, serves, handed)
+                serving_after(serves, {server}, {share for shares in made.values() for share in shares})
                 for s, shares in serves.items():
                     assert s in shares and list(shares) == list(range(shares[0], shares[-1] + 1)), serves
                 assert sorted(x for shares in serves.values() for x in shares) == [0, 1, 2, 3]

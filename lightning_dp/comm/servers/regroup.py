@@ -203,10 +203,15 @@ def claim_return(store: dist.Store, index: int, address: tuple[str, int], wait_s
     """A process started again for dedicated server ``index``, listening at ``address``: waits up to
     ``wait_seconds`` for the trainers' leader to have taken the server for lost, then claims its place, one process
     at a time, so that the leader lets it in at its next probe. :class:`TimeoutError` where the server is not lost
-    (it still serves), :class:`RuntimeError` where another process claimed the place first."""
+    (it still serves), :class:`RuntimeError` where another process claimed the place (at once)."""
     key, claim = state_key(index), JOINING + json.dumps(list(address))
     deadline = time.monotonic() + wait_seconds
-    while not (store.check([key]) and store.get(key).decode() == LOST):
+    while True:
+        state = store.get(key).decode() if store.check([key]) else None
+        if state == LOST:
+            break
+        if state is not None and state.startswith(JOINING):
+            raise RuntimeError(f"another process started for dedicated server {index} is joining the running job")
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"dedicated server {index} was not lost (it still serves, or its loss was not noticed within "
@@ -287,7 +292,10 @@ class ServerWatch:
     def _run(self) -> None:
         while not self._stopped.wait(self.interval):
             if self.on_tick is not None:
-                self.on_tick()
+                try:
+                    self.on_tick()
+                except Exception:  # noqa: BLE001, S110 - the probes go on (what the tick looks for is seen again)
+                    pass
             for server in self.watching():
                 if server in self.silent:
                     continue
@@ -391,7 +399,8 @@ class RegroupingServer(DedicatedServer):
         self.shares: dict[int, DedicatedServer] = {self.index: self}
         #: the replicas of shares other servers serve, held here, by share
         holders = replica_holders(self.servers)
-        self.replicas = {s: self._share(s) for s in range(k) if holders.get(s) == self.index}
+        self.replicas = {} if joining is not None else {s: self._share(s) for s in range(k)
+                                                         if holders.get(s) == self.index}  # fmt: skip
         #: replicas received from another server since the run started (after a loss)
         self.replicas_made = 0
         self._replicas_pending = False
@@ -417,7 +426,6 @@ class RegroupingServer(DedicatedServer):
         self._pending: Regroup | None = None
         self._regroup_cond = threading.Condition()
         if joining is not None:  # nothing held yet: every share it serves and replica it holds comes from the others
-            self.replicas = {}
             self.generation = joining.generation
             self._follow(joining)
         self._lay_out()
@@ -660,7 +668,12 @@ class RegroupingServer(DedicatedServer):
                 self._handing[share] = (served, taker)
                 if holders.get(taker) == self.index:  # the copy given back stays here as its replica
                     self.replicas[share] = served
-        self._receiving = {share: giver for share, giver, taker in message.handed if taker == self.index}
+        receiving = {share: giver for share, giver, taker in message.handed if taker == self.index}
+        missing = [share for share in self._receiving if share in self.serving[self.index] and share not in receiving]
+        if missing:
+            raise ReplicaLostError(f"dedicated server {self.index} was told to serve shares {missing}, whose state it "
+                                   "has not received")  # fmt: skip
+        self._receiving = receiving
         self._givers = sorted({giver for _, giver, taker in message.handed if taker == self.index} - {self.index})
         self._takers = sorted({taker for _, giver, taker in message.handed if giver == self.index} - {self.index})
         for share in self.serving[self.index]:
@@ -685,7 +698,15 @@ class RegroupingServer(DedicatedServer):
     def _hand_over(self) -> None:
         """Every server, after a regroup that lets a lost server serve again: each returning server asks the server
         that served its shares for the state of those it has not received yet, and that server sends it (as for a
-        replica made again, :meth:`_share_state`)."""
+        replica made again, :meth:`_share_state`). A failure here fences this server's member group, so that the
+        others' waits on it fail at once (the trainers then agree again) rather than wait for it."""
+        try:
+            self._exchange_handed()
+        except BaseException:
+            fence(self._connections)
+            raise
+
+    def _exchange_handed(self) -> None:
         asks = {self._member(g): [share for share, giver in sorted(self._receiving.items()) if giver == g]
                 for g in self._givers}  # fmt: skip
         asked = self.members.exchange_objects(asks, [self._member(t) for t in self._takers], Tag.REPLICA)
@@ -838,17 +859,20 @@ def join_running_job(
     plan: ServerPlan,
     index: int,
     num_servers: int,
-    listener: RegroupListener,
+    host: str,
+    token: str,
+    claim: Callable[[tuple[str, int]], None],
     wait_seconds: float,
     rejoin_timeout: float,
     group_timeout: timedelta,
 ) -> RegroupingServer:
-    """Dedicated server ``index``, started again after its loss, joins the running job: it waits up to
-    ``wait_seconds`` for the trainers' leader to say on ``listener`` that it serves again (the leader finds it at
-    its next probe, see :func:`claim_return`), forms the member group of that generation (a newer message
-    meanwhile: that one's) and returns the server, which receives the state of its shares from the server that served
-    them before it serves (:meth:`RegroupingServer.run`). :class:`TimeoutError` where no message comes,
-    :class:`RuntimeError` where the trainers went on without it."""
+    """Dedicated server ``index``, started again after its loss, joins the running job: it listens on ``host`` for
+    regroup messages carrying ``token``, calls ``claim(its listener's address)`` (:func:`claim_return`), waits up to
+    ``wait_seconds`` for the trainers' leader to say that it serves again (the leader finds it at its next probe),
+    forms the member group of that generation (a newer message meanwhile: that one's) and returns the server, which
+    receives the state of its shares from the server that served them before it serves
+    (:meth:`RegroupingServer.run`). :class:`TimeoutError` where no message comes, :class:`RuntimeError` where the
+    trainers went on without it."""
     cond = threading.Condition()
     messages: list[Regroup] = []
 
@@ -858,7 +882,8 @@ def join_running_job(
                 messages.append(message)
                 cond.notify_all()
 
-    listener.on_message = take
+    listener = RegroupListener(host, token, take)  # (taking messages before anyone knows where it listens)
+    claim(listener.address)
     deadline, tried = time.monotonic() + wait_seconds, -1
     while True:
         with cond:

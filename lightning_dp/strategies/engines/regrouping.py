@@ -196,8 +196,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         membership, store = self.strategy.rank_loss.membership, self._run_store
         if membership is None or store is None or self.closed or self.stopped:
             return
-        if membership.leader != self.strategy.global_rank:
-            return
+        if membership.leader != self.strategy.global_rank or 0 not in membership.members:
+            return  # (not the leader, or the store went with global rank 0)
         for server in range(self.num_servers):
             if server in self.servers or server in self._returning:
                 continue
@@ -237,9 +237,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     def _mark(self, servers: list[int], state: str) -> None:
         """The leader: record ``servers``' state in the run's store (:data:`LOST`: a process started again for one
         may join)."""
-        store = self._run_store
-        if store is None or self.member_rank != 0:
-            return
+        store, membership = self._run_store, self.strategy.rank_loss.membership
+        if store is None or self.member_rank != 0 or membership is None or 0 not in membership.members:
+            return  # (not the leader, or the store went with global rank 0)
         for server in servers:
             try:
                 store.set(state_key(server), state)
@@ -449,21 +449,31 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                 alive.append(server)
             except OSError:
                 continue
-        returning: dict[int, tuple[tuple[str, int], float]] = {}
-        for server, (address, claimed) in sorted(self._returning.items()):
-            try:
-                tell_server(address, None, timeout, token=self.token)
-                returning[server] = (address, time.monotonic() - claimed)
-            except OSError:  # gone before it was let in: another process may claim the place
-                del self._returning[server]
-                self._requested.discard(server)
-                self._mark([server], LOST)
+        lost = set(self.servers) - set(alive)
+        gone = sorted({share for share, giver, _ in self._handed if giver in lost})
+        if gone:  # (whether the server it handed them to holds them is not known)
+            return (f"dedicated server(s) {sorted(lost)} lost while handing shares {gone} back to a server started "
+                    "again, which may not hold them yet: restart the run from its last checkpoint")  # fmt: skip
         try:
-            serves = serving_after(self.serves, set(self.servers) - set(alive), self._unreplicated)
+            serves = serving_after(self.serves, lost, self._unreplicated)
         except ReplicaLostError as error:
             return str(error)
         handed = [(share, giver, taker) for share, giver, taker in self._handed
                   if giver in serves and share in serves.get(taker, ())]  # fmt: skip
+        # one server started again per regroup, and none in a regroup that loses one: each takes its shares back
+        # from the server serving them in the regroup before (the next one waits for the next step boundary)
+        returning: dict[int, tuple[tuple[str, int], float]] = {}
+        for server, (address, claimed) in sorted(self._returning.items()):
+            if lost or returning:
+                self._requested.discard(server)
+                continue
+            try:
+                tell_server(address, None, timeout, token=self.token)
+                returning[server] = (address, time.monotonic() - claimed)
+            except OSError:  # gone before it was let in: another process may claim the place
+                self._mark([server], LOST)
+                del self._returning[server]
+                self._requested.discard(server)
         for server in returning:
             serves, giver = serving_back(serves, server)
             handed += [(share, giver, server) for share in serves[server]]
