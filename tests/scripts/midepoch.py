@@ -212,10 +212,11 @@ class Model(L.LightningModule):
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
         if self.global_rank == 0 and self.global_step == args.await_replacement_at:
+            # until the new process asked to join (at the end of its set-up): it is dealt a share at the next boundary
+            membership = self.trainer.strategy.rank_loss.membership
             deadline = time.monotonic() + 60
-            while not (out / "replacement-set-up").exists() and time.monotonic() < deadline:
+            while not set(membership.candidates()) - set(membership.members) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(1.0)  # (it asks to join at the end of its set-up)
         later = args.lose_later or (None, None)
         dying = (args.lose_rank, later[0], args.lose_while_joining)
         if (args.record_seen or self.global_rank in dying) and not REPLACEMENT:
