@@ -71,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -592,11 +593,7 @@ def join_lines(rows: list[dict], baselines: dict) -> list[str]:
         "| test accuracy (no fault / fault) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        if not r["fault"]:
-            continue
-        base = baselines[r["strategy"], r["path"]]
-        before, after = r["steps_per_second_before"], r["steps_per_second_after"]
+    for r, base, before, after in _faulted(rows, baselines):
         lines.append(
             f"| {_strategy(r['strategy'])} | {PATHS[r['path']]} | {r['join_seconds']:.2f} "
             f"| {r['join_asked_seconds']:.2f} | {r['join_pause_seconds']:.3f} | {r['first_step_with_it_seconds']:.2f} "
@@ -619,11 +616,7 @@ def server_again_lines(rows: list[dict], baselines: dict) -> list[str]:
         "| steps/s after its return | after / before | test accuracy (no fault / fault) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        if not r["fault"]:
-            continue
-        base = baselines[r["strategy"], r["path"]]
-        before, after = r["steps_per_second_before"], r["steps_per_second_after"]
+    for r, base, before, after in _faulted(rows, baselines):
         lines.append(
             f"| {_strategy(r['strategy'])} | {r['return_step']} | {r['return_seconds']:.2f} "
             f"| {r['return_claim_seconds']:.2f} | {r['step_with_return_seconds']:.3f} "
@@ -647,11 +640,7 @@ def growth_lines(rows: list[dict], baselines: dict) -> list[str]:
         "| bytes handed over | steps/s on 2 ranks | steps/s on 4 | 4 / 2 | test accuracy (2 ranks / grown) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        if not r["fault"]:
-            continue
-        base = baselines[r["strategy"], r["path"]]
-        before, after = r["steps_per_second_before"], r["steps_per_second_after"]
+    for r, base, before, after in _faulted(rows, baselines):
         joined = ", ".join(f"rank {k} ({s})" for k, s in zip(r["joined_ranks"], r["join_steps"], strict=True))
 
         def each(values: list[float], unit: str = "") -> str:
@@ -668,6 +657,13 @@ def growth_lines(rows: list[dict], baselines: dict) -> list[str]:
               "first step; four processes share the machine's cores, so a step on 4 ranks is no faster here (on "
               "machines of their own each rank's share of the step would halve)."]  # fmt: skip
     return lines
+
+
+def _faulted(rows: list[dict], baselines: dict) -> Iterator[tuple[dict, dict, float, float]]:
+    """Each row with the fault, its baseline, and its steps/s before the fault and after the change measured."""
+    for r in rows:
+        if r["fault"]:
+            yield r, baselines[r["strategy"], r["path"]], r["steps_per_second_before"], r["steps_per_second_after"]
 
 
 def _strategy(name: str) -> str:
