@@ -61,9 +61,9 @@ class ParameterServerBase(DataParallelStrategy):
             Synchronous only (``staleness=0``), uncompressed.
         start_servers: with ``num_servers > 0``, whether trainer 0 starts the servers on its own machine (default)
             or they are started elsewhere with ``python -m lightning_dp.server`` (on spare CPU machines).
-        restart_lost_servers: with ``num_servers > 0``, ``start_servers`` and ``on_rank_loss="continue"``: how
-            many times in all trainer 0 starts a server it started that died again (default ``0``); the new process
-            joins the running job and takes its share back (see ``docs/faults.md``).
+        restart_lost_servers: with ``num_servers > 1``, ``start_servers`` and ``on_rank_loss="continue"``: how
+            many times in each fit trainer 0 starts a server it started that died again (default ``0``); the new
+            process joins the running job and takes its share back (see ``docs/faults.md``).
         overlap_pull: with the servers among the trainers and ``staleness=0`` (default ``True``): the step only
             starts the pull of the new weights, in the order the next forward uses them, and each module's forward
             waits for its own weights, so the pull runs behind the next forward (see
@@ -106,7 +106,8 @@ class ParameterServerBase(DataParallelStrategy):
         self.restart_lost_servers = check_count("restart_lost_servers", restart_lost_servers, 0)
         if self.restart_lost_servers:
             loss = self.rank_loss.name
-            required = {"num_servers": (self.num_servers, self.num_servers > 0, "> 0"),
+            required = {"num_servers": (self.num_servers, self.num_servers > 1, "> 1 (a lone server's loss ends the "
+                                        "run: its state has no replica to come back from)"),
                       "start_servers": (self.start_servers, self.start_servers, "True"),
                       "on_rank_loss": (loss, loss == "continue", "'continue'")}  # fmt: skip
             for option, (value, kept, wanted) in required.items():

@@ -158,7 +158,7 @@ parser.add_argument(
 parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strategy option restart_lost_ranks")
 parser.add_argument("--max-ranks", type=int, default=None, help="strategy option max_ranks")
 parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
-                    help="rank 0 waits in this step until the lost rank's replacement sets itself up")  # fmt: skip
+                    help="rank 0 waits in this step until the lost rank's replacement asked to join")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
@@ -215,7 +215,8 @@ class Model(L.LightningModule):
             # until the new process asked to join (at the end of its set-up): it is dealt a share at the next boundary
             membership = self.trainer.strategy.rank_loss.membership
             deadline = time.monotonic() + 60
-            while not set(membership.candidates()) - set(membership.members) and time.monotonic() < deadline:
+            while not set(membership.candidates()) - set(membership.members):
+                assert time.monotonic() < deadline, "no new process asked to join within 60 s"
                 time.sleep(0.05)
         later = args.lose_later or (None, None)
         dying = (args.lose_rank, later[0], args.lose_while_joining)
@@ -387,12 +388,13 @@ def start_server_again(server: int) -> None:
 
 def await_claim(server: int) -> None:
     """Wait until the lost dedicated ``server``'s new process claimed its place in the run's store and the leader (this
-    process) saw the claim: the change that lets it in comes at the next step boundary."""
+    process) saw the claim (the change that lets it in comes at the next step boundary), or it serves already."""
     from lightning_dp.comm.servers.regroup import returning_address
 
     engine = trainer.strategy.engine
     deadline = time.monotonic() + 60
-    while returning_address(engine._run_store, server) is None or server not in engine._returning:
+    while server not in engine.servers and (returning_address(engine._run_store, server) is None
+                                            or server not in engine._returning):  # fmt: skip
         assert time.monotonic() < deadline, f"server {server} started again was not seen within 60 s"
         time.sleep(0.1)
 

@@ -77,9 +77,11 @@ def test_restarting_lost_servers_needs_servers_trainer_0_starts_and_a_job_that_g
         with pytest.raises(ValueError, match="restart_lost_servers"):
             cls(on_rank_loss="continue", num_servers=2, restart_lost_servers=-1)
         with pytest.raises(
-            ConfigurationError, match="restart_lost_servers=1 needs num_servers > 0 .* got num_servers=0"
+            ConfigurationError, match="restart_lost_servers=1 needs num_servers > 1 .* got num_servers=0"
         ):
             cls(on_rank_loss="continue", restart_lost_servers=1)
+        with pytest.raises(ConfigurationError, match="needs num_servers > 1 .*no replica.* got num_servers=1"):
+            cls(on_rank_loss="continue", num_servers=1, restart_lost_servers=1)
         with pytest.raises(ConfigurationError, match="needs start_servers True .* got start_servers=False"):
             cls(on_rank_loss="continue", num_servers=2, start_servers=False, restart_lost_servers=1)
         with pytest.raises(ConfigurationError, match="needs on_rank_loss 'continue' .* got on_rank_loss='stop'"):

@@ -663,13 +663,16 @@ class RegroupingServer(DedicatedServer):
         self.serving = dict(zip(message.servers, message.serves, strict=True))
         holders = replica_holders(self.servers)
         for share, giver, taker in message.handed:
+            if giver == self.index and share in self._receiving:
+                raise ReplicaLostError(f"dedicated server {self.index} was told to hand share {share} over, whose "
+                                       "state it has not received yet")  # fmt: skip
             if giver == self.index and share in self.shares and share != self.index:
                 served = self.shares.pop(share)
                 self._handing[share] = (served, taker)
                 if holders.get(taker) == self.index:  # the copy given back stays here as its replica
                     self.replicas[share] = served
         receiving = {share: giver for share, giver, taker in message.handed if taker == self.index}
-        missing = [share for share in self._receiving if share in self.serving[self.index] and share not in receiving]
+        missing = [share for share in self._receiving if share not in receiving]
         if missing:
             raise ReplicaLostError(f"dedicated server {self.index} was told to serve shares {missing}, whose state it "
                                    "has not received")  # fmt: skip

@@ -100,6 +100,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         #: the processes replaced (reaped at the end)
         self._restarts_left = 0
         self._replaced: list[subprocess.Popen] = []
+        #: servers whose process trainer 0 started again (until lost again)
+        self._restarted: set[int] = set()
         #: ``(share, from, to)`` handed back to servers that returned, until every server answered a request after it
         self._handed: list[tuple[int, int, int]] = []
 
@@ -230,7 +232,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             self.processes[server].kill()  # (one taken for lost while stopped never comes back)
             self._replaced.append(self.processes[server])
             self.processes[server] = start_local_server(server, *self.local_servers)
-            self.expected_exits.discard(server)  # (the new process stops when the fit ends, as the others)
+            self._restarted.add(server)  # (expected to exit cleanly once it serves again)
             rank_zero_info(f"strategy {self.name!r}: dedicated server {server} started again "
                            f"(restart_lost_servers: {self._restarts_left} left)")  # fmt: skip
 
@@ -405,7 +407,6 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self.servers, self.serves = servers, serves
         self._mark(lost, LOST)
         self._mark(returned, SERVING)
-        self._restart(lost)
         if returned:
             waited = {s: age + time.monotonic() - received for s, (_, age) in returning.items()}
             self._report_returned(returned, handed, made, waited)
@@ -413,6 +414,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             began = [t for t in (self._server_failed_at, membership.change_began) if t is not None]
             seconds = time.monotonic() - min(began) if began else 0.0
             self.expected_exits.update(lost)
+            self._restarted.difference_update(lost)
+            self._restart(lost)
             rank_loss: Any = strategy.rank_loss
             rank_loss.lost_servers += lost
             rank_loss.server_recovery_seconds += [seconds] * len(lost)
@@ -460,11 +463,12 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             return str(error)
         handed = [(share, giver, taker) for share, giver, taker in self._handed
                   if giver in serves and share in serves.get(taker, ())]  # fmt: skip
-        # one server started again per regroup, and none in a regroup that loses one: each takes its shares back
-        # from the server serving them in the regroup before (the next one waits for the next step boundary)
+        # one server started again per regroup, asked for at a step boundary, and none in a regroup that loses one or
+        # while an earlier one has not confirmed holding its shares: each takes its shares back from a server that
+        # holds them (the next one waits for the next step boundary)
         returning: dict[int, tuple[tuple[str, int], float]] = {}
         for server, (address, claimed) in sorted(self._returning.items()):
-            if lost or returning:
+            if lost or returning or handed or server not in self._requested:
                 self._requested.discard(server)
                 continue
             try:
@@ -474,6 +478,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                 self._mark([server], LOST)
                 del self._returning[server]
                 self._requested.discard(server)
+                self._restart([server])
         for server in returning:
             serves, giver = serving_back(serves, server)
             handed += [(share, giver, server) for share in serves[server]]
@@ -491,6 +496,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     ) -> None:
         """Count and say which servers serve again, and how long each took from its claim (``waited``)."""
         rank_loss: Any = self.strategy.rank_loss
+        # a process trainer 0 started again serves now: it stops when the fit ends, as the others (its exit code counts)
+        self.expected_exits.difference_update(set(returned) & self._restarted)
         for server in returned:
             self._returning.pop(server, None)
             self._requested.discard(server)
@@ -556,7 +563,10 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     def close(self, stop: bool = True) -> None:
         self._stop_watch()
         for process in self._replaced:  # (killed when they were replaced)
-            process.wait()
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
         self._replaced = []
         hooks = cast("Any", self.strategy.rank_loss).boundary_hooks
         if self._let_returning_in in hooks:
