@@ -36,16 +36,16 @@ AWAIT_AT = 8
 #: - "new process killed in the handover": it dies as the members start handing it their state; they go on without it
 #: - "replaced, bf16": the gradients travel in 16 bits with error feedback; the new process's residuals start at zero,
 #:   the members keep theirs (the lost rank's are lost)
-#: - "replaced, throughput": balance="throughput" with rank 1 slow: the new process is dealt the members' mean share,
-#:   nobody measures until its admission, and then every rank measures afresh and the shares follow the speeds of
-#:   the three
+#: - "replaced, throughput": balance="throughput" with rank 2 slow, the lost one and the new process alike: the new
+#:   process is dealt the members' mean share, nobody measures until its admission, and then every rank measures
+#:   afresh and the shares follow the speeds of the three (the new process's shrinks)
 #: - the parameter servers on the trainers, the state of every shard replicated on the next rank: the members cut it
 #:   again over the grown membership, the new process's shard and replica included ("sharded_ps replaced": by hand,
 #:   validating every epoch; "parameter_server restarted by the launcher": the central server's state, on rank 0,
 #:   replicated on rank 1; "sharded_ps, new process killed in the handover": it dies once the state was cut over the
 #:   three ranks, and the members cut it again over themselves from the full state they hold)
 #: (no sleep in every rank's step: inside the measured span it would make every rank's speed follow its share)
-BALANCED = ("--balance", "throughput", "--balance-interval", "2", "--slow-rank", "1", "--slow-per-sample", "0.05",
+BALANCED = ("--balance", "throughput", "--balance-interval", "2", "--slow-rank", str(LOST), "--slow-per-sample", "0.05",
             "--step-seconds", "0")  # fmt: skip
 SCENARIOS = {
     "replaced": ("ring_allreduce", "--validate"),
@@ -286,14 +286,16 @@ def test_balanced_shares_follow_the_speeds_of_the_grown_membership(tmp_path_fact
     assert run.joiner is not None
     decisions = run.members[0]["decisions"]
     assert all(r["decisions"] == decisions for r in [*run.members, run.joiner])  # one schedule on every rank
-    # the schedule in force from the join on (the new process's deal at its admission, then the decisions the three
-    # ranks' measurements made, where one saves more than the tolerance): every rank is dealt a share, the slow rank 1
-    # less than the new process
+    # the schedule, at each step after the join: every rank is dealt a share, and a decision taken after the join
+    # from the three ranks' measurements gives the slow new process less than the mean share it was dealt at its
+    # admission, and less than either member (a balancer that does not measure the grown membership keeps the mean)
     started = run.members[0]["history"][run.join_step][:2]
-    after = [shares for start, shares in decisions if tuple(start) >= tuple(started)]
+    dealt = [shares for start, shares in decisions if tuple(start) <= tuple(started)][-1]
+    after = [shares for start, shares in decisions if tuple(start) > tuple(started)]
     assert after, decisions
     assert all(len(s) == DEVICES and min(s) > 0 and sum(s) == GLOBAL_BATCH for s in after), decisions
-    assert after[-1][1] < after[-1][LOST], decisions
+    assert dealt[LOST] == GLOBAL_BATCH // DEVICES, decisions  # (its admission's deal: the mean share)
+    assert after[-1][LOST] < dealt[LOST] and after[-1][LOST] < min(after[-1][0], after[-1][1]), decisions
 
 
 #: "a member lost while a new process joins": 5 single-device nodes (two lost at once leave a strict majority of the
