@@ -591,6 +591,7 @@ torch.save({"weights": weights, "trained": model.trained, "history": model.histo
             "world_size": trainer.world_size, "gathered": model.gathered, "world_sizes": model.world_sizes,
             "validated": model.validated, "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
             "val_counted": counted, "step_ends": model.step_ends, "returned_codes": returned_codes,
+            "server_codes": getattr(getattr(trainer.strategy, "engine", None), "exit_codes", None),
             "full_gradients": getattr(trainer.strategy, "full_gradients", None),
             "final_states": getattr(getattr(trainer.strategy, "engine", None), "final_states", None), "shards": shards,
             "gradient_norms": next((c.norms for c in trainer.callbacks if isinstance(c, ReadGradients)), None)},

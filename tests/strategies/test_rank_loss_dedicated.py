@@ -275,6 +275,7 @@ def test_a_lost_server_started_again_serves_again_and_the_next_loss_is_survived(
         assert metrics["returned_servers"] == [1] and len(metrics["server_return_seconds"]) == 1, metrics
         assert len(t["history"]) == t["global_step"] == steps
     assert "dedicated server 1 started again (restart_lost_servers: 0 left)" in result.stdout
+    assert trainers[0]["server_codes"][1] == 0, trainers[0]["server_codes"]  # (the process started again, stopped)
     assert "server 1 joined the running job" in result.stdout, result.stdout[-5000:]
     done = re.search(r"server 1 done after (\d+) steps and 1 regroups, 1 replicas made again \(joined the running "
                      r"job, 1 shares taken back: \d+ bytes\)", result.stdout)  # fmt: skip

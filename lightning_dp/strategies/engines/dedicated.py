@@ -64,6 +64,8 @@ class DedicatedEngine(StepEngine):
         self.trainers_serve = trainers_serve
         self.run_key = ""
         self.processes: list[subprocess.Popen] = []
+        #: trainer 0 with ``start_servers``: the exit code of each server it started, by index, once closed
+        self.exit_codes: dict[int, int] = {}
         #: trainer 0 with ``start_servers``: what it started its servers with (``start_local_servers``' arguments)
         self.local_servers: tuple[str, int, int, str, float, str] | None = None
         self.transport: DedicatedServerTransport | None = None
@@ -451,6 +453,7 @@ class DedicatedEngine(StepEngine):
                 except Exception:  # noqa: BLE001, S110 - a server that is gone needs no message
                     pass
         codes = stop_local_servers(self.processes, STOP_GRACE_SECONDS if stop else 5.0)
+        self.exit_codes = dict(enumerate(codes))
         if self.transport is not None:
             self.transport.close()
         failed = [f"server {i} (exit code {c})" for i, c in enumerate(codes) if c != 0 and i not in self.expected_exits]

@@ -100,8 +100,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         #: the processes replaced (reaped at the end)
         self._restarts_left = 0
         self._replaced: list[subprocess.Popen] = []
-        #: servers whose process trainer 0 started again (until lost again)
+        #: servers whose process trainer 0 started again (until lost again), and claimants the leader found dead
         self._restarted: set[int] = set()
+        self._claims_dead: list[int] = []
         #: ``(share, from, to)`` handed back to servers that returned, until every server answered a request after it
         self._handed: list[tuple[int, int, int]] = []
 
@@ -140,6 +141,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         self._empty_regroups = 0
         self._old_members = []
         self._restarts_left = int(getattr(self.strategy, "restart_lost_servers", 0))
+        self._restarted, self._claims_dead = set(), []
         super().setup_gradient_sync()
         rank_zero_info(
             f"{self.name}: on_rank_loss='continue': the {self.num_servers} dedicated servers hold every share and "
@@ -215,8 +217,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         started again since the last one, at whose regroup they serve again."""
         membership = self.strategy.rank_loss.membership
         waiting = sorted(set(self._returning) - self._requested)
-        if membership is None or not waiting or self.closed or self.stopped:
-            return
+        if membership is None or not waiting or self._handed or self.closed or self.stopped:
+            return  # (an earlier return not confirmed yet: it would be held back, a change for nothing)
         self._requested.update(waiting)
         membership.request_change(f"a process was started again for dedicated server(s) {waiting}")
 
@@ -362,6 +364,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         n, me = membership.size, self.member_rank
         outcome: list[Any] = [self._find_servers() if me == 0 else None]
         dist.broadcast_object_list(outcome, group=strategy.gradient_group, group_src=0)
+        if me == 0:
+            dead, self._claims_dead = self._claims_dead, []
+            self._restart(dead)
         if isinstance(outcome[0], str):
             raise ReplicaLostError(outcome[0])
         servers, serves, handed, returning = outcome[0]
@@ -478,7 +483,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                 self._mark([server], LOST)
                 del self._returning[server]
                 self._requested.discard(server)
-                self._restart([server])
+                self._claims_dead.append(server)  # (started again once every trainer has the outcome)
         for server in returning:
             serves, giver = serving_back(serves, server)
             handed += [(share, giver, server) for share in serves[server]]
@@ -496,8 +501,11 @@ class RegroupingDedicatedEngine(DedicatedEngine):
     ) -> None:
         """Count and say which servers serve again, and how long each took from its claim (``waited``)."""
         rank_loss: Any = self.strategy.rank_loss
-        # a process trainer 0 started again serves now: it stops when the fit ends, as the others (its exit code counts)
-        self.expected_exits.difference_update(set(returned) & self._restarted)
+        # a process trainer 0 started again serves now (not one started elsewhere that claimed the place first): it
+        # stops when the fit ends, as the others, and its exit code counts
+        self.expected_exits.difference_update(
+            s for s in set(returned) & self._restarted if s < len(self.processes) and self.processes[s].poll() is None
+        )
         for server in returned:
             self._returning.pop(server, None)
             self._requested.discard(server)
