@@ -59,7 +59,7 @@ _MESSAGE_LIMIT = 1 << 16
 
 @dataclass(frozen=True)
 class Regroup:
-    """How the run goes on after a loss, from the trainers' leader to every server."""
+    """How the run goes on after a loss or a lost server's return, from the trainers' leader to every server."""
 
     #: the trainers' membership generation (a server follows only a newer one than it has)
     generation: int

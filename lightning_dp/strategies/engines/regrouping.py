@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_dp._lightning_compat import after_closure, unwrap_optimizer
+from lightning_dp._lightning_compat import after_closure, trainer_of, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cluster.peers import is_transport_error
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
@@ -491,13 +491,12 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             silent.difference_update(returning)
         return tuple(sorted(serves)), serves, handed, returning
 
-    def _global_step(self) -> int:
-        module = self.strategy.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        return int(trainer.global_step) if trainer is not None else -1
-
     def _report_returned(
-        self, returned: list[int], handed: list[tuple[int, int, int]], made: dict, waited: dict[int, float]
+        self,
+        returned: list[int],
+        handed: list[tuple[int, int, int]],
+        made: dict[int, tuple[int, ...]],
+        waited: dict[int, float],
     ) -> None:
         """Count and say which servers serve again, and how long each took from its claim (``waited``)."""
         rank_loss: Any = self.strategy.rank_loss
@@ -511,7 +510,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             self._requested.discard(server)
             rank_loss.returned_servers.append(server)
             rank_loss.server_return_seconds.append(waited.get(server, 0.0))
-            rank_loss.server_return_steps.append(self._global_step())
+            trainer = trainer_of(self.strategy.lightning_module)
+            rank_loss.server_return_steps.append(int(trainer.global_step) if trainer is not None else -1)
         back = "; ".join(f"server {s} takes back shares {[h for h, _, t in handed if t == s]} from server "
                          f"{next(g for _, g, t in handed if t == s)}" for s in returned)  # fmt: skip
         again = "; ".join(f"shares {list(shares)} on server {s}" for s, shares in sorted(made.items()))
