@@ -306,6 +306,73 @@ def test_a_side_without_a_majority_of_the_last_generation_stops_even_with_one_of
     assert quorum_problem([0, 1, 2], 3, 3, [3], previous=(0, 1, 2, 3)) is None
 
 
+def _leave(
+    net: _Network, leavers: set[int], asking: tuple[int, ...], max_lost: int | None = None
+) -> list[Decision | BaseException]:
+    """The members ``asking`` let ``leavers`` go at the same point (the others hear of it from them); every rank's
+    outcome, in rank order."""
+    for a in net.agreements:
+        a.commit(6)
+    for r in asking:
+        net.agreements[r].let_go(leavers)
+    net.pump()
+    return [net.outcome(r) for r in range(len(net.agreements))]
+
+
+@pytest.mark.unit
+def test_members_let_go_leave_as_left_not_lost_and_the_others_go_on_without_fencing_their_exchanges():
+    net = _Network(4)
+    outcomes = _leave(net, {1, 3}, asking=(0, 2))
+    assert all(isinstance(d, Decision) for d in outcomes), outcomes
+    assert {(d.generation, d.members, d.left, d.lost, d.most) for d in outcomes} == {(1, (0, 2), (1, 3), (), 2)}  # type: ignore[union-attr]
+    assert outcomes[0].committed == {0: 6, 2: 6}  # type: ignore[union-attr]
+    assert net.fenced == []  # (every member asked at the same sync point: the exchanges in flight complete)
+    assert [a.left for a in net.agreements] == [None, 1, None, 1]
+    net.agreements[1].fenced("declared lost")  # a member's word that it is gone: no failure where it left
+    assert net.agreements[1].failure is None
+    # the quorum counts from the two that stay: losing one of them is a loss of half, which stops the job
+    for r in (0, 2):
+        net.agreements[r].activate(1)
+    net.lose(2)
+    net.pump()
+    outcome = net.outcome(0)
+    assert isinstance(outcome, QuorumLostError) and "of the last generation's 2 ranks" in str(outcome), outcome
+
+
+@pytest.mark.unit
+def test_leaving_members_are_not_counted_as_lost_by_max_lost_and_a_loss_in_the_same_change_is():
+    """Two of five leave with max_lost=1 (counted as lost, planted, the change would stop the job); a loss in the same
+    change is a loss, counted from the three that stay."""
+    net = _Network(5, max_lost=1)
+    outcomes = _leave(net, {3, 4}, asking=(0, 1, 2, 3, 4))
+    assert {(d.members, d.left, d.lost) for d in outcomes} == {((0, 1, 2), (3, 4), ())}, outcomes  # type: ignore[union-attr]
+    net = _Network(5, max_lost=1)
+    for a in net.agreements:
+        a.commit(6)
+    net.lose(2)  # a loss first: the change under way lets them go as well (the leader hears it in a second report)
+    for r in (0, 1, 3, 4):
+        net.agreements[r].let_go({4})
+    net.pump()
+    outcomes = [net.outcome(r) for r in (0, 1, 3, 4)]
+    assert {(d.members, d.left, d.lost) for d in outcomes} == {((0, 1, 3), (4,), (2,))}, outcomes  # type: ignore[union-attr]
+    assert outcomes[0].most == 4  # type: ignore[union-attr]
+
+
+@pytest.mark.unit
+def test_a_leaving_rank_that_would_lead_hands_the_decision_and_the_store_to_the_lowest_that_stays():
+    """Rank 0 is lost as rank 1 leaves: rank 2 decides and serves the next generation's store (rank 1's goes with
+    it)."""
+    net = _Network(4)
+    for a in net.agreements:
+        a.commit(6)
+    net.lose(0)
+    for r in (1, 2, 3):
+        net.agreements[r].let_go({1})
+    net.pump()
+    outcomes = [net.outcome(r) for r in (1, 2, 3)]
+    assert {(d.members, d.left, d.lost, d.store) for d in outcomes} == {((2, 3), (1,), (0,), ("host2", 1002))}, outcomes  # type: ignore[union-attr]
+
+
 def _hello(port: int, **fields: Any) -> dict[str, Any] | None:
     """Dial a control plane on loopback with a hello of ``fields``; its answer (``None``: closed without one)."""
     import json

@@ -8,13 +8,14 @@ that ends a process group's waits at once (:mod:`.fence`).
 from lightning_dp.comm.membership.agreement import Agreement, Decision, choose_members, quorum_problem
 from lightning_dp.comm.membership.control import ControlPlane
 from lightning_dp.comm.membership.fence import connections_opened_by, fence
-from lightning_dp.comm.membership.membership import Join, Loss, Membership, form_group, read_directory
+from lightning_dp.comm.membership.membership import Join, Leave, Loss, Membership, form_group, read_directory
 
 __all__ = [
     "Agreement",
     "ControlPlane",
     "Decision",
     "Join",
+    "Leave",
     "Loss",
     "Membership",
     "choose_members",

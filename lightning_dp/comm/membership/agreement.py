@@ -15,6 +15,8 @@ that has the reports of every rank it hears decides:
 - a change asked for to admit new processes (:meth:`Agreement.admit`, every member asking for the same ones) admits
   those every reporter hears, unless the change also loses a rank: then it admits nobody (the members deal the
   batches again and may ask once more);
+- a change asked for to let members go (:meth:`Agreement.let_go`, every member asking for the same ones) leaves
+  them out, as left rather than lost: the quorum and ``max_lost`` count from the ranks that stay;
 - the decision (the new generation, the members, what each committed, the store its groups meet on) goes to every
   member. A rank left out is told it is fenced.
 
@@ -56,14 +58,19 @@ class Decision:
     joined: tuple[int, ...] = ()
     #: the new processes the change was asked to admit (admitted or not)
     asked: tuple[int, ...] = ()
-    #: the most ranks the job has had, this generation's included (a new member counts its quorum from there)
+    #: the most ranks the job has had, this generation's included, less those that left on purpose (a new member
+    #: counts its quorum from there)
     most: int = 0
+    #: members of the previous generation that left on purpose (:meth:`Agreement.let_go`): not lost, and no longer
+    #: counted by the quorum or ``max_lost``
+    left: tuple[int, ...] = ()
 
     def message(self) -> dict[str, Any]:
         return {"t": "decision", "gen": self.generation, "members": list(self.members),
                 "committed": {str(k): v for k, v in self.committed.items()}, "store": list(self.store),
                 "lost": list(self.lost), "causes": {str(k): v for k, v in self.causes.items()},
-                "joined": list(self.joined), "asked": list(self.asked), "most": self.most}  # fmt: skip
+                "joined": list(self.joined), "asked": list(self.asked), "most": self.most,
+                "left": list(self.left)}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> Decision:
@@ -73,7 +80,7 @@ class Decision:
             (str(message["store"][0]), int(message["store"][1])), tuple(int(r) for r in message["lost"]),
             {int(k): str(v) for k, v in message.get("causes", {}).items()},
             tuple(int(r) for r in message.get("joined", [])), tuple(int(r) for r in message.get("asked", [])),
-            int(message.get("most", 0)),
+            int(message.get("most", 0)), tuple(int(r) for r in message.get("left", [])),
         )  # fmt: skip
 
 
@@ -148,6 +155,10 @@ class Agreement:
         self.joining = joining
         #: the new processes the training side asked to admit in the change under way
         self._admitting: set[int] = set()
+        #: the members the training side asked to let go in the change under way
+        self._leaving: set[int] = set()
+        #: the generation whose decision let this rank go (``None``: a member, or waiting to be one)
+        self.left: int | None = None
         self.original = original
         #: every rank that has been a member here (the ranks a quorum problem names as lost are those not heard now)
         self._ever = set(self.members)
@@ -233,7 +244,7 @@ class Agreement:
     def suspect(self, peer: int, cause: str, direct: bool) -> None:
         """This rank suspects ``peer`` (``direct``), or heard that another rank does."""
         with self._cond:
-            if self.joining or peer == self.rank or peer not in self.members:  # a rank left out already: no change
+            if self.joining or self.left is not None or peer == self.rank or peer not in self.members:
                 return
             if direct:
                 self._suspected.setdefault(peer, cause)
@@ -268,6 +279,24 @@ class Agreement:
                         self._send(peer, {"t": "change", "gen": self.generation, "admit": sorted(ranks)})
             self._progress()
 
+    def let_go(self, ranks: set[int]) -> None:
+        """Begin a change that lets the members ``ranks`` go (every member asks for the same ones, at the same sync
+        point): the decision names them as left, not lost, and the quorum and ``max_lost`` count from the ranks that
+        stay. Nothing happens where a decision is not taken up yet."""
+        with self._cond:
+            if self._failure is not None or self.generation != self.active or self.left is not None:
+                return
+            new = set(ranks) - self._leaving
+            self._leaving |= set(ranks)
+            if self._changing_since is None:
+                self._begin(fence=False)
+                for peer in self._view():
+                    if peer != self.rank:
+                        self._send(peer, {"t": "change", "gen": self.generation, "leave": sorted(ranks)})
+            elif new:  # (a change begun by a loss: the leader hears of them in a report sent again)
+                self._reported_to = None
+            self._progress()
+
     def refused(self, error: BaseException) -> None:
         """A member refused this process's connection: it does not join."""
         with self._cond:
@@ -276,6 +305,8 @@ class Agreement:
     def fenced(self, why: str) -> None:
         """A member says the job went on without this rank."""
         with self._cond:
+            if self.left is not None:  # (it left: a member's word that it is gone is no failure)
+                return
             self._fail(FencedError(f"rank {self.rank} was declared lost by the job and is no longer a member ({why})"))
 
     def receive(self, message: dict[str, Any]) -> None:
@@ -313,7 +344,18 @@ class Agreement:
         return [r for r in self.members if r not in self._suspected]
 
     def _leader(self) -> int:
-        return min(self._view())
+        """The lowest rank heard that stays (it serves the next generation's store)."""
+        view = self._view()
+        return min([r for r in view if r not in self._leaving] or view)
+
+    def _quorum_problem(self, members: list[int]) -> str | None:
+        """Why ``members`` may not go on as the job, counting neither the members that leave in this change among
+        the ranks it has nor among those it lost."""
+        leaving = self._leaving & set(self.members)
+        staying = [r for r in members if r not in leaving]
+        return quorum_problem(staying, self._most - len(leaving), self.max_lost,
+                              sorted(self._ever - set(staying) - leaving),
+                              tuple(r for r in self.members if r not in leaving))  # fmt: skip
 
     def _fail(self, error: BaseException) -> None:
         if self._failure is None:
@@ -326,15 +368,15 @@ class Agreement:
         if self._failure is not None or self._changing_since is None:
             return
         view = self._view()
-        problem = quorum_problem(view, self._most, self.max_lost, sorted(self._ever - set(view)),
-                                 self.members)  # fmt: skip
+        problem = self._quorum_problem(view)
         if problem is not None:
             self._fail(QuorumLostError(f"rank {self.rank}: {problem}"))
             return
-        leader = min(view)
+        leader = self._leader()
         report = {"t": "report", "gen": self.generation, "rank": self.rank, "view": view,
                   "committed": self.committed, "causes": {str(k): v for k, v in self._suspected.items()},
-                  "hears": sorted(self._candidates()), "admit": sorted(self._admitting)}  # fmt: skip
+                  "hears": sorted(self._candidates()), "admit": sorted(self._admitting),
+                  "leave": sorted(self._leaving)}  # fmt: skip
         if leader == self.rank:
             self._reports[self.rank] = report
             self._reported_to = self.rank
@@ -348,10 +390,13 @@ class Agreement:
         if not set(view) <= set(self._reports):
             return
         reports = {r: self._reports[r] for r in view}
-        members = choose_members({r: set(m["view"]) for r, m in reports.items()})
-        lost = sorted(set(self.members) - set(members))
-        problem = quorum_problem(members, self._most, self.max_lost, sorted(self._ever - set(members)),
-                                 self.members)  # fmt: skip
+        for m in reports.values():
+            self._leaving |= {int(r) for r in m.get("leave", ())}
+        # members that leave on purpose are left, whether they reported or went already
+        left = sorted(self._leaving & set(self.members))
+        members = choose_members({r: set(m["view"]) for r, m in reports.items() if r not in left})
+        lost = sorted(set(self.members) - set(members) - set(left))
+        problem = self._quorum_problem(members)
         if problem is not None:
             for peer in reports:
                 if peer != self.rank:
@@ -369,13 +414,22 @@ class Agreement:
         committed = {r: int(reports[r]["committed"]) for r in members}
         grown = tuple(sorted(members + joined))
         decision = Decision(self.generation + 1, grown, committed, self._serve_store(), tuple(lost), causes,
-                            tuple(joined), tuple(sorted(self._admitting)), max(self._most, len(grown)))  # fmt: skip
+                            tuple(joined), tuple(sorted(self._admitting)), max(self._most - len(left), len(grown)),
+                            tuple(left))  # fmt: skip
         for peer in [*reports, *joined]:
             if peer != self.rank:
                 self._send(peer, decision.message())
         self._adopt(decision)
 
     def _adopt(self, decision: Decision) -> None:
+        if self.rank in decision.left:  # it goes: the training side takes the decision and closes
+            self.left = decision.generation
+            self.generation = decision.generation
+            self.began_at[decision.generation] = self._changing_since or time.monotonic()
+            self._changing_since = None
+            self._decision = decision
+            self._cond.notify_all()
+            return
         if self.rank not in decision.members:
             self._fail(FencedError(
                 f"rank {self.rank} was left out of the job's generation {decision.generation} (members "
@@ -386,11 +440,12 @@ class Agreement:
             self.committed = max(decision.committed.values(), default=0)
         self.generation = decision.generation
         self.members = decision.members
-        self._most = max(self._most, len(decision.members), decision.most)
-        self._ever |= set(decision.members)
+        self._most = max(self._most - len(decision.left), len(decision.members), decision.most)
+        self._ever = (self._ever - set(decision.left)) | set(decision.members)
         self.began_at[decision.generation] = self._changing_since or time.monotonic()
         self.joining = False
         self._admitting = set()
+        self._leaving = set()
         self._on_adopt(decision)
         # a member whose connection to this rank closed already (its leader, lost after it sent the decision; a new
         # process admitted that went in the meantime) stays suspected: the next change starts now, not after a
@@ -414,7 +469,7 @@ class Agreement:
                 self._progress()
 
     def _receive(self, message: dict[str, Any]) -> None:
-        if self._failure is not None:
+        if self._failure is not None or self.left is not None:
             return
         generation = int(message.get("gen", -1))
         if self.joining:  # a process waiting to join hears of one thing only: the decision that admits it
@@ -430,18 +485,23 @@ class Agreement:
             self._begin(fence=bool(message.get("lost")))
             decision = Decision.from_message(message)
             # passed on to every other member: if the leader died while sending it, no member is left without it
-            for peer in decision.members:
+            for peer in (*decision.members, *decision.left):
                 if peer not in (self.rank, message.get("from")):
                     self._send(peer, decision.message())
             self._adopt(decision)
         elif kind in ("change", "report") and generation == self.generation:
             admitting = {int(r) for r in message.get("admit", [])}
+            leaving = {int(r) for r in message.get("leave", [])}
             self._admitting |= admitting
+            if leaving - self._leaving:  # (the leader may be another: the report goes again)
+                self._reported_to = None
+            self._leaving |= leaving
             if kind == "report":
                 self._reports[int(message["rank"])] = message
-            # a change that only admits new processes leaves the exchanges in flight to complete; one that a member
-            # asked for otherwise, or whose report suspects a rank, may lose one
-            self._begin(fence=not admitting or bool(message.get("causes")))
+            # a change that only admits new processes or lets members go leaves the exchanges in flight to complete
+            # (every member asked for it at the same sync point); one that a member asked for otherwise, or whose
+            # report suspects a rank, may lose one
+            self._begin(fence=not (admitting or leaving) or bool(message.get("causes")))
             self._progress()
         elif kind == "stop" and generation == self.generation:
             self._fail(QuorumLostError(f"rank {self.rank}, told by rank {message.get('from')}: {message['why']}"))

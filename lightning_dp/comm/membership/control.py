@@ -138,6 +138,8 @@ class ControlPlane:
         self._slots = set(ranks) | set(range(places or 0))
         self._suspected: dict[int, str] = {}
         self._retired: set[int] = set()
+        #: members that left the job on purpose: their connections end when they close, which is no loss
+        self._departing: set[int] = set()
         #: each connected peer's incarnation, and those of the ranks declared lost (refused for good)
         self._incarnations: dict[int, str] = {}
         self._fenced_incarnations: set[str] = set()
@@ -410,6 +412,7 @@ class ControlPlane:
             for peer in peers - {self.rank}:
                 self._candidates.pop(peer, None)
                 self._retired.discard(peer)
+                self._departing.discard(peer)
                 self._suspected.pop(peer, None)
                 self._expected.add(peer)
 
@@ -426,6 +429,13 @@ class ControlPlane:
                 self._to_unregister.append(state.sock)
             self._wake()
             self._refuse_later(state, why)
+
+    def let_go(self, peers: set[int]) -> None:
+        """The members ``peers`` left the job on purpose: no longer expected, and their connections ending (with a
+        goodbye as they close, or without one) is no loss."""
+        with self._lock:
+            self._expected -= peers
+            self._departing |= peers - {self.rank}
 
     def close(self, farewell: bool = True) -> None:
         """Stop the thread and close every connection; with ``farewell`` first say goodbye to every peer, so that
@@ -463,6 +473,8 @@ class ControlPlane:
 
     def _suspect(self, peer: int, cause: str, direct: bool = True) -> None:
         with self._lock:
+            if peer in self._departing:
+                return
             candidate = direct and peer in self._candidates
         if candidate:  # a process that asked to join and went: it never was a member
             self._drop_candidate(peer, cause)
@@ -631,9 +643,13 @@ class ControlPlane:
             self._unregister(state.sock)
             with self._lock:
                 candidate = peer in self._candidates
+                departing = peer in self._departing
                 suspected = peer in self._suspected or peer in self._retired or self._leaving
             if candidate:
                 self._drop_candidate(peer, "closed")
+                return
+            if departing:
+                self._depart(state)
                 return
             if not suspected:
                 self._suspect(peer, "closed")

@@ -15,6 +15,9 @@ means. When a rank is lost:
 4. :meth:`Membership.recover` returns the decision, and the new generation's groups meet on a store served by that
    generation's leader.
 
+A member leaves on purpose the same way (:meth:`Membership.let_go`, every member asking at the same sync point): the
+decision names it as left, not lost, and the others go on without it.
+
 A new process in a lost rank's place joins the same way (:meth:`Membership.join`): it finds the job's current
 members in the directory the leader keeps in the job's store, dials each of them as a candidate, and the members admit
 it with a change that loses no rank (:meth:`Membership.admit`), from which it is a member like the others.
@@ -84,6 +87,17 @@ class Join:
     #: the generation that admitted it
     generation: int
     #: the progress the job had when it was admitted (as :attr:`Loss.step`)
+    step: int
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A member that left the job on purpose."""
+
+    rank: int
+    #: the generation that let it go
+    generation: int
+    #: the progress the job had when it left (as :attr:`Loss.step`)
     step: int
 
 
@@ -157,6 +171,7 @@ class Membership:
         #: every rank the job went on without, and every new process it admitted, in order
         self.losses: list[Loss] = []
         self.joins: list[Join] = []
+        self.leaves: list[Leave] = []
         self._store: dist.Store | None = store
         self._store_at: tuple[str, int] = ("", 0)
         self._store_prefix = f"{scope}/gen0"
@@ -272,6 +287,18 @@ class Membership:
         sync point); :meth:`recover` returns the decision, which names those admitted in ``joined``."""
         log.warning("rank %d: the members admit new process(es) for rank(s) %s", self.rank, sorted(ranks))
         self.agreement.admit(set(ranks))
+
+    def let_go(self, ranks: set[int]) -> None:
+        """Start a change that lets the members ``ranks`` go (every member asks for the same ones at the same sync
+        point); :meth:`recover` returns the decision, which names them in ``left`` (on a rank that leaves, it is the
+        last thing this membership does before :meth:`close`)."""
+        log.warning("rank %d: the members let rank(s) %s leave the job", self.rank, sorted(ranks))
+        self.agreement.let_go(set(ranks))
+
+    @property
+    def has_left(self) -> bool:
+        """Whether a decision let this rank go (it is no longer a member)."""
+        return self.agreement.left is not None
 
     def _publish_directory(self) -> None:
         """Keep the job's members now where a new process finds them (the leader; best effort: a store that died with
@@ -426,7 +453,13 @@ class Membership:
         decision = self._wait_for_admission(timeout) if self.agreement.joining else self.agreement.wait(timeout)
         began = self.agreement.began_at.get(decision.generation, time.monotonic())
         self.change_began = began
-        lost = set(self.members) - set(decision.members)
+        step = max(decision.committed.values(), default=0)
+        self.leaves += [Leave(rank, decision.generation, step) for rank in decision.left]
+        if self.rank in decision.left:
+            log.warning("rank %d: left the job (generation %d goes on with ranks %s)", self.rank, decision.generation,
+                        list(decision.members))  # fmt: skip
+            return decision
+        lost = set(self.members) - set(decision.members) - set(decision.left)
         with self._lock:
             self._old_groups.extend(self._groups.values())
             self._groups = {}
@@ -438,14 +471,14 @@ class Membership:
             self._store_at = decision.store
             self._store_prefix = f"{self.scope}/gen{decision.generation}"
         self.agreement.activate(decision.generation)
-        step = max(decision.committed.values())
         seconds = time.monotonic() - began
         for rank in sorted(lost):
             self.losses.append(Loss(rank, decision.causes.get(rank, "lost"), decision.generation, step, seconds))
         self.joins += [Join(rank, decision.generation, step) for rank in decision.joined]
-        log.warning("rank %d: the job goes on with ranks %s (generation %d)%s%s",
+        log.warning("rank %d: the job goes on with ranks %s (generation %d)%s%s%s",
                     self.rank, list(decision.members), decision.generation,
                     f" without rank(s) {sorted(lost)}" if lost else "",
+                    f", rank(s) {list(decision.left)} having left" if decision.left else "",
                     f", new process(es) for rank(s) {list(decision.joined)}" if decision.joined else "")  # fmt: skip
         if self.leader == self.rank:
             self._publish_directory()
@@ -477,6 +510,7 @@ class Membership:
         lost = set(decision.lost)
         named = ", ".join(f"rank {r} ({decision.causes.get(r, 'lost')})" for r in sorted(lost))
         self.control.retire(lost, f"declared lost in generation {decision.generation}: {named}")
+        self.control.let_go(set(decision.left))
         # (a new member was told of no change before its admission: the ranks lost meanwhile are retired here too)
         stale = self.control.expected() - set(decision.members) - lost
         if stale:
