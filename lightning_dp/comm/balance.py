@@ -269,6 +269,25 @@ class ThroughputBalancer:
         self.window = []
         return first
 
+    def reinstate(self, ranks: Sequence[int], start: BatchKey) -> None:
+        """Give back the shares :meth:`exclude` took from ``ranks`` (members that did not leave), from batch ``start``
+        on, which no rank's loader may have drawn yet: the shares in force before they were taken apply again (not
+        dealt anew: a rank that never took them holds exactly those)."""
+        if start <= self.latest_drawn:
+            raise RuntimeError(f"the shares cannot change from batch {start}: batch {self.latest_drawn} is drawn")
+        before: tuple[int, ...] | None = None
+        previous: tuple[int, ...] | None = None
+        for decision in self.decisions:
+            if previous is not None and all(previous[r] for r in ranks) and not any(decision.shares[r] for r in ranks):
+                before = previous
+            previous = decision.shares
+        if before is None or previous is None or any(previous[r] for r in ranks):
+            return
+        self.decisions = [d for d in self.decisions if d.start < start]
+        if self.shares_at(start) != before:
+            self.decisions.append(Decision(start, before))
+        self.window = []
+
     def state_dict(self) -> dict:
         """The schedule (equal on every rank); the measurements of a window in progress are not kept."""
         return {

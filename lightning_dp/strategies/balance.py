@@ -105,6 +105,23 @@ class EqualBatches:
         calls it with the same arguments, whether it had dealt them shares or not."""
         raise NotImplementedError(f"balance={self.name!r} cannot deal a share to a new member")
 
+    def let_go(self, leaving: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
+        """Deal the shares of the ``leaving`` members among the others from the first batch that no member's loader
+        drew (``rows``), comes after batch ``after`` and starts an optimizer step; returns it (they train every batch
+        before it, and leave at the step boundary before it)."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a leaving member's share")
+
+    def keep_excluded(self, leaving: list[int], start: BatchKey) -> None:
+        """After a loss dealt the shares again: keep ``leaving`` (members still to leave) without a share from batch
+        ``start`` on, if that deal gave them one again (every member alike)."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a leaving member's share")
+
+    def reinstate(self, ranks: list[int], rows: list[list[int]]) -> None:
+        """Give back the shares :meth:`let_go` took from ``ranks`` (members that will not leave now), from the first
+        batch no member's loader drew (``rows``). Every member calls it with the same arguments, whether it had taken
+        them or not."""
+        raise NotImplementedError(f"balance={self.name!r} cannot deal a leaving member's share")
+
     def admitted(self) -> None:
         """New members were admitted at this step boundary (every member, after the handover, whether they stayed or
         were lost before it)."""
@@ -463,17 +480,36 @@ class DealtBatches(ThroughputBatches):
         return [*balancer.latest_drawn, balancer.batches_per_epoch or 0] if balancer is not None else [-1, -1, 0]
 
     def include(self, joined: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
-        balancer = self.balancer
-        assert balancer is not None  # (at a step boundary of the fit)
-        per_epoch = max(r[2] for r in rows)
-        # after every member's latest drawn batch, and after what any loader may draw before the next boundary (the
-        # batch the loop takes next, and as many as it prefetches): the members there check that each dealt the same
-        # shares before any batch with them is drawn
-        epoch, index = max(_first_undrawn(rows), _advance(after, balancer.lag, per_epoch))
-        index = -(-index // accumulate) * accumulate  # an optimizer step's first batch
-        start = (epoch + 1, 0) if per_epoch and index >= per_epoch else (epoch, index)
-        balancer.include(joined, start)
+        assert self.balancer is not None  # (at a step boundary of the fit)
+        start = self._planned_start(rows, accumulate, after)
+        self.balancer.include(joined, start)
         return start
+
+    def let_go(self, leaving: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
+        assert self.balancer is not None  # (at a step boundary of the fit)
+        start = self._planned_start(rows, accumulate, after)
+        self.balancer.exclude(leaving, start)
+        return start
+
+    def _planned_start(self, rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
+        """Where a planned change of the members' shares starts: after every member's latest drawn batch, and after
+        what any loader may draw before the next boundary (the batch the loop takes next, and as many as it
+        prefetches), so that the members check at that boundary that each dealt the same shares before any batch with
+        them is drawn; at an optimizer step's first batch."""
+        assert self.balancer is not None
+        per_epoch = max(r[2] for r in rows)
+        epoch, index = max(_first_undrawn(rows), _advance(after, self.balancer.lag, per_epoch))
+        index = -(-index // accumulate) * accumulate
+        return (epoch + 1, 0) if per_epoch and index >= per_epoch else (epoch, index)
+
+    def keep_excluded(self, leaving: list[int], start: BatchKey) -> None:
+        balancer = self.balancer
+        if balancer is not None and any(balancer.shares_at(start)[r] for r in leaving):
+            balancer.exclude(leaving, start)
+
+    def reinstate(self, ranks: list[int], rows: list[list[int]]) -> None:
+        assert self.balancer is not None
+        self.balancer.reinstate(ranks, _first_undrawn(rows))
 
     def keep_included(self, joined: list[int], start: BatchKey) -> None:
         balancer = self.balancer
@@ -530,35 +566,45 @@ class DealtThroughputBatches(DealtBatches):
         self.interval, self.tolerance = interval, tolerance
         #: this rank's samples of the batch being trained
         self._samples = 0
-        #: whether a new process was dealt a share and is not admitted yet: no measurement, no decision until then
-        #: (a decision over the members alone would take its share back; the new member's window starts empty)
-        self._joining = False
+        #: whether a new process was dealt a share and is not admitted yet, or a leaving member's share was dealt away
+        #: and it has not left: no measurement, no decision until then (a decision over the members as they are would
+        #: undo the deal; a new member's window starts empty)
+        self._planned = False
 
     forward_started = ThroughputBatches.forward_started
     backward_done = ThroughputBatches.backward_done
 
     def reset(self) -> None:
         super().reset()
-        self._joining = False
+        self._planned = False
 
     def include(self, joined: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
-        self._joining = True
+        self._planned = True
         return super().include(joined, rows, accumulate, after)
 
     def withdraw(self, ranks: list[int], rows: list[list[int]]) -> None:
         super().withdraw(ranks, rows)
         self.admitted()  # (every member alike, whether it had dealt them a share or not)
 
+    def let_go(self, leaving: list[int], rows: list[list[int]], accumulate: int, after: BatchKey) -> BatchKey:
+        self._planned = True
+        return super().let_go(leaving, rows, accumulate, after)
+
+    def reinstate(self, ranks: list[int], rows: list[list[int]]) -> None:
+        super().reinstate(ranks, rows)
+        self.admitted()
+
     def admitted(self) -> None:
-        """Every member measures afresh from the admission (or the withdrawal) on, as the new one does."""
-        self._joining, self._computed = False, None
+        """Every member measures afresh from the admission, the leave or the withdrawal of either on, as a new one
+        does."""
+        self._planned, self._computed = False, None
         if self.balancer is not None:
             self.balancer.window = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
         balancer, strategy = self.balancer, self.strategy
         if balancer is not None and self._batch is not None and self._computed is not None:
-            if not self._joining:
+            if not self._planned:
                 balancer.record(self._computed, self._samples)  # the batch before, on every member alike
             self._computed = None
         if balancer is not None and balancer.window_full:

@@ -375,6 +375,15 @@ class DataParallelStrategy(ProcessGroupStrategy):
         only."""
         return False
 
+    def leave(self) -> None:
+        """Leave the running job on purpose, at the next step boundary of the fit (a host drained before
+        maintenance; as the signal ``SIGUSR2`` does): the other members deal this rank's share of each global batch
+        among themselves from the first batch no loader has drawn, it trains every batch before, and at the boundary
+        before that batch they go on without it, counted as left, not lost. Its process then ends with exit code 0,
+        after Lightning's teardown. Needs ``on_rank_loss="continue"``; refused (with the reason) on the rank that
+        leads the members and with dedicated servers."""
+        self.rank_loss.request_leave(self, "trainer.strategy.leave()")
+
     def rebuild_exchange(self) -> None:
         """After the membership changed (``on_rank_loss="continue"``): the groups, the transport and the codec over
         the ranks that train now, on the same buckets (collective over them)."""

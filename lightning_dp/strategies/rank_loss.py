@@ -27,6 +27,13 @@
   (:meth:`~lightning_dp.comm.membership.Membership.admit`) and hand it the job's state from live peers, chunked
   across them (:mod:`~lightning_dp.comm.membership.handover`): Lightning's checkpoint in memory, which it restores as
   a loaded checkpoint, and where the members stand. Its first step is the members' next.
+
+  A member leaves on purpose (a host drained before maintenance) when it receives :data:`LEAVE_SIGNAL` or calls
+  :meth:`~lightning_dp.strategies.base.DataParallelStrategy.leave`: at the next step boundary the members deal its
+  share among themselves from the first batch no loader has drawn (it trains every batch before), and at the boundary
+  before that batch let it go (:meth:`~lightning_dp.comm.membership.Membership.let_go`), as left, not lost; the
+  others' state is theirs already (a server shard it served is cut again from its replica). Its process then ends
+  with exit code 0, after Lightning's teardown.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ import atexit
 import functools
 import math
 import os
+import signal
 import sys
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -77,7 +87,7 @@ from lightning_dp.comm.cluster.rendezvous import (
 )
 from lightning_dp.comm.codecs import make_codec
 from lightning_dp.comm.errors import ConfigurationError, JoinAbandonedError, MembershipChange
-from lightning_dp.comm.membership import Join, Loss, Membership, form_group
+from lightning_dp.comm.membership import Join, Leave, Loss, Membership, form_group
 from lightning_dp.comm.membership.agreement import Decision
 from lightning_dp.comm.membership.handover import Path, hand_over
 from lightning_dp.comm.transports import RingTransport
@@ -106,6 +116,12 @@ DEFAULT_HEARTBEAT_SECONDS = 10.0
 JOIN_KEY = "lightning_dp_join"
 #: ranks a step boundary's offer can name (one bit each of an int64)
 MAX_JOIN_RANK = 62
+#: the signal that asks a rank to leave the job at its next step boundary (``on_rank_loss="continue"``)
+LEAVE_SIGNAL = signal.SIGUSR2
+#: the columns of a step boundary's row: SIGTERM received, the new processes heard, the new processes dealt a share and
+#: their first batch, the members asking to leave, the members dealt away and their last batch's successor, then the
+#: batches' own (:meth:`~lightning_dp.strategies.balance.EqualBatches.boundary_row`)
+_SIGTERM, _OFFERED, _JOINING, _ASKED, _LEAVING, _DRAWN = 0, 1, slice(2, 5), 5, slice(6, 9), 9
 
 
 class StopOnRankLoss:
@@ -215,6 +231,14 @@ class StopOnRankLoss:
         """Overwrite ``buffers`` with global rank 0's (before a training step; collective)."""
         broadcast_tensors(buffers, src=0, group=strategy.control_group)
 
+    def request_leave(self, strategy: DataParallelStrategy, why: str) -> None:
+        """Leave the running job at the next step boundary (``why``: who asked); raises
+        :class:`~lightning_dp.comm.errors.ConfigurationError` where this rank cannot."""
+        raise ConfigurationError(
+            f"strategy {strategy.strategy_name!r}: a rank leaves a running job with on_rank_loss='continue' only, got "
+            f"on_rank_loss={self.name!r}"
+        )
+
     def metrics(self) -> dict[str, Any]:
         """What the run lost (for ``CommMonitor`` and the app's metrics)."""
         return {}
@@ -251,6 +275,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._welcoming: set[int] = set()
         #: the change that was to admit the new processes dealt a share did not
         self._refused = False
+        #: the members whose shares were dealt away, and the batch from which they have none (they leave at its
+        #: boundary)
+        self._leaving: tuple[list[int], tuple[int, int]] | None = None
+        #: who asked this rank to leave (``None``: nobody), until its share is dealt away
+        self._leave_asked: str | None = None
+        #: a rank that left: the group of itself alone, where what Lightning still runs after (its teardown) runs
+        self._departed: dist.ProcessGroup | None = None
         #: called at every step boundary before the members' row is gathered: where a change that loses no rank is
         #: requested (a lost dedicated server started again), so that it happens at a sync point, not mid-checkpoint
         self.boundary_hooks: list[Callable[[], None]] = []
@@ -300,9 +331,14 @@ class ContinueOnRankLoss(StopOnRankLoss):
         #: per admission, the exchanges this fit had committed before the new member's first
         self.join_steps: list[int] = []
         self.join_seconds: float | None = None
+        #: per leave: the exchanges committed before it, and the seconds the members paused for it
+        self.leave_steps: list[int] = []
+        self.leave_pause_seconds: list[float] = []
         #: the membership's losses and joins before this fit (a membership lives from one stage to the next)
         self._losses_before = len(self.membership.losses) if self.membership is not None else 0
         self._joins_before = len(self.membership.joins) if self.membership is not None else 0
+        self._leaves_before = len(self.membership.leaves) if self.membership is not None else 0
+        self._leaves: list[Leave] = []
 
     # ------------------------------------------------------------------ set-up
     def check_options(self, strategy: ProcessGroupStrategy) -> None:
@@ -492,9 +528,52 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._undo += [
             replace_step_sigterm_broadcast(trainer, lambda: self._at_boundary(strategy, trainer)),
             replace_sigterm_notifier(trainer),
+            self._listen_for_leave(strategy),
         ]
         if self._newcomer is not None:
             self._join(strategy, trainer)
+
+    def _listen_for_leave(self, strategy: DataParallelStrategy) -> Callable[[], None]:
+        """:data:`LEAVE_SIGNAL` asks this rank to leave, where the process has no handler of its own for it (and this
+        is its main thread); returns a function restoring the handler."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(LEAVE_SIGNAL)
+        if previous not in (signal.SIG_DFL, None):
+            rank_zero_info(
+                f"strategy {strategy.strategy_name!r}: {LEAVE_SIGNAL.name} has a handler of the program's own, so it "
+                "does not ask a rank to leave; call trainer.strategy.leave() instead"
+            )
+            return lambda: None
+
+        def asked(signum: int, frame: Any) -> None:
+            self._leave_asked = LEAVE_SIGNAL.name
+
+        signal.signal(LEAVE_SIGNAL, asked)
+
+        def restore() -> None:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(LEAVE_SIGNAL, previous)
+
+        return restore
+
+    def request_leave(self, strategy: DataParallelStrategy, why: str) -> None:
+        refusal = self._leave_refusal(strategy)
+        if refusal is not None:
+            raise ConfigurationError(refusal)
+        self._leave_asked = why
+
+    def _leave_refusal(self, strategy: DataParallelStrategy) -> str | None:
+        """Why this rank cannot leave the running job (``None``: it can)."""
+        name = f"strategy {strategy.strategy_name!r}: rank {strategy.global_rank} cannot leave the running job"
+        if getattr(strategy, "num_servers", 0):
+            return (f"{name}: with num_servers={strategy.num_servers} the trainers neither join nor leave a running "  # type: ignore[attr-defined]
+                    "job yet (with the servers among the trainers, num_servers=0, they do)")  # fmt: skip
+        membership = self.membership
+        if membership is not None and membership.leader == strategy.global_rank:
+            return (f"{name}: it leads the members (it serves their store, the job's directory and, under "
+                    "Lightning's launcher, the other local ranks); another rank may leave")  # fmt: skip
+        return None
 
     def setup_stage(self, strategy: DataParallelStrategy, module: torch.nn.Module) -> None:
         # a torchmetrics metric syncs on the default group, which a lost rank leaves broken: it syncs over the ranks
@@ -566,6 +645,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
     def collective(self, strategy: ProcessGroupStrategy, run: Callable[[dist.ProcessGroup | None], T]) -> T:
         if self._newcomer is not None:  # a new process before its first step: alone (see the module docstring)
             return run(self._newcomer.group)
+        if self._departed is not None:  # a rank that left, in Lightning's teardown: alone
+            return run(self._departed)
         if self.membership is None:  # after the fit (a checkpoint saved later): over the last members, as they are
             return run(strategy.control_group)
         while True:
@@ -615,7 +696,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         return tensor.clone()
 
     def broadcast_object(self, strategy: ProcessGroupStrategy, obj: T, src: int) -> T:
-        if self._newcomer is not None:  # alone: its own
+        if self._newcomer is not None or self._departed is not None:  # alone: its own
             return obj
 
         # an all-gather, not a broadcast: no rank completes it before every rank has reached it (see _recover)
@@ -627,7 +708,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         return self.collective(strategy, run)
 
     def broadcast_buffers(self, strategy: ProcessGroupStrategy, buffers: list[Tensor]) -> None:
-        if self._newcomer is not None:
+        if self._newcomer is not None or self._departed is not None:
             return
         source = strategy.source_rank(0)
 
@@ -706,18 +787,25 @@ class ContinueOnRankLoss(StopOnRankLoss):
         while True:
             try:
                 decision = membership.recover(wait)
+                if strategy.global_rank in decision.left:
+                    raise _Departed(decision)
                 admitted |= set(decision.joined)
                 self._note_admission(decision)
+                self._note_leave(decision)
                 strategy.rebuild_exchange()
                 aligned = self._align(strategy, decision, kind)
                 if aligned is not _REDO:
                     outcome = aligned
                 lost = [loss for loss in membership.losses if loss.generation > before]
+                left = [leave for leave in membership.leaves if leave.generation > before]
                 if lost:  # (a rank already dealt out again: no change)
                     strategy.batches.exclude([loss.rank for loss in lost])
                     if self._pending is not None:  # its share, from the batch it starts at, dealt again
                         strategy.batches.keep_included(*self._pending)
-                strategy.after_recovery([loss.rank for loss in lost])
+                    if self._leaving is not None:  # their shares, from the batch they have none, dealt away again
+                        strategy.batches.keep_excluded(*self._leaving)
+                # (the shares of the members that left were dealt away already, from the batch that comes next)
+                strategy.after_recovery([loss.rank for loss in lost] + [leave.rank for leave in left])
                 if admitted & set(membership.members):
                     self._welcoming = admitted & set(membership.members)
                     try:
@@ -734,7 +822,15 @@ class ContinueOnRankLoss(StopOnRankLoss):
                             f"{self.join_pause_seconds[-1]:.3f} s for its admission and the handover of the job's "
                             "state",
                         )
-                if admitted:  # (measurements start afresh, whether the new processes stayed or went before welcome)
+                if left:
+                    self.leave_steps += [self.committed] * len(left)
+                    self.leave_pause_seconds.append(time.monotonic() - (membership.change_began or started))
+                    _announce(
+                        trainer_of(strategy.lightning_module),
+                        f"strategy {strategy.strategy_name!r}: rank(s) {[leave.rank for leave in left]} left the job "
+                        f"after {self.committed} steps; the members paused {self.leave_pause_seconds[-1]:.3f} s",
+                    )
+                if admitted or left:  # (measurements start afresh, whether the new processes stayed or went)
                     strategy.batches.admitted()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
@@ -830,7 +926,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
     def _at_boundary(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
         """Before every training step (Lightning's SIGTERM broadcast, replaced): whether any member received SIGTERM
         (then every member stops at the same step), which new processes every member hears (each is dealt a share
-        from the first batch no loader has drawn), and at the boundary before that batch their admission."""
+        from the first batch no loader has drawn) and which members ask to leave (their shares are dealt away from
+        there), and at the boundary before that batch their admission, or their leave."""
+        if self._departed is not None:  # (a rank that left runs no more steps)
+            return
+        try:
+            self._boundary(strategy, trainer)
+        except _Departed as departed:
+            self._depart(strategy, trainer, departed.decision)
+
+    def _boundary(self, strategy: DataParallelStrategy, trainer: pl.Trainer) -> None:
         if self._newcomer is not None:  # a new process's first step: the members took this boundary at its admission
             # the members set their validation loaders up again after the admission, as after every change: it sets
             # its own up with them, at the next validation (not the one its sanity check set up alone)
@@ -845,8 +950,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         for hook in self.boundary_hooks:
             hook()
         pending, start = (self._pending[0], self._pending[1]) if self._pending is not None else ([], (-1, -1))
+        leaving, last = (self._leaving[0], self._leaving[1]) if self._leaving is not None else ([], (-1, -1))
         offered = sorted(membership.candidates() - set(membership.members)) if self._pending is None else []
+        asks = self._asks_to_leave(strategy) and self._leaving is None
         row = [1 if getattr(trainer, "received_sigterm", False) else 0, _mask(offered), _mask(pending), *start,
+               _mask([strategy.global_rank] if asks else []), _mask(leaving), *last,
                *strategy.batches.boundary_row()]  # fmt: skip
 
         def combine(group: dist.ProcessGroup | None) -> list[list[int]]:
@@ -855,15 +963,21 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return [t.tolist() for t in everyone]
 
         rows = self.collective(strategy, combine)
-        if any(r[0] for r in rows):
+        if any(r[_SIGTERM] for r in rows):
             raise SIGTERMException()
-        drawn = [r[5:] for r in rows]
-        if len({tuple(r[2:5]) for r in rows}) > 1:
+        drawn = [r[_DRAWN:] for r in rows]
+        if len({tuple(r[_JOINING]) for r in rows}) > 1:
             # the members dealt different shares to new processes (a loss raced with the boundary that dealt them):
             # every one takes them back alike, before any batch with them is drawn; they are offered again
             strategy.batches.withdraw(_ranks(functools.reduce(lambda a, b: a | b, (r[2] for r in rows))), drawn)
             self._pending = None
             return
+        if len({tuple(r[_LEAVING]) for r in rows}) > 1:  # (as above, for members dealt away: they ask again)
+            strategy.batches.reinstate(_ranks(functools.reduce(lambda a, b: a | b, (r[6] for r in rows))), drawn)
+            self._leaving = None
+            return
+        while self._leaving is not None and next_training_batch(trainer) >= self._leaving[1]:
+            self._let_go(strategy)  # (again where the change under way had begun without them: a loss)
         if self._pending is not None and next_training_batch(trainer) >= self._pending[1] and not self._refused:
             self._admit(strategy)
         if self._refused:  # the change that was to admit them did not (a loss, or a member that does not hear them)
@@ -871,9 +985,23 @@ class ContinueOnRankLoss(StopOnRankLoss):
             strategy.batches.withdraw(self._pending[0], drawn)
             self._pending, self._refused = None, False
             return
-        heard = _ranks(functools.reduce(lambda a, b: a & b, (r[1] for r in rows)))
+        asked = [r for r in _ranks(functools.reduce(lambda a, b: a | b, (r[_ASKED] for r in rows)))
+                 if r in membership.members]  # fmt: skip
+        if self._pending is None and self._leaving is None and asked:
+            after = next_training_batch(trainer)
+            last = strategy.batches.let_go(asked, drawn, trainer.accumulate_grad_batches, after)
+            self._leaving = (asked, last)
+            if strategy.global_rank in asked:
+                self._leave_asked = None
+            _announce(
+                trainer,
+                f"strategy {strategy.strategy_name!r}: rank(s) {asked} leave the job; they train up to batch "
+                f"{last[1]} of epoch {last[0]}, the others from there on",
+            )
+            return
+        heard = _ranks(functools.reduce(lambda a, b: a & b, (r[_OFFERED] for r in rows)))
         joining = [r for r in heard if r not in membership.members]
-        if self._pending is None and joining:
+        if self._pending is None and self._leaving is None and joining:
             joined = joining[:1]  # (one at a time: each one admitted is heard by the next)
             after = next_training_batch(trainer)
             start = strategy.batches.include(joined, drawn, trainer.accumulate_grad_batches, after)
@@ -884,6 +1012,39 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"batch {start[1]} of epoch {start[0]} on",
             )
 
+    def _asks_to_leave(self, strategy: DataParallelStrategy) -> bool:
+        """Whether this rank was asked to leave and can (a request it cannot follow is said and dropped)."""
+        if self._leave_asked is None:
+            return False
+        refusal = self._leave_refusal(strategy)
+        if refusal is not None:
+            warnings.warn(f"{refusal} (asked by {self._leave_asked})", stacklevel=2)
+            self._leave_asked = None
+            return False
+        return True
+
+    def _let_go(self, strategy: DataParallelStrategy) -> None:
+        """Let the members dealt away go at this step boundary (every member); on a rank that leaves, raises
+        :class:`_Departed` with the decision."""
+        assert self._leaving is not None and self.membership is not None
+        self.membership.let_go(set(self._leaving[0]))
+        self._recover(strategy, COLLECTIVE)
+
+    def _depart(self, strategy: DataParallelStrategy, trainer: pl.Trainer, decision: Decision) -> None:
+        """This rank left the job: its membership closes (the others see it finish, not fail), what Lightning still
+        runs after runs alone, and the process ends with exit code 0."""
+        membership = self.membership
+        assert membership is not None
+        self._departed = _group_of_one(strategy.global_rank, strategy.timeout, "departed")
+        step = self.committed
+        self._close(farewell=True)
+        print(
+            f"strategy {strategy.strategy_name!r}: rank {strategy.global_rank} left the job after {step} steps "
+            f"(the job goes on with ranks {list(decision.members)}); this process ends",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        raise SystemExit(0)
+
     def _note_admission(self, decision: Decision) -> None:
         """The new processes dealt a share are admitted by ``decision``, or refused by it (asked for, not admitted:
         their shares are taken back at this step boundary, by every member alike)."""
@@ -893,6 +1054,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self._pending = None
         elif set(self._pending[0]) & set(decision.asked):
             self._refused = True
+
+    def _note_leave(self, decision: Decision) -> None:
+        """The members dealt away that ``decision`` let go (or lost) are no longer to leave."""
+        if self._leaving is None:
+            return
+        staying = [r for r in self._leaving[0] if r not in decision.left and r not in decision.lost]
+        self._leaving = (staying, self._leaving[1]) if staying else None
 
     def _admit(self, strategy: DataParallelStrategy) -> None:
         """Admit the new processes dealt a share from the batch that comes next, and hand them the job's state (every
@@ -997,6 +1165,11 @@ class ContinueOnRankLoss(StopOnRankLoss):
         """Every new process this fit admitted."""
         return list(self.membership.joins[self._joins_before :]) if self.membership is not None else self._joins
 
+    @property
+    def leaves(self) -> list[Leave]:
+        """Every member that left this fit on purpose."""
+        return list(self.membership.leaves[self._leaves_before :]) if self.membership is not None else self._leaves
+
     def metrics(self) -> dict[str, Any]:
         return {
             "lost_ranks": [loss.rank for loss in self.losses],
@@ -1017,6 +1190,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
             "join_pause_seconds": list(self.join_pause_seconds),
             "join_seconds": self.join_seconds,
             "handover_bytes": list(self.handover_bytes),
+            "left_ranks": [leave.rank for leave in self.leaves],
+            "leave_steps": list(self.leave_steps),
+            "leave_pause_seconds": list(self.leave_pause_seconds),
         }
 
     def close(self) -> None:
@@ -1024,7 +1200,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         this rank says goodbye."""
         super().close()
         if self.membership is not None:
-            self._losses, self._joins = self.losses, self.joins
+            self._losses, self._joins, self._leaves = self.losses, self.joins, self.leaves
             self.membership = None
 
     def _close(self, farewell: bool) -> None:
@@ -1097,18 +1273,33 @@ def _replicated(strategy: DataParallelStrategy) -> Callable[[Path], bool]:
     return replicated
 
 
+class _Departed(BaseException):  # noqa: N818 - not an error: this rank's leave, carried to the step boundary
+    """The decision that let this rank go, raised from the recovery to the step boundary that handles it (a
+    ``BaseException``: nothing between them takes it for a failed exchange)."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(f"rank left the job in generation {decision.generation}")
+        self.decision = decision
+
+
+_alone_count = [0]
+
+
+def _group_of_one(rank: int, timeout: Any, what: str) -> dist.ProcessGroup:
+    """A gloo group of global rank ``rank`` alone, on a store of its own (``what``: a word for its name)."""
+    _alone_count[0] += 1
+    return form_group((rank,), rank, dist.PrefixStore(what, dist.HashStore()),
+                      f"lightning_dp/{what}/{_alone_count[0]}", "gloo", timeout)  # fmt: skip
+
+
 class _Newcomer:
     """A new process before its first step: the group of itself alone, on which its set-up's collectives run, and
     the checkpoint the members handed it. Between its admission and its first step Lightning restores that
     checkpoint and starts the loop, whose collectives the members ran long ago: they run alone too, the strategy's
     groups held aside until then (:meth:`hold`, :meth:`release`)."""
 
-    _count = 0
-
     def __init__(self, rank: int, timeout: Any) -> None:
-        _Newcomer._count += 1
-        self.group = form_group((rank,), rank, dist.PrefixStore("newcomer", dist.HashStore()),
-                                f"lightning_dp/newcomer/{_Newcomer._count}", "gloo", timeout)  # fmt: skip
+        self.group = _group_of_one(rank, timeout, "newcomer")
         self.checkpoint: dict[str, Any] | None = None
         #: the members' loaders (:func:`~lightning_dp._lightning_compat.loaders_state`), from the handover
         self.loaders: dict[str, Any] | None = None

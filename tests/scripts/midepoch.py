@@ -159,6 +159,9 @@ parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strate
 parser.add_argument("--max-ranks", type=int, default=None, help="strategy option max_ranks")
 parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
                     help="rank 0 waits in this step until the lost rank's replacement asked to join")  # fmt: skip
+parser.add_argument("--leave", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
+                    help="RANK asks to leave the job in STEP (SIGUSR2 to itself, or --leave-by call)")  # fmt: skip
+parser.add_argument("--leave-by", choices=("signal", "call"), default="signal")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
@@ -218,6 +221,11 @@ class Model(L.LightningModule):
             while not set(membership.candidates()) - set(membership.members):
                 assert time.monotonic() < deadline, "no new process asked to join within 60 s"
                 time.sleep(0.05)
+        if args.leave and self.global_rank == args.leave[0] and self.global_step == args.leave[1]:
+            if args.leave_by == "signal":
+                os.kill(os.getpid(), signal.SIGUSR2)
+            else:
+                self.trainer.strategy.leave()
         later = args.lose_later or (None, None)
         dying = (args.lose_rank, later[0], args.lose_while_joining)
         if (args.record_seen or self.global_rank in dying) and not REPLACEMENT:
@@ -561,7 +569,15 @@ trainer = L.Trainer(
     enable_model_summary=False,
     plugins=[VariablesEnvironment()] if args.variables_environment else None,
 )
-trainer.fit(model, ckpt_path=resume)
+try:
+    trainer.fit(model, ckpt_path=resume)
+except SystemExit as ended:  # --leave: the rank left the job; what it trained is kept, and it ends as it was told
+    if ended.code != 0 or not args.leave:
+        raise
+    torch.save({"trained": model.trained, "history": model.history, "global_step": trainer.global_step,
+                "rank_loss": trainer.strategy.rank_loss.metrics(), "world_size": trainer.world_size},
+               out / f"rank{trainer.global_rank}.pt")  # fmt: skip
+    raise
 returned_codes = [process.wait(30) for process in started_again]  # (stopped by trainer 0 at the fit's end, or killed)
 if args.lose_after_fit and trainer.global_rank == args.lose_rank:  # between two stages of the job
     time.sleep(1.0)  # the others are in the next stage's first collectives by now

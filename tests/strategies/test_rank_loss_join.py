@@ -370,8 +370,10 @@ def test_a_member_lost_while_a_new_process_joins_leaves_the_job_going_and_both_j
 
 #: growth: a job started on 2 ranks with max_ranks=4; once it trains, two processes started as ranks 2 and 3 (the
 #: job's command with 4 nodes) join it, one per step boundary; the global batch stays the 2 ranks' (2 x BATCH), though
-#: the new processes' own loaders, of the global batch over the 4 ranks they were started for, are half the size
-STARTED, GROWN, GROW_AT = 2, 4, 2
+#: the new processes' own loaders, of the global batch over the 4 ranks they were started for, are half the size.
+#: Later rank 1, one the job started with, is asked to leave (SIGUSR2, as a host drained before maintenance): the
+#: three others go on without it, its share dealt among them and its server shard cut again from its replica.
+STARTED, GROWN, GROW_AT, LEAVING, LEAVE_AT = 2, 4, 2, 1, 22
 GROWN_STEPS = EPOCHS * SAMPLES // (STARTED * BATCH)
 
 
@@ -382,51 +384,62 @@ def grown(tmp_path_factory) -> tuple[Path, list[dict]]:
         "midepoch", "--strategy", "sharded_ps", "--devices", "1", "--num-nodes", str(STARTED), "--samples",
         str(SAMPLES), "--global-batch", str(STARTED * BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue",
         "--heartbeat-timeout", "2", "--intra-node", "ring", "--max-ranks", str(GROWN), "--step-seconds", "0.1",
-        "--mark-step", str(GROW_AT), "--await-replacement-at", str(AWAIT_AT), "--out", str(out), timeout=240,
-        env={"LIGHTNING_DP_TEST_NODES": str(STARTED)}, grow=(GROWN, out / f"at-step-{GROW_AT}-rank0"),
+        "--mark-step", str(GROW_AT), "--await-replacement-at", str(AWAIT_AT), "--leave", str(LEAVING), str(LEAVE_AT),
+        "--out", str(out), timeout=240, env={"LIGHTNING_DP_TEST_NODES": str(STARTED)},
+        grow=(GROWN, out / f"at-step-{GROW_AT}-rank0"),
     )  # fmt: skip
     assert result.codes == [0] * GROWN, result.stdout[-6000:]
+    assert f"rank {LEAVING} left the job after" in result.stdout, result.stdout[-6000:]
     return out, [torch.load(out / f"rank{r}.pt") for r in range(GROWN)]
 
 
 def test_a_job_grows_from_two_to_four_ranks_and_every_step_equals_one_process_on_its_global_batch(grown):
+    """... and shrinks to three when rank 1 leaves: it trains every batch dealt to it, the others every batch from
+    there on, nothing dropped and every step one process's on the global batch."""
     out, records = grown
-    members, joiners = records[:STARTED], records[STARTED:]
-    metrics = members[0]["rank_loss"]
+    metrics = records[0]["rank_loss"]
     assert sorted(metrics["joined_ranks"]) == [2, 3] and metrics["lost_ranks"] == [], metrics
     joined_at = dict(zip(metrics["joined_ranks"], metrics["join_steps"], strict=True))
-    assert all(r["rank_loss"]["joined_ranks"] == metrics["joined_ranks"] for r in members[1:])
-    new = dict(zip(range(STARTED, GROWN), joiners, strict=True))
-    for rank, joiner in new.items():
-        assert joiner["global_step"] == GROWN_STEPS and len(joiner["trained"]) == GROWN_STEPS - joined_at[rank]
-        assert joiner["world_size"] == GROWN
-    assert GROW_AT < min(joined_at.values()) and max(joined_at.values()) < GROWN_STEPS
-    # every global batch: the two ranks' share of 2 x BATCH samples, then dealt over three and four ranks
+    assert metrics["left_ranks"] == [LEAVING] and len(metrics["leave_pause_seconds"]) == 1, metrics
+    (left_at,) = metrics["leave_steps"]
+    staying = [r for r in range(GROWN) if r != LEAVING]
+    assert all(records[r]["rank_loss"]["left_ranks"] == [LEAVING] for r in staying)
+    assert all(records[r]["rank_loss"]["leave_steps"] == [left_at] for r in staying)
+    assert max(joined_at.values()) < LEAVE_AT < left_at <= LEAVE_AT + 3 < GROWN_STEPS  # (its share's last batch)
+    leaver = records[LEAVING]
+    assert leaver["global_step"] == left_at and len(leaver["trained"]) == left_at
+    assert leaver["rank_loss"]["left_ranks"] == [LEAVING]
+    first = dict.fromkeys(range(STARTED), 0) | joined_at  # the first step each rank trained
+    last = dict.fromkeys(staying, GROWN_STEPS) | {LEAVING: left_at}  # and the step after its last
+    for rank in staying:
+        assert records[rank]["global_step"] == GROWN_STEPS and len(records[rank]["trained"]) == GROWN_STEPS - first[rank]
+        assert records[rank]["world_size"] == GROWN - 1  # (the ranks training at the end)
+    # every global batch: the two ranks' share of 2 x BATCH samples, then dealt over three and four ranks, then three
     batches = []
     for j in range(GROWN_STEPS):
-        parts = [m["trained"][j] for m in members]
-        parts += [joiner["trained"][j - joined_at[r]] for r, joiner in new.items() if j >= joined_at[r]]
+        parts = [records[r]["trained"][j - first[r]] for r in range(GROWN) if first[r] <= j < last[r]]
         assert sum(map(len, parts)) == STARTED * BATCH and min(map(len, parts)) > 0, (j, [len(p) for p in parts])
         if len(parts) == GROWN:
             assert [len(p) for p in parts] == [STARTED * BATCH // GROWN] * GROWN, (j, parts)
+        assert len(parts) == (GROWN - 1 if j >= left_at else len(parts)), (j, parts)
         batches.append([i for p in parts for i in p])
     per_epoch = SAMPLES // (STARTED * BATCH)
     for epoch in range(EPOCHS):  # nothing dropped, nothing trained twice
         trained = sorted(i for j in range(epoch * per_epoch, (epoch + 1) * per_epoch) for i in batches[j])
         assert trained == list(range(SAMPLES)), f"epoch {epoch}"
-    reference = replay(batches, members[0]["history"], SAMPLES)
+    reference = replay(batches, records[0]["history"], SAMPLES)
     for j, want in enumerate(reference):
-        got = members[0]["history"][j][2]
-        assert torch.equal(got, members[1]["history"][j][2]), f"the members differ after batch {j}"
-        for rank, joiner in new.items():
-            if j >= joined_at[rank]:
-                assert torch.equal(got, joiner["history"][j - joined_at[rank]][2]), f"rank {rank} after batch {j}"
+        got = records[0]["history"][j][2]
+        for rank in range(1, GROWN):
+            if first[rank] <= j < last[rank]:
+                assert torch.equal(got, records[rank]["history"][j - first[rank]][2]), f"rank {rank} after batch {j}"
         close(got, want, f"after batch {j}")
-    # the servers' state cut over the four ranks: every element served once, each shard replicated on the next rank
-    shards = {r: rec["shards"] for r, rec in enumerate(records)}
-    assert all(s["members"] == tuple(range(GROWN)) for s in shards.values()), shards
+    # the servers' state cut over the three that stay: every element served once, each shard replicated on the next
+    shards = {r: records[r]["shards"] for r in staying}
+    assert all(s["members"] == tuple(staying) for s in shards.values()), shards
     for rank, mine in shards.items():
-        pairs = zip(mine["replica"], shards[mine["owner"]]["own"], strict=True)
-        assert mine["owner"] == (rank - 1) % GROWN and all(_same_pieces(a, b) for a, b in pairs), rank
-    served = [sum(e - s for pieces in shards[r]["own"] for _, s, e, _ in pieces) for r in range(GROWN)]
+        owner = mine["members"][mine["owner"]]  # (the layout's group rank)
+        pairs = zip(mine["replica"], shards[owner]["own"], strict=True)
+        assert owner == staying[staying.index(rank) - 1] and all(_same_pieces(a, b) for a, b in pairs), rank
+    served = [sum(e - s for pieces in shards[r]["own"] for _, s, e, _ in pieces) for r in staying]
     assert sum(served) == sum(p.numel() for p in Reference(SAMPLES).parameters()) and min(served) > 0, served
