@@ -162,6 +162,8 @@ parser.add_argument("--await-replacement-at", type=int, default=None, metavar="S
 parser.add_argument("--leave", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
                     help="RANK asks to leave the job in STEP (SIGUSR2 to itself, or --leave-by call)")  # fmt: skip
 parser.add_argument("--leave-by", choices=("signal", "call"), default="signal")
+parser.add_argument("--refuse-leave", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
+                    help="RANK calls strategy.leave() in STEP (refused: <out>/leave-refused-rank<r>.txt)")  # fmt: skip
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 #: started again in place of a rank this run killed (tests.helpers.launch.run_script's replace_killed)
@@ -226,6 +228,11 @@ class Model(L.LightningModule):
                 os.kill(os.getpid(), signal.SIGUSR2)
             else:
                 self.trainer.strategy.leave()
+        if args.refuse_leave and self.global_rank == args.refuse_leave[0] and self.global_step == args.refuse_leave[1]:
+            try:
+                self.trainer.strategy.leave()
+            except Exception as refused:  # noqa: BLE001 - recorded for the test
+                (out / f"leave-refused-rank{self.global_rank}.txt").write_text(f"{type(refused).__name__}: {refused}")
         later = args.lose_later or (None, None)
         dying = (args.lose_rank, later[0], args.lose_while_joining)
         if (args.record_seen or self.global_rank in dying) and not REPLACEMENT:

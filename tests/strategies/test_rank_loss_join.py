@@ -412,7 +412,8 @@ def test_a_job_grows_from_two_to_four_ranks_and_every_step_equals_one_process_on
     first = dict.fromkeys(range(STARTED), 0) | joined_at  # the first step each rank trained
     last = dict.fromkeys(staying, GROWN_STEPS) | {LEAVING: left_at}  # and the step after its last
     for rank in staying:
-        assert records[rank]["global_step"] == GROWN_STEPS and len(records[rank]["trained"]) == GROWN_STEPS - first[rank]
+        assert records[rank]["global_step"] == GROWN_STEPS
+        assert len(records[rank]["trained"]) == GROWN_STEPS - first[rank]
         assert records[rank]["world_size"] == GROWN - 1  # (the ranks training at the end)
     # every global batch: the two ranks' share of 2 x BATCH samples, then dealt over three and four ranks, then three
     batches = []
