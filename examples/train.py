@@ -121,7 +121,7 @@ def train(cfg: DictConfig) -> dict:
             summary["staleness_seen"] = staleness
         if backup is not None:
             summary["backup"] = backup
-        if lost.get("lost_ranks") or lost.get("lost_servers") or lost.get("joined_ranks"):
+        if lost.get("lost_ranks") or lost.get("lost_servers") or lost.get("joined_ranks") or lost.get("left_ranks"):
             summary["rank_loss"] = lost
         monitor = next((c for c in trainer.callbacks if isinstance(c, CommMonitor)), None)
         if monitor is not None and monitor.summary is not None:  # means per step, measured and predicted

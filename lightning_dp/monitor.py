@@ -74,6 +74,10 @@ class CommSummary:
                 lines.append(f"dedicated server {server} started again and serves again, {seconds:.3f} s after it "
                              "claimed its place")  # fmt: skip
             lines += _join_lines(loss)
+            for rank, step, seconds in zip(loss.get("left_ranks", []), loss.get("leave_steps", []),
+                                           loss.get("leave_pause_seconds", [])):  # fmt: skip
+                lines.append(f"rank {rank} left the job on purpose after {step} steps; the members paused "
+                             f"{seconds:.3f} s")  # fmt: skip
             lines.append(f"samples of global batches no survivor trained: {loss['dropped_samples']}")
             if loss.get("lost_residuals"):
                 lines.append(f"error-feedback residuals lost with rank(s) {loss['lost_residuals']} (each at most one "
@@ -284,6 +288,7 @@ class CommMonitor(Callback):
             or lost.get("lost_servers")
             or lost.get("joined_ranks")
             or lost.get("returned_servers")
+            or lost.get("left_ranks")
         )
         summary.rank_loss = lost if changed else None
         mean = {name: total / max(1, self._steps) for name, total in self._totals.items()}

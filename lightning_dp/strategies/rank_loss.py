@@ -969,11 +969,15 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if len({tuple(r[_JOINING]) for r in rows}) > 1:
             # the members dealt different shares to new processes (a loss raced with the boundary that dealt them):
             # every one takes them back alike, before any batch with them is drawn; they are offered again
-            strategy.batches.withdraw(_ranks(functools.reduce(lambda a, b: a | b, (r[2] for r in rows))), drawn)
+            strategy.batches.withdraw(
+                _ranks(functools.reduce(lambda a, b: a | b, (r[_JOINING.start] for r in rows))), drawn
+            )
             self._pending = None
             return
         if len({tuple(r[_LEAVING]) for r in rows}) > 1:  # (as above, for members dealt away: they ask again)
-            strategy.batches.reinstate(_ranks(functools.reduce(lambda a, b: a | b, (r[6] for r in rows))), drawn)
+            strategy.batches.reinstate(
+                _ranks(functools.reduce(lambda a, b: a | b, (r[_LEAVING.start] for r in rows))), drawn
+            )
             self._leaving = None
             return
         while self._leaving is not None and next_training_batch(trainer) >= self._leaving[1]:
