@@ -230,3 +230,27 @@ def test_members_that_deal_a_new_process_and_lose_a_rank_in_either_order_hold_on
         balancer.withdraw([3], (0, 7))
     assert first.decisions == second.decisions == third.decisions
     assert third.shares_at((0, 9)) == (9, 7, 0, 0)
+
+
+def test_a_leaving_member_s_share_is_dealt_away_from_its_last_batch_and_reinstated_where_it_stays():
+    """Rank 1 of four leaves from batch 8: the three others take its share in proportion; a loss of rank 2 before
+    then keeps rank 1 without a share from batch 8 (keep_excluded's rule), and members that dealt it away, or not,
+    hold one schedule again once it is reinstated."""
+    balancer = ThroughputBalancer(4, 16)
+    balancer.latest_drawn = (0, 4)
+    balancer.exclude([1], (0, 8))
+    assert balancer.shares_at((0, 7)) == (4, 4, 4, 4) and balancer.shares_at((0, 8)) == (6, 0, 5, 5)
+    balancer.exclude([2], (0, 5))  # a loss: its deal from batch 5 drops the later one
+    assert balancer.shares_at((0, 8))[1] and balancer.shares_at((0, 5)) == (6, 5, 0, 5)
+    balancer.exclude([1], (0, 8))  # (keep_excluded: rank 1 had a share again at batch 8)
+    assert balancer.shares_at((0, 8)) == (9, 0, 0, 7)
+    dealt, never = ThroughputBalancer(4, 16), ThroughputBalancer(4, 16)
+    for b in (dealt, never):
+        b.latest_drawn = (0, 4)
+    dealt.exclude([1], (0, 8))
+    for b in (dealt, never):
+        b.latest_drawn = (0, 6)
+        b.reinstate([1], (0, 7))
+    assert dealt.decisions == never.decisions and dealt.shares_at((0, 9)) == (4, 4, 4, 4)
+    with pytest.raises(RuntimeError, match="is drawn"):
+        dealt.reinstate([1], (0, 6))
