@@ -11,6 +11,8 @@
         --fault-step 20 --app trainer.max_epochs=30 --name faults_grow
     python -m benchmarks.faults --strategies sharded_ps+servers --paths server_again --fault-step 20 \
         --app trainer.max_epochs=30 --name faults_server_again
+    python -m benchmarks.faults --strategies ring_allreduce parameter_server sharded_ps --paths leave \
+        --fault-step 30 --name faults_leave
 
 Every row is one run of the example app (``examples/train.py``: the digits, the reference CNN, a global batch of
 128, 10 epochs of 10 steps), 4 ranks, one of ``--strategies`` (``ring_allreduce``, ``parameter_server``,
@@ -48,6 +50,11 @@ paths:
   No rank is lost; the global batch stays the app's 128 samples (64 per rank on 2 ranks, then 32). Measured
   as for a join, each new process's; steps/s over the 20 steps before the growth and after the last join's first
   step. Its baseline is the 2 ranks that do not grow.
+- **a member leaves on purpose** (``leave``: one process per host): as step ``--fault-step`` starts, rank 3 sends
+  itself ``SIGUSR2`` (a host drained); its share is dealt among the others from the first batch no loader has drawn,
+  and it leaves at that batch's boundary (4 ranks, then 3). Measured: the step it left after, the members' pause
+  (their change, as they report it), the trainers' step with the leave against a step before, and the median
+  steps/s of rank 0 over the 20 steps before the ask and the 20 after the leave.
 
 Each path runs once without the fault (its baseline) and once with it. Recovery: from the fault to the end of the
 first step every survivor completed after it (that step's own computation included); of which the agreement: from
@@ -95,14 +102,16 @@ class FaultClock(pl.Callback):
     """Records when each training step ends on each rank (``<folder>/steps-rank<r>.txt``: attempt, step, time), and
     makes rank ``rank`` SIGKILL itself as training step ``step`` starts in the first attempt (``<folder>/fault``:
     when), or (``cut``) only say it got there (``<folder>/at-fault``), for the benchmark to cut its link; or SIGKILL
-    (``silent``: SIGSTOP) the dedicated server ``server`` it started instead. Passed to the app as a Hydra callback
+    (``silent``: SIGSTOP) the dedicated server ``server`` it started instead; or (``leave``) send itself ``SIGUSR2``,
+    asking to leave the job. Passed to the app as a Hydra callback
     (``+callbacks.fault=...``)."""
 
     def __init__(
-        self, folder: str, rank: int = -1, step: int = -1, cut: bool = False, server: int = -1, silent: bool = False
-    ) -> None:
+        self, folder: str, rank: int = -1, step: int = -1, cut: bool = False, server: int = -1, silent: bool = False,
+        leave: bool = False,
+    ) -> None:  # fmt: skip
         self.folder, self.rank, self.step, self.cut, self.server = Path(folder), rank, step, cut, server
-        self.silent = silent
+        self.silent, self.leave = silent, leave
 
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
         if _attempt() > 0:  # a new process in the lost rank's place: when it started
@@ -120,6 +129,9 @@ class FaultClock(pl.Callback):
                 (self.folder / "at-fault").touch()
                 return
             (self.folder / "fault").write_text(f"{time.time()!r} {trainer.global_step}\n")
+            if self.leave:
+                os.kill(os.getpid(), signal.SIGUSR2)
+                return
             if self.server >= 0:  # the dedicated server this rank started, instead of itself
                 process = trainer.strategy.engine.processes[self.server]  # type: ignore[attr-defined]
                 os.kill(process.pid, signal.SIGSTOP if self.silent else signal.SIGKILL)
@@ -211,10 +223,14 @@ def _run_path(
     grow = path == "grow"
     if grow:  # (rank 0 only says it got to the step; nothing is lost)
         lost = 0
+    leave = path == "leave"
+    if leave:  # (the rank that asks to leave: nothing is lost)
+        lost = RANKS - 1
     fault_options = [f"+callbacks.fault.rank={lost}", f"+callbacks.fault.step={args.fault_step}",
                      f"+callbacks.fault.cut={path in ('emulated', 'grow')}",
                      f"+callbacks.fault.server={0 if server else -1}",
-                     f"+callbacks.fault.silent={path == 'server_silent'}"] if fault else []  # fmt: skip
+                     f"+callbacks.fault.silent={path == 'server_silent'}",
+                     f"+callbacks.fault.leave={leave}"] if fault else []  # fmt: skip
     name, *options = strategy.split("+")
     servers = [f"strategy.num_servers={SERVERS}"] if options == ["servers"] else []
     overrides = [f"strategy={name}", *servers, *APP, *args.app,
@@ -222,7 +238,7 @@ def _run_path(
                  f"hydra.run.dir={folder}/run", "+callbacks.fault._target_=benchmarks.faults.FaultClock",
                  f"+callbacks.fault.folder={folder}", *fault_options]  # fmt: skip
     app = str(REPO / "examples" / "train.py")
-    apart = path in ("per_host", "emulated", "per_host_join", "emulated_join", "grow")
+    apart = path in ("per_host", "emulated", "per_host_join", "emulated_join", "grow", "leave")
     started = GROWN_FROM if grow else RANKS
     logs = [open(folder / f"process{i}.log", "w") for i in range(started if apart else 1)]  # noqa: SIM115
     start = time.perf_counter()
@@ -299,7 +315,7 @@ def _run_path(
                         env={**env, "WORLD_SIZE": str(RANKS), "NODE_RANK": str(i), RESTART_VARIABLE: "1"},
                     ))  # fmt: skip
 
-    elif path in ("per_host", "per_host_join"):
+    elif path in ("per_host", "per_host_join", "leave"):
         port = str(_free_port())
         command = [sys.executable, app, *overrides, "trainer.devices=1", f"trainer.num_nodes={RANKS}",
                    "strategy.on_rank_loss=continue"]  # fmt: skip
@@ -339,7 +355,8 @@ def _run_path(
     for log in logs:
         log.close()
     metrics_file = folder / "run" / "metrics.json"
-    want = [-9 if fault and i == lost and not server and not grow else 0 for i in range(len(procs))] if apart else [0]
+    nothing_lost = server or grow or leave
+    want = [-9 if fault and i == lost and not nothing_lost else 0 for i in range(len(procs))] if apart else [0]
     if again:
         want += want_again
     if grow and fault and len(procs) != RANKS:
@@ -352,12 +369,14 @@ def _run_path(
     metrics = json.loads(metrics_file.read_text())
     row: dict[str, Any] = {
         "strategy": strategy, "path": path, "fault": fault,
-        "lost_rank": lost if fault and not server and not grow else None,
+        "lost_rank": lost if fault and not nothing_lost else None, "left_rank": lost if fault and leave else None,
         "lost_server": lost if fault and server else None, "seconds": seconds,
         "test_acc": metrics["metrics"].get("test_acc"), "global_step": metrics["global_step"],
     }  # fmt: skip
     if fault and grow:
         row.update(_growth(folder, args.fault_step, metrics.get("rank_loss") or {}))
+    elif fault and leave:
+        row.update(_leave(folder, args.fault_step, metrics.get("rank_loss") or {}))
     elif fault:
         row.update(_recovery(folder, lost, args.fault_step, first_processes_only=join))
         loss = metrics.get("rank_loss") or {}
@@ -436,6 +455,19 @@ def _growth(folder: Path, grow_step: int, loss: dict[str, Any]) -> dict[str, Any
         "handover_bytes_each": moved,
         "steps_per_second_before": _median_rate(ends, grow_step - JOIN_WINDOW, grow_step - 1),
         "steps_per_second_after": _median_rate(ends, last + 2, last + 1 + JOIN_WINDOW), "join_window": JOIN_WINDOW,
+    }  # fmt: skip
+
+
+def _leave(folder: Path, ask_step: int, loss: dict[str, Any]) -> dict[str, Any]:
+    """The leave's measurements (see the module docstring)."""
+    (step,) = loss["leave_steps"]
+    ends = {s: t for a, s, t in _steps(folder, 0)}
+    return {
+        "left_ranks": loss["left_ranks"], "leave_step": step, "leave_pause_seconds": loss["leave_pause_seconds"][0],
+        "dropped_samples": loss["dropped_samples"], "step_with_leave_seconds": ends[step + 1] - ends[step],
+        "median_step_seconds": 1 / _median_rate(ends, ask_step - JOIN_WINDOW, ask_step - 1),
+        "steps_per_second_before": _median_rate(ends, ask_step - JOIN_WINDOW, ask_step - 1),
+        "steps_per_second_after": _median_rate(ends, step + 2, step + 1 + JOIN_WINDOW), "join_window": JOIN_WINDOW,
     }  # fmt: skip
 
 
@@ -532,6 +564,7 @@ PATHS = {
     "per_host_join": "a new process joins (one process per host, started again by hand)",
     "emulated_join": "a new process joins (emulated hosts, 1 Gbit/s, started again on its host)",
     "grow": "the job grows from 2 to 4 ranks (one process per host)",
+    "leave": "a member leaves on purpose (one process per host, SIGUSR2)",
 }
 
 
@@ -557,6 +590,12 @@ def report_lines(rows: list[dict]) -> list[str]:
                     f"processes of ranks {GROWN_FROM} to {RANKS - 1} are started (at once) and join in "
                     "turn.")  # fmt: skip
         return lines[:2] + growth_lines(rows, baselines)
+    if any(r["path"] == "leave" for r in rows):
+        lines[0] = (f"Machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {torch.__version__}; the "
+                    f"example app (digits, reference CNN, global batch 128), {RANKS} ranks, one process per host; as "
+                    f"step {first['fault_step']} starts, rank {RANKS - 1} sends itself SIGUSR2 and leaves the job at "
+                    "the boundary its share ends at.")  # fmt: skip
+        return lines[:2] + leave_lines(rows, baselines)
     if any(r["path"] in JOIN_PATHS for r in rows):
         return lines[:2] + join_lines(rows, baselines)
     if any(r["path"] == "server_again" for r in rows):
@@ -656,6 +695,28 @@ def growth_lines(rows: list[dict], baselines: dict) -> list[str]:
               f"{rows[0].get('join_window', JOIN_WINDOW)} steps before the growth and as many after the last join's "
               "first step; four processes share the machine's cores, so a step on 4 ranks is no faster here (on "
               "machines of their own each rank's share of the step would halve)."]  # fmt: skip
+    return lines
+
+
+def leave_lines(rows: list[dict], baselines: dict) -> list[str]:
+    """The leave's table: 4 ranks, then 3."""
+    lines = [
+        "| strategy | left (after step) | members' pause (s) | the step with the leave (s) | a step before (s) "
+        "| samples dropped | steps/s on 4 ranks | steps/s on 3 | 3 / 4 | test accuracy (no leave / leave) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r, base, before, after in _faulted(rows, baselines):
+        lines.append(
+            f"| {_strategy(r['strategy'])} | rank {r['left_ranks'][0]} ({r['leave_step']}) "
+            f"| {r['leave_pause_seconds']:.3f} | {r['step_with_leave_seconds']:.3f} | {r['median_step_seconds']:.3f} "
+            f"| {r['dropped_samples']} | {before:.1f} | {after:.1f} | {after / before:.2f}× "
+            f"| {_accuracy(base)} / {_accuracy(r)} |"
+        )
+    lines += ["", "Members' pause: from the change that lets the rank go to the members going on (as they report it); "
+              "the step with the leave: the step whose boundary let it go, against rank 0's median step before. "
+              f"Steps/s: rank 0's median over the {rows[0].get('join_window', JOIN_WINDOW)} steps before the ask and "
+              "as many after the leave's step; the processes share the machine's cores, so 3 ranks step faster "
+              "here than 4 (on machines of their own each rank's share of a step would grow by a third)."]  # fmt: skip
     return lines
 
 
