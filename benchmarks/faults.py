@@ -715,8 +715,9 @@ def leave_lines(rows: list[dict], baselines: dict) -> list[str]:
     lines += ["", "Members' pause: from the change that lets the rank go to the members going on (as they report it); "
               "the step with the leave: the step whose boundary let it go, against rank 0's median step before. "
               f"Steps/s: rank 0's median over the {rows[0].get('join_window', JOIN_WINDOW)} steps before the ask and "
-              "as many after the leave's step; the processes share the machine's cores, so 3 ranks step faster "
-              "here than 4 (on machines of their own each rank's share of a step would grow by a third)."]  # fmt: skip
+              "as many after the leave's step. The processes share the machine's cores and a step's work (its 128 "
+              "samples) is the same on 4 ranks and on 3, so steps/s change little here; on machines of their own "
+              "each rank's share of a step would grow by a third."]  # fmt: skip
     return lines
 
 
