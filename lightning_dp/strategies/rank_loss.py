@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import math
 import os
 import signal
@@ -100,6 +101,7 @@ if TYPE_CHECKING:
     from lightning_dp.strategies.processes import ProcessGroupStrategy
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: values of the ``on_rank_loss`` option
 ON_RANK_LOSS = ("stop", "continue")
@@ -302,7 +304,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._saved_this_round: set[int] = set()
 
     def _reset_counters(self) -> None:
-        """A fit starts: what an earlier one lost is no longer counted."""
+        """A fit starts: what an earlier one lost is no longer counted, and a change planned in it is dropped (its
+        schedule of shares is gone; a new process asks again, a member asked to leave asks again)."""
+        self._pending, self._refused, self._leaving = None, False, None
         self._batches: Any = None
         #: steps whose exchange ran again over the survivors, and steps whose own update this rank skipped to take a
         #: survivor's state instead
@@ -429,6 +433,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if self._attached is not membership:  # this strategy's first stage: the losses before it are not its own
             self._losses_before = len(membership.losses)
             self._joins_before = len(membership.joins) if self._newcomer is None else 0
+            self._leaves_before = len(membership.leaves)
             self._attached = membership
         if self._newcomer is not None:  # alone until the members admit it (at the end of its set-up)
             self.membership = membership
@@ -535,27 +540,23 @@ class ContinueOnRankLoss(StopOnRankLoss):
 
     def _listen_for_leave(self, strategy: DataParallelStrategy) -> Callable[[], None]:
         """:data:`LEAVE_SIGNAL` asks this rank to leave, where the process has no handler of its own for it (and this
-        is its main thread); returns a function restoring the handler."""
+        is its main thread); returns a function that stops listening."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = signal.getsignal(LEAVE_SIGNAL)
-        if previous not in (signal.SIG_DFL, None):
-            rank_zero_info(
-                f"strategy {strategy.strategy_name!r}: {LEAVE_SIGNAL.name} has a handler of the program's own, so it "
-                "does not ask a rank to leave; call trainer.strategy.leave() instead"
-            )
+        if signal.getsignal(LEAVE_SIGNAL) not in (signal.SIG_DFL, None, _on_leave_signal):
+            log.warning(
+                "strategy %r: %s has a handler of the program's own, so it does not ask rank %d to leave; call "
+                "trainer.strategy.leave() instead", strategy.strategy_name, LEAVE_SIGNAL.name, strategy.global_rank,
+            )  # fmt: skip
             return lambda: None
+        signal.signal(LEAVE_SIGNAL, _on_leave_signal)
+        _leave_listener[0] = weakref.ref(self)
 
-        def asked(signum: int, frame: Any) -> None:
-            self._leave_asked = LEAVE_SIGNAL.name
+        def stop() -> None:
+            if _leave_listener[0] is not None and _leave_listener[0]() is self:
+                _leave_listener[0] = None
 
-        signal.signal(LEAVE_SIGNAL, asked)
-
-        def restore() -> None:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(LEAVE_SIGNAL, previous)
-
-        return restore
+        return stop
 
     def request_leave(self, strategy: DataParallelStrategy, why: str) -> None:
         refusal = self._leave_refusal(strategy)
@@ -571,8 +572,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     "job yet (with the servers among the trainers, num_servers=0, they do)")  # fmt: skip
         membership = self.membership
         if membership is not None and membership.leader == strategy.global_rank:
-            return (f"{name}: it leads the members (it serves their store, the job's directory and, under "
-                    "Lightning's launcher, the other local ranks); another rank may leave")  # fmt: skip
+            return (f"{name}: it leads the members (it serves their store and the job's directory); another rank "
+                    "may leave")  # fmt: skip
+        if getattr(getattr(strategy, "_launcher", None), "procs", None):
+            return (f"{name}: it started the other ranks of its machine (the strategy's own launcher), which end "
+                    "with it; another rank may leave")  # fmt: skip
+        if strategy.global_rank > MAX_JOIN_RANK:
+            return f"{name}: a step boundary names ranks 0 to {MAX_JOIN_RANK} only"
         return None
 
     def setup_stage(self, strategy: DataParallelStrategy, module: torch.nn.Module) -> None:
@@ -791,7 +797,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     raise _Departed(decision)
                 admitted |= set(decision.joined)
                 self._note_admission(decision)
-                self._note_leave(decision)
+                leave_ended = self._note_leave(decision)
                 strategy.rebuild_exchange()
                 aligned = self._align(strategy, decision, kind)
                 if aligned is not _REDO:
@@ -823,14 +829,15 @@ class ContinueOnRankLoss(StopOnRankLoss):
                             "state",
                         )
                 if left:
+                    pause = time.monotonic() - (membership.change_began or started)
                     self.leave_steps += [self.committed] * len(left)
-                    self.leave_pause_seconds.append(time.monotonic() - (membership.change_began or started))
+                    self.leave_pause_seconds += [pause] * len(left)
                     _announce(
                         trainer_of(strategy.lightning_module),
                         f"strategy {strategy.strategy_name!r}: rank(s) {[leave.rank for leave in left]} left the job "
-                        f"after {self.committed} steps; the members paused {self.leave_pause_seconds[-1]:.3f} s",
+                        f"after {self.committed} steps; the members paused {pause:.3f} s",
                     )
-                if admitted or left:  # (measurements start afresh, whether the new processes stayed or went)
+                if admitted or left or leave_ended:  # (measurements start afresh, whoever stayed or went)
                     strategy.batches.admitted()
                 break
             except Exception as error:  # noqa: BLE001 - a loss during recovery starts it again
@@ -980,10 +987,14 @@ class ContinueOnRankLoss(StopOnRankLoss):
             )
             self._leaving = None
             return
-        while self._leaving is not None and next_training_batch(trainer) >= self._leaving[1]:
-            self._let_go(strategy)  # (again where the change under way had begun without them: a loss)
+        if self._leaving is not None and next_training_batch(trainer) >= self._leaving[1]:
+            while self._leaving is not None:  # (again where a loss's change let them go no further)
+                self._let_go(strategy)
+            return  # (the rows are the old members')
         if self._pending is not None and next_training_batch(trainer) >= self._pending[1] and not self._refused:
             self._admit(strategy)
+            if self._pending is None:  # admitted: the rows are the old members'
+                return
         if self._refused:  # the change that was to admit them did not (a loss, or a member that does not hear them)
             assert self._pending is not None
             strategy.batches.withdraw(self._pending[0], drawn)
@@ -991,12 +1002,16 @@ class ContinueOnRankLoss(StopOnRankLoss):
             return
         asked = [r for r in _ranks(functools.reduce(lambda a, b: a | b, (r[_ASKED] for r in rows)))
                  if r in membership.members]  # fmt: skip
+        problem = membership.problem_without(set(asked)) if asked else None
+        if problem is not None:  # (every member finds the same; the ranks that asked drop their request)
+            if strategy.global_rank in asked:
+                warnings.warn(f"rank {strategy.global_rank} does not leave the running job: {problem}", stacklevel=2)
+                self._leave_asked = None
+            asked = []
         if self._pending is None and self._leaving is None and asked:
             after = next_training_batch(trainer)
             last = strategy.batches.let_go(asked, drawn, trainer.accumulate_grad_batches, after)
             self._leaving = (asked, last)
-            if strategy.global_rank in asked:
-                self._leave_asked = None
             _announce(
                 trainer,
                 f"strategy {strategy.strategy_name!r}: rank(s) {asked} leave the job; they train up to batch "
@@ -1059,12 +1074,14 @@ class ContinueOnRankLoss(StopOnRankLoss):
         elif set(self._pending[0]) & set(decision.asked):
             self._refused = True
 
-    def _note_leave(self, decision: Decision) -> None:
-        """The members dealt away that ``decision`` let go (or lost) are no longer to leave."""
+    def _note_leave(self, decision: Decision) -> bool:
+        """The members dealt away that ``decision`` let go (or lost) are no longer to leave; whether no one is left
+        to leave now."""
         if self._leaving is None:
-            return
+            return False
         staying = [r for r in self._leaving[0] if r not in decision.left and r not in decision.lost]
         self._leaving = (staying, self._leaving[1]) if staying else None
+        return self._leaving is None
 
     def _admit(self, strategy: DataParallelStrategy) -> None:
         """Admit the new processes dealt a share from the batch that comes next, and hand them the job's state (every
@@ -1275,6 +1292,21 @@ def _replicated(strategy: DataParallelStrategy) -> Callable[[Path], bool]:
         )
 
     return replicated
+
+
+#: the rank-loss mode :data:`LEAVE_SIGNAL` asks to leave (``None``: none listens, the signal's default action)
+_leave_listener: list[weakref.ref[ContinueOnRankLoss] | None] = [None]
+
+
+def _on_leave_signal(signum: int, frame: Any) -> None:
+    """:data:`LEAVE_SIGNAL`'s handler: the listening fit's rank leaves at its next step boundary; with none (it
+    ended; Lightning's signal connector may put this handler back at its teardown), the default action."""
+    listener = _leave_listener[0]() if _leave_listener[0] is not None else None
+    if listener is not None:
+        listener._leave_asked = LEAVE_SIGNAL.name
+        return
+    signal.signal(LEAVE_SIGNAL, signal.SIG_DFL)
+    os.kill(os.getpid(), LEAVE_SIGNAL)
 
 
 class _Departed(BaseException):  # noqa: N818 - not an error: this rank's leave, carried to the step boundary

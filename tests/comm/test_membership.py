@@ -341,7 +341,7 @@ def test_members_let_go_leave_as_left_not_lost_and_the_others_go_on_without_fenc
 
 @pytest.mark.unit
 def test_leaving_members_are_not_counted_as_lost_by_max_lost_and_a_loss_in_the_same_change_is():
-    """Two of five leave with max_lost=1 (counted as lost, planted, the change would stop the job); a loss in the same
+    """Two of five leave with max_lost=1 (were they counted as lost, the change would stop the job); a loss in the same
     change is a loss, counted from the three that stay."""
     net = _Network(5, max_lost=1)
     outcomes = _leave(net, {3, 4}, asking=(0, 1, 2, 3, 4))
@@ -371,6 +371,52 @@ def test_a_leaving_rank_that_would_lead_hands_the_decision_and_the_store_to_the_
     net.pump()
     outcomes = [net.outcome(r) for r in (1, 2, 3)]
     assert {(d.members, d.left, d.lost, d.store) for d in outcomes} == {((2, 3), (1,), (0,), ("host2", 1002))}, outcomes  # type: ignore[union-attr]
+
+
+@pytest.mark.unit
+def test_a_member_that_hears_of_a_leave_only_from_the_others_reports_again_to_the_rank_that_stays():
+    """Rank 0 dies at the boundary where rank 1 is to leave: rank 3, still recovering from its failed commit, reported
+    to rank 1 and never asks for the leave itself; ranks 1 and 2 let rank 1 go, rank 2 leads, and rank 3 reports to it
+    again (without, the change would wait for it until its timeout)."""
+    net = _Network(4)
+    for a in net.agreements:
+        a.commit(6)
+    net.dead.add(0)
+    for r in (1, 2, 3):
+        net.agreements[r].suspect(0, "closed", True)
+    net.queue = deque(m for m in net.queue if m[0] == 3)  # rank 3's report to rank 1 only
+    for r in (1, 2):
+        net.agreements[r].let_go({1})
+    net.pump()
+    outcomes = [net.outcome(r) for r in (1, 2, 3)]
+    assert {(d.members, d.left, d.lost) for d in outcomes} == {((2, 3), (1,), (0,))}, outcomes  # type: ignore[union-attr]
+
+
+@pytest.mark.unit
+def test_a_new_process_counts_its_quorum_from_the_members_after_those_that_left():
+    """A job of four that let two go admits a new process: it counts from three (the members' count), so losing one
+    of them leaves a majority (counted from the four the job started with, it would stop alone)."""
+    joiner = Agreement(2, [2], 4, 4, timeout=5.0, send=lambda peer, message: True,
+                       serve_store=lambda: ("host2", 1002), on_change=lambda: None, joining=True)  # fmt: skip
+    joiner.receive({"t": "decision", "gen": 2, "members": [0, 1, 2], "committed": {"0": 9, "1": 9},
+                    "store": ["host0", 1000], "lost": [], "joined": [2], "asked": [2], "most": 3})  # fmt: skip
+    joiner.activate(joiner.wait().generation)
+    joiner.suspect(1, "closed", True)
+    assert joiner.failure is None
+
+
+@pytest.mark.unit
+def test_the_members_find_before_they_deal_it_whether_a_leave_would_break_the_quorum():
+    net = _Network(3)
+    net.lose(2)
+    net.pump()
+    for r in (0, 1):
+        net.outcome(r)
+        net.agreements[r].activate(1)
+    problem = net.agreements[0].problem_without({1})
+    assert problem is not None and "not a strict majority" in problem, problem
+    assert net.agreements[0]._leaving == set()  # (asking changes nothing)
+    assert _Network(4).agreements[0].problem_without({3}) is None
 
 
 def _hello(port: int, **fields: Any) -> dict[str, Any] | None:

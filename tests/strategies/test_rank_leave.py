@@ -4,8 +4,8 @@ the first batch no loader had drawn, and at that batch's step boundary they go o
 lost. Nothing is dropped, every step is one process's step on the global batch, the replicas stay bit-identical,
 and the process that left ends with exit code 0. The rank that leads the members is refused, with the reason.
 
-- ring_allreduce, the three ranks started by Lightning's launcher exchanging through shared memory: rank 2, a child
-  of rank 0, leaves on ``SIGUSR2``; rank 0 asks to leave first and is refused;
+- ring_allreduce, the three ranks started by the strategy's own launcher, exchanging through shared memory: rank 2,
+  a child of rank 0, leaves on ``SIGUSR2``; rank 0 asks to leave first and is refused;
 - parameter_server, one process per host: rank 1, holding the central server's replica, leaves on
   ``strategy.leave()``; the server's state is replicated on rank 2 again, and the last checkpoint's momenta are the
   one process's.

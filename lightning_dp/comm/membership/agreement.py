@@ -290,12 +290,21 @@ class Agreement:
             self._leaving |= set(ranks)
             if self._changing_since is None:
                 self._begin(fence=False)
+            if new:  # every member hears of them, also in a change a loss began (the leader may now be another)
                 for peer in self._view():
                     if peer != self.rank:
                         self._send(peer, {"t": "change", "gen": self.generation, "leave": sorted(ranks)})
-            elif new:  # (a change begun by a loss: the leader hears of them in a report sent again)
                 self._reported_to = None
             self._progress()
+
+    def problem_without(self, ranks: set[int]) -> str | None:
+        """Why the members could not go on without ``ranks`` if they left now (``None``: they could)."""
+        with self._cond:
+            leaving, self._leaving = self._leaving, self._leaving | set(ranks)
+            try:
+                return self._quorum_problem([r for r in self.members if r not in ranks])
+            finally:
+                self._leaving = leaving
 
     def refused(self, error: BaseException) -> None:
         """A member refused this process's connection: it does not join."""
@@ -390,8 +399,6 @@ class Agreement:
         if not set(view) <= set(self._reports):
             return
         reports = {r: self._reports[r] for r in view}
-        for m in reports.values():
-            self._leaving |= {int(r) for r in m.get("leave", ())}
         # members that leave on purpose are left, whether they reported or went already
         left = sorted(self._leaving & set(self.members))
         members = choose_members({r: set(m["view"]) for r, m in reports.items() if r not in left})
@@ -440,7 +447,10 @@ class Agreement:
             self.committed = max(decision.committed.values(), default=0)
         self.generation = decision.generation
         self.members = decision.members
-        self._most = max(self._most - len(decision.left), len(decision.members), decision.most)
+        if self.joining:  # (it counts from the job's largest membership, less the members that left, as they do)
+            self._most = max(len(decision.members), decision.most)
+        else:
+            self._most = max(self._most - len(decision.left), len(decision.members), decision.most)
         self._ever = (self._ever - set(decision.left)) | set(decision.members)
         self.began_at[decision.generation] = self._changing_since or time.monotonic()
         self.joining = False

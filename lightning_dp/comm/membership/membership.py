@@ -295,10 +295,9 @@ class Membership:
         log.warning("rank %d: the members let rank(s) %s leave the job", self.rank, sorted(ranks))
         self.agreement.let_go(set(ranks))
 
-    @property
-    def has_left(self) -> bool:
-        """Whether a decision let this rank go (it is no longer a member)."""
-        return self.agreement.left is not None
+    def problem_without(self, ranks: set[int]) -> str | None:
+        """Why the members could not go on if ``ranks`` left now (the quorum, ``max_lost``; ``None``: they could)."""
+        return self.agreement.problem_without(ranks)
 
     def _publish_directory(self) -> None:
         """Keep the job's members now where a new process finds them (the leader; best effort: a store that died with
