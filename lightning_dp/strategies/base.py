@@ -381,7 +381,7 @@ class DataParallelStrategy(ProcessGroupStrategy):
         among themselves from the first batch no loader has drawn, it trains every batch before, and at the boundary
         before that batch they go on without it, counted as left, not lost. Its process then ends with exit code 0,
         after Lightning's teardown. Needs ``on_rank_loss="continue"``; refused (with the reason) on the rank that
-        leads the members and with dedicated servers."""
+        leads the members and on one that started its machine's other ranks."""
         self.rank_loss.request_leave(self, "trainer.strategy.leave()")
 
     def rebuild_exchange(self) -> None:

@@ -567,9 +567,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
     def _leave_refusal(self, strategy: DataParallelStrategy) -> str | None:
         """Why this rank cannot leave the running job (``None``: it can)."""
         name = f"strategy {strategy.strategy_name!r}: rank {strategy.global_rank} cannot leave the running job"
-        if getattr(strategy, "num_servers", 0):
-            return (f"{name}: with num_servers={strategy.num_servers} the trainers neither join nor leave a running "  # type: ignore[attr-defined]
-                    "job yet (with the servers among the trainers, num_servers=0, they do)")  # fmt: skip
         membership = self.membership
         if membership is not None and membership.leader == strategy.global_rank:
             return (f"{name}: it leads the members (it serves their store and the job's directory); another rank "
@@ -1014,8 +1011,8 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self._leaving = (asked, last)
             _announce(
                 trainer,
-                f"strategy {strategy.strategy_name!r}: rank(s) {asked} leave the job; they train up to batch "
-                f"{last[1]} of epoch {last[0]}, the others from there on",
+                f"strategy {strategy.strategy_name!r}: rank(s) {asked} leave the job; they train the batches before "
+                f"batch {last[1]} of epoch {last[0]}, the others take their share from there",
             )
             return
         heard = _ranks(functools.reduce(lambda a, b: a & b, (r[_OFFERED] for r in rows)))

@@ -8,7 +8,10 @@ and the process that left ends with exit code 0. The rank that leads the members
   a child of rank 0, leaves on ``SIGUSR2``; rank 0 asks to leave first and is refused;
 - parameter_server, one process per host: rank 1, holding the central server's replica, leaves on
   ``strategy.leave()``; the server's state is replicated on rank 2 again, and the last checkpoint's momenta are the
-  one process's.
+  one process's;
+- sharded_ps with two dedicated servers that trainer 0 starts, one process per host: trainer 2 leaves on ``SIGUSR2``;
+  the servers go on with the two trainers that stay, the last checkpoint's momenta are the one process's, and both
+  servers stop with exit code 0 at the end.
 (The sharded servers on the trainers: ``test_rank_loss_join.py``'s growth, which shrinks by one in the end.)"""
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ STEPS = EPOCHS * SAMPLES // (DEVICES * BATCH)
 SCENARIOS = {
     "ring_allreduce": (2, "signal", False),
     "parameter_server": (1, "call", True),
+    "sharded_ps+servers": (2, "signal", True),
 }
 
 
@@ -51,11 +55,13 @@ def _launch(strategy: str, tmp_path_factory) -> Run:
     """The strategy's job, run once per session."""
     if strategy not in _runs:
         leaving, by, per_host = SCENARIOS[strategy]
+        name, *servers = strategy.split("+")
         out = tmp_path_factory.mktemp("leave")
         placement = ("--devices", "1", "--num-nodes", str(DEVICES), "--intra-node", "ring") if per_host else (
             "--devices", str(DEVICES), "--refuse-leave", "0", "2")  # fmt: skip
+        placement += ("--num-servers", "2") if servers else ()
         result = run_script(
-            "midepoch", "--strategy", strategy, *placement, "--samples", str(SAMPLES), "--batch-size", str(BATCH),
+            "midepoch", "--strategy", name, *placement, "--samples", str(SAMPLES), "--batch-size", str(BATCH),
             "--max-epochs", str(EPOCHS), "--on-rank-loss", "continue", "--heartbeat-timeout", "2", "--step-seconds",
             "0.05", "--leave", str(leaving), str(LEAVE_AT), "--leave-by", by, "--out", str(out), timeout=180,
             env={"LIGHTNING_DP_TEST_NODES": str(DEVICES)} if per_host else None,
@@ -113,7 +119,7 @@ def test_every_sample_is_trained_once_and_every_step_equals_one_process(left):
             if r != left.leaving or j < left_at:
                 assert torch.equal(got, record["history"][j][2]), f"rank {r} after batch {j}"
         close(got, want, f"after batch {j}")
-    if left.strategy == "parameter_server":  # the optimizer state of the last checkpoint, from the server
+    if left.strategy != "ring_allreduce":  # the optimizer state of the last checkpoint, from the servers
         saved = torch.load(left.out / "ckpt" / f"step={STEPS}.ckpt", weights_only=False)
         state = saved["optimizer_states"][0]["state"]
         buffers = torch.cat([state[k]["momentum_buffer"].flatten() for k in sorted(state)])
@@ -135,6 +141,14 @@ def test_the_central_server_is_replicated_again_on_a_rank_that_stays(tmp_path_fa
     assert [m[:3] for m in mine] == [t[:3] for t in theirs] and mine
     for m, t in zip(mine, theirs, strict=True):
         assert all(torch.equal(m[3][n], t[3][n]) for n in t[3]), m[:3]
+
+
+def test_the_dedicated_servers_go_on_with_the_trainers_that_stay_and_stop_cleanly(tmp_path_factory):
+    left = _launch("sharded_ps+servers", tmp_path_factory)
+    assert left.records[0]["server_codes"] == {0: 0, 1: 0}, left.records[0]["server_codes"]
+    for r in (0, 1):
+        m = left.records[r]["rank_loss"]
+        assert m["lost_servers"] == [] and m["returned_servers"] == [], m
 
 
 def test_the_rank_that_leads_the_members_is_refused_with_the_reason(tmp_path_factory):

@@ -431,8 +431,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             rank_zero_warn(f"strategy {self.name!r}: lost dedicated server(s) {lost}; {moved} (recovered in "
                            f"{seconds:.2f} s); {replicas}")  # fmt: skip
         self._server_failed_at = None
-        if not lost and not returned and not [loss for loss in membership.losses
-                                              if loss.generation == membership.generation]:  # fmt: skip
+        changed = [loss.generation for loss in membership.losses] + [leave.generation for leave in membership.leaves]
+        if not lost and not returned and membership.generation not in changed:  # (no rank lost, none left)
             self._empty_regroups += 1  # nothing was lost: the wait that failed is run again
             if self._empty_regroups > MAX_EMPTY_REGROUPS:
                 raise RuntimeError(
