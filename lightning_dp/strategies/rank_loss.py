@@ -280,7 +280,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         #: the members whose shares were dealt away, and the batch from which they have none (they leave at its
         #: boundary)
         self._leaving: tuple[list[int], tuple[int, int]] | None = None
-        #: who asked this rank to leave (``None``: nobody), until its share is dealt away
+        #: who asked this rank to leave (``None``: nobody); it asks at every boundary while its share is not dealt away
         self._leave_asked: str | None = None
         #: a rank that left: the group of itself alone, where what Lightning still runs after (its teardown) runs
         self._departed: dist.ProcessGroup | None = None
