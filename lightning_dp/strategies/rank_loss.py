@@ -84,6 +84,7 @@ from lightning_dp.comm.cluster.rendezvous import (
     job_store,
     local_address_towards,
     proof_of,
+    reach_job_store,
     replaces_lost_rank,
 )
 from lightning_dp.comm.codecs import make_codec
@@ -411,6 +412,9 @@ class ContinueOnRankLoss(StopOnRankLoss):
         self._reset()
         membership = _live.get(job)
         store = job_store(strategy.job_scope)
+        reach = None  # (the job's store, served again by a new process in rank 0's place)
+        if store is not None and strategy.job_scope is not None:
+            reach = partial(reach_job_store, strategy.job_scope, env.main_address, env.main_port)
         if membership is None and replaces_lost_rank(strategy.job_scope):
             assert store is not None
             if strategy.global_rank > MAX_JOIN_RANK:
@@ -419,7 +423,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 )
             address = _group_address(env.main_address)
             membership = Membership.join(strategy.global_rank, store, DIRECTORY_KEY, address, self.heartbeat_timeout,
-                                         backend, strategy.timeout, proof_of(scope))  # fmt: skip
+                                         backend, strategy.timeout, proof_of(scope), reach)  # fmt: skip
             _keep_live(job, membership)
             self._newcomer = _Newcomer(strategy.global_rank, strategy.timeout)
         elif membership is None:
@@ -427,7 +431,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 strategy.global_rank, list(range(world)), store or distributed_c10d._get_default_store(),
                 f"{scope}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
                 max_lost, backend, strategy.timeout, proof_of(scope), DIRECTORY_KEY if store is not None else None,
-                refuses_joins=self._join_refusal(strategy), places=self.max_ranks,
+                refuses_joins=self._join_refusal(strategy), places=self.max_ranks, reach_store=reach,
             )  # fmt: skip
             _keep_live(job, membership)
         if self._attached is not membership:  # this strategy's first stage: the losses before it are not its own
@@ -461,8 +465,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                     if change is error:
                         raise
                     raise change from error
-        if membership.leader == strategy.global_rank:  # global rank 0's roles
-            rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        _lead(strategy, membership)
         self.position = membership.agreement.committed
         return groups
 
@@ -853,8 +856,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
         if trainer is not None:
             reset_evaluation_data(trainer)
         self._members = membership.members
-        if membership.leader == strategy.global_rank:  # global rank 0's roles: logging, checkpoints, the progress bar
-            rank_zero_only.rank = utils_rank_zero_only.rank = 0  # type: ignore[attr-defined]
+        _lead(strategy, membership)
         seconds = time.monotonic() - started
         committed = self.committed + (1 if outcome is not _REDO and kind == EXCHANGE else 0)
         self.recovery_seconds += [seconds] * len(lost)
@@ -1265,6 +1267,13 @@ def _mask(ranks: list[int]) -> int:
 
 def _ranks(mask: int) -> list[int]:
     return [r for r in range(MAX_JOIN_RANK + 1) if mask >> r & 1]
+
+
+def _lead(strategy: DataParallelStrategy | ProcessGroupStrategy, membership: Membership) -> None:
+    """Global rank 0's roles (logging, checkpoints, the progress bar) on the members' leader, and on it alone (a new
+    process in rank 0's place leads again once admitted)."""
+    leads = membership.leader == strategy.global_rank
+    rank_zero_only.rank = utils_rank_zero_only.rank = 0 if leads else strategy.global_rank  # type: ignore[attr-defined]
 
 
 def _announce(trainer: Any, text: str) -> None:

@@ -734,3 +734,45 @@ def test_survivors_go_on_through_kills_and_stops_and_a_side_without_majority_sto
     # stop (measured on rank 1, which stopped it)
     assert results[2]["recoveries"][0][1] < 2.0, results[2]["recoveries"]
     assert results[1]["recoveries"][1][1] < HEARTBEAT + 2.0, results[1]["recoveries"]
+
+
+@pytest.mark.unit
+def test_the_leader_keeps_the_directory_where_the_job_s_store_is_served_again():
+    """The store the directory was kept in goes with the rank that served it: the leader looks for it served again
+    (``reach_store``, every second) and keeps there its members' endpoints and the directory of the generation it
+    leads, which a new process then reads (a planted keeper that writes no endpoint, or the old generation, fails)."""
+    from lightning_dp.comm.membership import Membership
+    from lightning_dp.comm.membership.membership import read_directory
+
+    first = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", first.port, is_master=False, timeout=timedelta(seconds=5))
+    served_again: list[dist.Store] = []
+    asked: list[float] = []
+
+    def reach() -> dist.Store | None:
+        asked.append(time.monotonic())
+        return served_again[0] if served_again else None
+
+    membership = Membership(1, [1], client, "kept", "127.0.0.1", 5.0, 0, timeout=timedelta(seconds=30),
+                            directory="directory", reach_store=reach)  # fmt: skip
+    try:
+        assert read_directory(first, "directory")["members"] == [1]
+        del first  # (the store goes with the process that served it)
+        membership.request_change("the test")
+        assert membership.recover(10).generation == 1  # (the leader publishes the new generation: the store is gone)
+        time.sleep(2.5)
+        assert len(asked) >= 2  # looked for, again and again
+        second = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        served_again.append(dist.TCPStore("127.0.0.1", second.port, is_master=False, timeout=timedelta(seconds=5)))
+        deadline = time.monotonic() + 5
+        while read_directory(second, "directory") is None:
+            assert time.monotonic() < deadline, "the directory was not kept in the store served again"
+            time.sleep(0.05)
+        record = read_directory(second, "directory")
+        assert record["members"] == [1] and record["generation"] == 1, record
+        assert second.check(["kept/control/1"]) and second.get("kept/control/1").decode() == membership.control.endpoint
+        looked = len(asked)
+        time.sleep(1.5)
+        assert len(asked) == looked  # found: no longer looked for
+    finally:
+        membership.close()

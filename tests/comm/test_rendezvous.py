@@ -2,6 +2,8 @@
 
 import os
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -133,3 +135,52 @@ def test_a_record_published_for_a_group_ray_created_lets_hand_started_servers_jo
     with pytest.raises(ForeignJobError, match="shared secret"):
         run_store("127.0.0.1", port, "0", timedelta(seconds=5))
     del server
+
+
+@pytest.mark.unit
+def test_the_members_reach_the_job_s_store_again_only_where_it_serves_the_same_job(monkeypatch):
+    """A job that lost its rank 0 looks for its store where rank 0 served it: nothing there, another job's record, or
+    the record of the same job without its secret is no store; the same job's, served again, is (under its scope)."""
+    from datetime import timedelta
+
+    from lightning_dp.comm.cluster.rendezvous import JOB_RECORD_KEY, JobRecord, _proof, reach_job_store
+    from tests.helpers.distributed import free_port
+
+    monkeypatch.setenv("LIGHTNING_DP_JOB_SECRET", "s3")
+    port, scope = free_port(), "lightning_dp/job-a/0/0"
+    started = time.monotonic()
+    assert reach_job_store(scope, "127.0.0.1", port, timeout=1.0) is None  # nothing listens
+    assert time.monotonic() - started < 2.0
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    assert reach_job_store(scope, "127.0.0.1", port) is None  # served, no record yet
+    server.set(JOB_RECORD_KEY, JobRecord("job-b", "lightning_dp/job-b/0/0", _proof("job-b")).dumps())
+    assert reach_job_store(scope, "127.0.0.1", port) is None  # another job's
+    server.set(JOB_RECORD_KEY, JobRecord("job-a", scope, "a proof without the secret").dumps())
+    assert reach_job_store(scope, "127.0.0.1", port) is None
+    server.set(JOB_RECORD_KEY, JobRecord("job-a", scope, _proof("job-a")).dumps())
+    reached = reach_job_store(scope, "127.0.0.1", port)
+    assert reached is not None
+    reached.set("membership/directory", "kept")
+    assert server.get(f"{scope}/job/membership/directory") == b"kept"
+    del server
+
+
+@pytest.mark.unit
+def test_rank_0_waits_for_another_process_of_its_job_and_says_why_when_none_comes():
+    """Rank 0 of a fresh store goes on once a rank of its job is present, or once the members of a running job kept
+    their directory there (then it joins them); with neither, it stops at its timeout naming the job id and secret."""
+    from datetime import timedelta
+
+    from lightning_dp.comm.cluster.rendezvous import DIRECTORY_KEY, PRESENT_KEY, _await_another_process
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    scope = "lightning_dp/job-a/0/0"
+    for key in (PRESENT_KEY, DIRECTORY_KEY):
+        job = dist.PrefixStore(f"{scope}/{key}-case", master)
+        threading.Timer(0.3, lambda job=job, key=key: job.set(key, "1")).start()
+        started = time.monotonic()
+        _await_another_process(job, scope, "127.0.0.1:1", timedelta(seconds=10))
+        assert 0.25 < time.monotonic() - started < 5.0
+    alone = dist.PrefixStore(f"{scope}/alone", master)
+    with pytest.raises(TimeoutError, match=r"job 'job-a'.*LIGHTNING_DP_JOB_ID.*LIGHTNING_DP_JOB_SECRET"):
+        _await_another_process(alone, scope, "127.0.0.1:1", timedelta(seconds=0.5))

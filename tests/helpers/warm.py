@@ -60,7 +60,7 @@ PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_dp", "l
 #: import (Lightning's rank for its rank-zero helpers) the launched code sets again before it matters
 RUN_TIME_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK",
                       "LIGHTNING_DP_TEST_", "LIGHTNING_DP_PARTITION_BYTES", "LIGHTNING_DP_JOB_SECRET",
-                      "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST", "LIGHTNING_DP_LAUNCH",
+                      "LIGHTNING_DP_JOB_ID", "LIGHTNING_DP_GPU_TIER_", "PYTEST_CURRENT_TEST", "LIGHTNING_DP_LAUNCH",
                       "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_", "ROLE_", "LOCAL_WORLD_SIZE",
                       "GROUP_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")  # fmt: skip
 #: variables imports set in their own process (torch's compile cache and Lightning's NVML check, preloaded; the

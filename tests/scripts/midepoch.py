@@ -158,7 +158,8 @@ parser.add_argument(
 parser.add_argument("--restart-lost-ranks", type=int, default=None, help="strategy option restart_lost_ranks")
 parser.add_argument("--max-ranks", type=int, default=None, help="strategy option max_ranks")
 parser.add_argument("--await-replacement-at", type=int, default=None, metavar="STEP",
-                    help="rank 0 waits in this step until the lost rank's replacement asked to join")  # fmt: skip
+                    help="the leader (rank 0, or the lowest rank left) waits in this step until the lost rank's "
+                         "replacement asked to join")  # fmt: skip
 parser.add_argument("--leave", type=int, nargs=2, default=None, metavar=("RANK", "STEP"),
                     help="RANK asks to leave the job in STEP (SIGUSR2 to itself, or --leave-by call)")  # fmt: skip
 parser.add_argument("--leave-by", choices=("signal", "call"), default="signal")
@@ -216,7 +217,7 @@ class Model(L.LightningModule):
         if self.global_step == args.mark_step:
             (out / f"at-step-{args.mark_step}-rank{self.global_rank}").touch()
         time.sleep(args.step_seconds)
-        if self.global_rank == 0 and self.global_step == args.await_replacement_at:
+        if self.trainer.is_global_zero and self.global_step == args.await_replacement_at:
             # until the new process asked to join (at the end of its set-up): it is dealt a share at the next boundary
             membership = self.trainer.strategy.rank_loss.membership
             deadline = time.monotonic() + 60

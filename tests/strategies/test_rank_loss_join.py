@@ -1,10 +1,11 @@
-"""A new process in a lost rank's place joins the running job (``on_rank_loss="continue"``): each rank is started on
-its own as a single-device node, rank 2 is killed in flight, and the same command started again as rank 2 joins at a
-step boundary with the state the members hand it. From its first step the global batch is dealt over the three
-ranks again, every step is one process's step on the samples trained, and the replicas are bit-identical; a
-checkpoint written after the join resumes exactly. A new process killed in the handover, or a member killed while
-a new process waits for its admission, leaves the job going. The same for the parameter servers on the trainers
-(``sharded_ps``, and the central server), whose state the members cut again over the grown membership."""
+"""A new process in a lost rank's place joins the running job (``on_rank_loss="continue"``): each rank is started on its
+own as a single-device node, rank 2 (global rank 0, whose store goes with it, in one scenario) is killed in flight, and
+the same command started again in its place joins at a step boundary with the state the members hand it. From its first
+step the global batch is dealt over the three ranks again, every step is one process's step on the samples trained, and
+the replicas are bit-identical; a checkpoint written after the join resumes exactly. A new process killed in the
+handover, or a member killed while a new process waits for its admission, leaves the job going. The same for the
+parameter servers on the trainers (``sharded_ps``, and the central server), whose state the members cut again over the
+grown membership."""
 
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ SCENARIOS = {
     "parameter_server restarted by the launcher": ("parameter_server", "--restart-lost-ranks", "1"),
 }
 BY_LAUNCHER = {"restarted by the launcher", "parameter_server restarted by the launcher"}
+#: the scenarios that lose another rank than LOST: "sharded_ps replaced" loses global rank 0, whose store (the job's
+#: directory) goes with it; the new process serves it again, the members find it there and it leads again once
+#: admitted (logging, checkpoints; every process is given the job's id, which a new process in rank 0's place needs)
+LOST_RANKS = {"sharded_ps replaced": 0}
 #: the scenarios whose new process trains to the end, validating every epoch, with checkpoints resumed
 VALIDATED = ["replaced", "sharded_ps replaced"]
 
@@ -65,6 +70,8 @@ VALIDATED = ["replaced", "sharded_ps replaced"]
 @dataclass
 class Run:
     scenario: str
+    #: the rank killed, and replaced by the new process
+    lost: int
     out: Path
     #: the ranks that trained from the start to the end, in rank order
     members: list[dict]
@@ -73,6 +80,8 @@ class Run:
     #: what the killed rank trained at each step until it died
     seen: dict[int, list[int]]
     codes: list[int]
+    #: each process's output, by node (the new process's last)
+    outputs: list[str]
 
     @property
     def join_step(self) -> int:
@@ -89,24 +98,27 @@ def _launch(scenario: str, tmp_path_factory) -> Run:
     if scenario not in _runs:
         out = tmp_path_factory.mktemp("join")
         strategy, *options = SCENARIOS[scenario]
-        launcher = scenario in BY_LAUNCHER
+        launcher, lost = scenario in BY_LAUNCHER, LOST_RANKS.get(scenario, LOST)
+        env = {"LIGHTNING_DP_TEST_NODES": str(DEVICES), **({"LIGHTNING_DP_JOB_ID": "join-test"} if lost == 0 else {})}
         placement = ("--devices", str(DEVICES)) if launcher else ("--devices", "1", "--num-nodes", str(DEVICES))
         result = run_script(
             "midepoch", "--strategy", strategy, *placement,
             "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--max-epochs", str(EPOCHS), "--on-rank-loss",
             "continue", "--heartbeat-timeout", "2", *(() if launcher else ("--intra-node", "ring")),
-            "--lose-rank", str(LOST), "--lose-at-step",
+            "--lose-rank", str(lost), "--lose-at-step",
             str(LOST_AT), "--step-seconds", "0.1", "--await-replacement-at", str(AWAIT_AT), "--checkpoint-every", "3",
             *options, "--out",
             str(out), timeout=240, check=launcher, deaths_expected=True, replace_killed=not launcher,
-            env=None if launcher else {"LIGHTNING_DP_TEST_NODES": str(DEVICES)},
+            env=None if launcher else env,
         )  # fmt: skip
         joiner_dies = "--kill-in-handover" in options
-        codes = [0] if launcher else [0, 0, -9, -9 if joiner_dies else 0]
+        codes = [0] if launcher else [-9 if r == lost else 0 for r in range(DEVICES)] + [-9 if joiner_dies else 0]
         assert result.codes == codes, result.stdout[-6000:]
-        members = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != LOST]
-        joiner = None if joiner_dies else torch.load(out / f"rank{LOST}.pt")
-        _runs[scenario] = Run(scenario, out, members, joiner, read_seen(out / f"seen-rank{LOST}.txt"), result.codes)
+        members = [torch.load(out / f"rank{r}.pt") for r in range(DEVICES) if r != lost]
+        joiner = None if joiner_dies else torch.load(out / f"rank{lost}.pt")
+        seen = read_seen(out / f"seen-rank{lost}.txt")
+        outputs = re.split(r"--- node \d+ ---\n", result.stdout)[1:]
+        _runs[scenario] = Run(scenario, lost, out, members, joiner, seen, result.codes, outputs)
     return _runs[scenario]
 
 
@@ -133,27 +145,31 @@ def test_the_new_process_is_admitted_at_a_step_boundary_and_every_process_agrees
     records = [*joined.members, *([joined.joiner] if joined.joiner is not None else [])]
     metrics = [r["rank_loss"] for r in records]
     for m in metrics:
-        assert m["joined_ranks"] == [LOST] and m["join_steps"] == metrics[0]["join_steps"], metrics
+        assert m["joined_ranks"] == [joined.lost] and m["join_steps"] == metrics[0]["join_steps"], metrics
     assert LOST_AT < joined.join_step < STEPS, "the new process joined after the loss and before the end"
     for m in joined.members:
         assert m["global_step"] == STEPS and len(m["history"]) == STEPS
-        assert f"a new process joined as rank {LOST} after {joined.join_step} steps" in m["monitor_table"]
+        assert f"a new process joined as rank {joined.lost} after {joined.join_step} steps" in m["monitor_table"]
         pauses = m["rank_loss"]["join_pause_seconds"]
         if joined.joiner is not None:
             assert len(pauses) == 1 and pauses[0] < 2.0, pauses  # (target: 1 s plus a few KB at loopback rates)
     if joined.joiner is None:  # admitted, then lost in the handover: the members went on without it
-        assert [m["rank_loss"]["lost_ranks"] for m in joined.members] == [[LOST, LOST]] * 2
-        assert (joined.out / f"killed-in-handover-{LOST}").exists()
+        assert [m["rank_loss"]["lost_ranks"] for m in joined.members] == [[joined.lost, joined.lost]] * 2
+        assert (joined.out / f"killed-in-handover-{joined.lost}").exists()
         return
-    assert [m["rank_loss"]["lost_ranks"] for m in joined.members] == [[LOST]] * 2
+    assert [m["rank_loss"]["lost_ranks"] for m in joined.members] == [[joined.lost]] * 2
     joiner = joined.joiner
     assert joiner["rank_loss"]["lost_ranks"] == [] and joiner["global_step"] == STEPS
     assert joiner["rank_loss"]["join_seconds"] is not None and joiner["world_size"] == DEVICES
-    assert f"this process joined as rank {LOST} after {joined.join_step} steps" in joiner["monitor_table"]
+    assert f"this process joined as rank {joined.lost} after {joined.join_step} steps" in joiner["monitor_table"]
     # its first step is the members' next: it trained every step from there, the same batches of the same epochs
     assert len(joiner["trained"]) == STEPS - joined.join_step
     keys = [(e, b) for e, b, _ in joiner["history"]]
     assert keys == [(e, b) for e, b, _ in joined.members[0]["history"][joined.join_step :]]
+    if joined.lost == 0 and joined.outputs:  # the new process leads again: rank zero's messages are its alone
+        *_, member_1, _, new_rank_0 = joined.outputs
+        assert "`Trainer.fit` stopped" in new_rank_0 and "`Trainer.fit` stopped" not in member_1, member_1[-3000:]
+        assert "the directory is kept there" in member_1, member_1[-3000:]  # (it led while rank 0 was lost)
 
 
 def test_the_global_batch_is_dealt_over_the_grown_membership_and_every_sample_is_trained_once(joined):
@@ -203,7 +219,7 @@ def test_every_step_equals_one_process_on_the_samples_trained_and_replicas_are_i
     codecs = {r["codec"] for r in [*joined.members, *([joined.joiner] if joined.joiner is not None else [])]}
     assert codecs == ({"HalfPrecisionCodec"} if compressed else {"Codec"}), codecs
     if compressed:  # the lost rank's residuals went with it; the new process's started at zero
-        assert all(m["rank_loss"]["lost_residuals"] == [LOST] for m in joined.members)
+        assert all(m["rank_loss"]["lost_residuals"] == [joined.lost] for m in joined.members)
     assert all(torch.equal(m["weights"], joined.members[0]["weights"]) for m in joined.members)
     if joined.joiner is not None:
         assert torch.equal(joined.joiner["weights"], joined.members[0]["weights"])
@@ -266,8 +282,9 @@ def test_the_servers_state_is_cut_again_over_the_grown_membership_with_every_sha
 ):
     run = _launch(scenario, tmp_path_factory)
     assert run.joiner is not None
-    records = {r: rec["shards"] for r, rec in zip([m for m in range(DEVICES) if m != LOST], run.members, strict=True)}
-    records[LOST] = run.joiner["shards"]
+    members = [m for m in range(DEVICES) if m != run.lost]
+    records = {r: rec["shards"] for r, rec in zip(members, run.members, strict=True)}
+    records[run.lost] = run.joiner["shards"]
     assert all(s["members"] == tuple(range(DEVICES)) for s in records.values()), records
     for rank, shards in records.items():  # its replica is its chain predecessor's shard, bit for bit
         owner = shards["owner"]
@@ -278,7 +295,7 @@ def test_the_servers_state_is_cut_again_over_the_grown_membership_with_every_sha
     parameters = sum(p.numel() for p in Reference(SAMPLES).parameters())
     assert sum(served) == parameters, served  # every element served once
     if scenario.startswith("sharded_ps"):
-        assert served[LOST] > 0, served  # the new process serves its shard
+        assert served[run.lost] > 0, served  # the new process serves its shard
 
 
 def test_balanced_shares_follow_the_speeds_of_the_grown_membership(tmp_path_factory):

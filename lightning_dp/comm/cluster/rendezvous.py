@@ -184,9 +184,14 @@ def init_bound_process_group(
             os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
     base = _store(main_address, address, main_port, rank, world_size, timeout)
-    scope = join_job(base, rank, node_rank, local_rank, f"{main_address}:{main_port}", timeout)
-    _job_stores[scope] = dist.PrefixStore(f"{scope}/job", base)
-    if _job_stores[scope].check([DIRECTORY_KEY]):  # the job runs: this process takes a lost rank's place
+    where = f"{main_address}:{main_port}"
+    scope = join_job(base, rank, node_rank, local_rank, where, timeout)
+    job = _job_stores[scope] = dist.PrefixStore(f"{scope}/job", base)
+    if rank == 0 and world_size > 1:
+        _await_another_process(job, scope, where, timeout)
+    elif rank != 0:
+        job.add(PRESENT_KEY, 1)
+    if job.check([DIRECTORY_KEY]):  # the job runs: this process takes a lost rank's place
         log.warning("rank %d: the job at %s:%s is running; this process asks to join it", rank, main_address, main_port)
         _replacing.add(scope)
         init_absent_default_group(rank, world_size)
@@ -201,6 +206,8 @@ def init_bound_process_group(
 
 #: where, in a job's store (:func:`job_store`), the job's membership keeps its directory
 DIRECTORY_KEY = "membership/directory"
+#: counts, in a job's store, the processes other than rank 0 that reached it
+PRESENT_KEY = "present"
 #: the backend name of :class:`AbsentDefaultGroup`
 ABSENT_BACKEND = "lightning_dp_absent"
 _job_stores: dict[str, dist.Store] = {}
@@ -211,6 +218,44 @@ def job_store(scope: str | None) -> dist.Store | None:
     """The store every process of the job ``scope`` reaches, under the job's scope (``None``: this process did not
     join ``scope`` itself)."""
     return _job_stores.get(scope) if scope is not None else None
+
+
+def _await_another_process(job: dist.Store, scope: str, where: str, timeout: timedelta) -> None:
+    """Rank 0, in the store it serves: wait until another process of the job reached it. Either a rank of a job that
+    starts (:data:`PRESENT_KEY`), or the members of the running job ``scope`` that lost its rank 0: they find the
+    store served again where it was and keep their directory there (:func:`reach_job_store`), and this process takes
+    rank 0's place. The store of a running job went with its rank 0, so nothing else tells a new process in rank 0's
+    place from the first process of a job."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not (job.check([DIRECTORY_KEY]) or job.check([PRESENT_KEY])):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank 0: no other process of job {scope.split('/')[1]!r} reached the store it serves at {where} "
+                f"within {timeout.total_seconds():.0f} s: the job's other ranks did not start, or, for a new process "
+                "in rank 0's place of a running job, its members did not recognize it (every process of the job "
+                f"needs the same job id, {JOB_ID_VARIABLE} or the cluster's, and the same {SECRET_VARIABLE})"
+            )
+        time.sleep(0.05)
+
+
+def reach_job_store(scope: str, main_address: str, main_port: int, timeout: float = 2.0) -> dist.Store | None:
+    """The store of the job ``scope`` at ``main_address:main_port`` (as :func:`job_store`), where a process serves it
+    again (a new process in rank 0's place) and published the record of the same job there, with the proof of the
+    same secret; ``None`` where nothing answers within ``timeout`` seconds or the record there is another's."""
+    try:  # (a plain connection first: torch logs every failed attempt of a store's client with its backtrace)
+        socket.create_connection((main_address, main_port), timeout=timeout).close()
+        base = dist.TCPStore(main_address, main_port, is_master=False, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)  # fmt: skip
+        if not base.check([JOB_RECORD_KEY]):
+            return None
+        data = json.loads(base.get(JOB_RECORD_KEY))
+    except (RuntimeError, ValueError, OSError):
+        return None
+    if not isinstance(data, dict) or data.get("scope") != scope:
+        return None
+    if not hmac.compare_digest(str(data.get("proof", "")), _proof(str(data.get("job", "")))):
+        return None
+    return dist.PrefixStore(f"{scope}/job", base)
 
 
 def replaces_lost_rank(scope: str | None) -> bool:

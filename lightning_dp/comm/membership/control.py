@@ -172,7 +172,10 @@ class ControlPlane:
         self._thread = threading.Thread(target=self._run, name=f"lddp-control-{rank}", daemon=True)
         self._thread.start()
         address, port = self._listener.getsockname()[:2]
-        store.set(f"{scope}/control/{rank}", endpoint(address, port, self.incarnation))
+        #: what this plane publishes for its peers to dial, and every peer's (told in its hello, or read to dial it)
+        self.endpoint = endpoint(address, port, self.incarnation)
+        self._endpoints: dict[int, str] = {}
+        store.set(f"{scope}/control/{rank}", self.endpoint)
         if joining:
             self._expected = set()
             return
@@ -197,6 +200,15 @@ class ControlPlane:
             host_port, incarnation = parse_endpoint(store.get(f"{self.scope}/control/{peer}").decode())
             self._dial(peer, host_port, deadline, incarnation, join=True)
         self._wait_connected(deadline)
+
+    def publish_endpoints(self, store: dist.Store, ranks: list[int]) -> None:
+        """Write the endpoints of ``ranks`` (this plane's own and its peers') into ``store``, where a new process
+        finds them to dial (a store served again after the one they were published in went)."""
+        with self._lock:
+            known = {**self._endpoints, self.rank: self.endpoint}
+        for rank in ranks:
+            if rank in known:
+                store.set(f"{self.scope}/control/{rank}", known[rank])
 
     def expected(self) -> set[int]:
         """The members this plane keeps connections to."""
@@ -234,9 +246,10 @@ class ControlPlane:
                     ) from error
                 time.sleep(0.05)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = {"t": "hello", "job": self.scope, "rank": self.rank, "inc": self.incarnation, "proof": self._proof}
+        hello = {"t": "hello", "job": self.scope, "rank": self.rank, "inc": self.incarnation, "proof": self._proof,
+                 "at": self.endpoint}  # fmt: skip
         sock.sendall(_frame({**hello, "join": True} if join else hello))
-        self._adopt(peer, sock, incarnation)
+        self._adopt(peer, sock, incarnation, f"{host_port}/{incarnation}")
 
     def _accept(self) -> None:
         try:
@@ -316,11 +329,11 @@ class ControlPlane:
                 with self._lock:
                     self._candidates[peer] = incarnation
                     self._suspected.pop(peer, None)  # (the suspicion of the process it replaces)
-                self._adopt(peer, sock, incarnation)
+                self._adopt(peer, sock, incarnation, hello.get("at"))
             elif not known:
                 sock.close()
             else:
-                self._adopt(peer, sock, incarnation)
+                self._adopt(peer, sock, incarnation, hello.get("at"))
         finally:
             self._hellos.pop(sock, None)
 
@@ -350,11 +363,13 @@ class ControlPlane:
             pass
         sock.close()
 
-    def _adopt(self, peer: int, sock: socket.socket, incarnation: str) -> None:
+    def _adopt(self, peer: int, sock: socket.socket, incarnation: str, at: object = None) -> None:
         sock.setblocking(False)
         with self._connected:
             self._peers[peer] = _Peer(peer, sock, time.monotonic())
             self._incarnations[peer] = incarnation
+            if isinstance(at, str) and parse_endpoint(at)[1] == incarnation:
+                self._endpoints[peer] = at
             self._to_register.append((sock, peer))
             self._connected.notify_all()
         self._wake()

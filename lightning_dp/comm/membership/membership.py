@@ -55,6 +55,8 @@ from lightning_dp.comm.membership.fence import Connection, connections_opened_by
 log = logging.getLogger(__name__)
 #: how long a new process dials the members at a time before it reads the job's directory again
 JOIN_DIAL_SECONDS = 5.0
+#: how often the leader looks for the job's store served again, once it went with the rank that served it
+REACH_STORE_SECONDS = 1.0
 T = TypeVar("T")
 
 #: seconds a failed exchange waits for the control plane to name a lost peer before it is taken for a local error
@@ -133,6 +135,9 @@ class Membership:
         refuses_joins: why the job takes no new process (``None``: it takes them), said to one that asks.
         places: how many ranks the job may have (``None``: those it starts with); a new process may join in any place
             ``0`` to ``places - 1`` that no member holds, growing the job past ``ranks``.
+        reach_store: where the directory's store went with the rank that served it (global rank 0), a client of
+            that store once a new process in that rank's place serves it again, else ``None`` (asked by the leader
+            every :data:`REACH_STORE_SECONDS`, which then keeps the directory and the members' endpoints there).
     """
 
     def __init__(
@@ -151,6 +156,7 @@ class Membership:
         joining: bool = False,
         refuses_joins: str | None = None,
         places: int | None = None,
+        reach_store: Callable[[], dist.Store | None] | None = None,
     ) -> None:
         self.rank = rank
         self.original = tuple(sorted(ranks))
@@ -159,6 +165,10 @@ class Membership:
         self.max_lost = max_lost
         self._directory = directory
         self._directory_store = store
+        self._reach_store = reach_store
+        self._reaching: threading.Thread | None = None
+        self._publishing = threading.Lock()
+        self._closed = False
         self._refuses_joins = refuses_joins
         self.scope = scope
         self.host = host
@@ -210,6 +220,7 @@ class Membership:
         backend: str = "gloo",
         timeout: timedelta = timedelta(minutes=5),
         proof: str = "",
+        reach_store: Callable[[], dist.Store | None] | None = None,
     ) -> Membership:
         """The membership of a new process taking rank ``rank``'s place in the running job whose directory is at
         ``directory`` in ``store`` (see :func:`read_directory`): it listens, and is a member of nothing until
@@ -230,7 +241,7 @@ class Membership:
             )
         return cls(rank, list(record["original"]), store, str(record["scope"]), host, heartbeat_timeout,
                    int(record["max_lost"]), backend, timeout, proof, directory, joining=True,
-                   places=places)  # fmt: skip
+                   places=places, reach_store=reach_store)  # fmt: skip
 
     # ------------------------------------------------------------------ joining
     def ask_to_join(self) -> None:
@@ -300,17 +311,50 @@ class Membership:
         return self.agreement.problem_without(ranks)
 
     def _publish_directory(self) -> None:
-        """Keep the job's members now where a new process finds them (the leader; best effort: a store that died with
-        its rank only means no process can join until a restart)."""
+        """Keep the job's members now where a new process finds them (the leader; best effort: where the store went
+        with the rank that served it, it is looked for where that rank served it, see ``reach_store``)."""
         if self._directory is None:
             return
-        record = {"scope": self.scope, "generation": self.generation, "members": list(self.members),
-                  "original": list(self.original), "max_lost": self.max_lost, "places": self.places,
-                  "refuses_joins": self._refuses_joins}  # fmt: skip
         try:
-            self._directory_store.set(self._directory, json.dumps(record))
+            with self._publishing:  # (the training thread and the one that reached the store again: the newest wins)
+                record = {"scope": self.scope, "generation": self.generation, "members": list(self.members),
+                          "original": list(self.original), "max_lost": self.max_lost, "places": self.places,
+                          "refuses_joins": self._refuses_joins}  # fmt: skip
+                self._directory_store.set(self._directory, json.dumps(record))
+                self._directory_store.check([self._directory])  # (a store's set is not answered: a dead one shows here)
         except (RuntimeError, OSError) as error:
-            log.warning("rank %d: could not publish the job's directory: %s", self.rank, error)
+            if self._reach_store is None:
+                log.warning("rank %d: could not publish the job's directory: %s", self.rank, error)
+                return
+            with self._lock:
+                if self._reaching is not None and self._reaching.is_alive():
+                    return
+                log.warning("rank %d: the job's store went (%s); the directory goes to it once it is served again "
+                            "(by a new process in global rank 0's place)", self.rank, error)  # fmt: skip
+                self._reaching = threading.Thread(target=self._keep_directory, name="lddp-directory", daemon=True)
+                self._reaching.start()
+
+    def _keep_directory(self) -> None:
+        """The leader, once the directory's store went: reach it again where it was served, and keep there the members'
+        endpoints, then the directory (a new process reads the directory first). Ends when this rank no longer leads
+        or closes."""
+        assert self._reach_store is not None
+        while not self._closed and self.leader == self.rank:
+            store = self._reach_store()
+            if store is not None:
+                try:
+                    self.control.publish_endpoints(store, list(self.members))
+                except (RuntimeError, OSError):
+                    continue
+                self._directory_store = store
+                log.warning("rank %d: the job's store is served again; the directory is kept there", self.rank)
+                break
+            time.sleep(REACH_STORE_SECONDS)
+        else:
+            return
+        with self._lock:
+            self._reaching = None
+        self._publish_directory()
 
     # ------------------------------------------------------------------ the current generation
     @property
@@ -533,6 +577,7 @@ class Membership:
     def close(self, farewell: bool = True) -> None:
         """Leave: the control plane closes. With ``farewell`` the others are told this rank finished (no loss);
         without, they see it go as a lost rank (it failed)."""
+        self._closed = True
         self.control.close(farewell)
 
 
