@@ -185,6 +185,29 @@ def test_the_newest_regroup_wins():
     assert server._pending == _message(3)
 
 
+@pytest.mark.unit
+def test_a_server_whose_member_group_fails_fences_it_at_once():
+    """A server waiting for the leader's regroup message first fences its failed member group: a trainer still waiting
+    on it sees the connection end now, not at its timeout (a planted regroup that fences only on the message fails)."""
+    from lightning_dp.comm.membership.fence import connections_opened_by
+    from lightning_dp.comm.servers.regroup import RegroupingServer
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        trainer = socket.create_connection(listener.getsockname())
+        server_end, connections = connections_opened_by(lambda: listener.accept()[0])  # (the server's end only)
+    server = RegroupingServer.__new__(RegroupingServer)  # the regroup's wait alone, without a member group
+    server._pending, server._connections, server.rejoin_timeout = None, connections, 0.5
+    server._regroup_cond = threading.Condition()
+    try:
+        trainer.settimeout(5.0)
+        with pytest.raises(RuntimeError, match="no trainer said within"):
+            server._regroup(ConnectionError("a member was lost"))
+        assert trainer.recv(1) == b""  # ended by the server's fence (a wait would have timed out instead)
+    finally:
+        trainer.close()
+        server_end.close()
+
+
 @pytest.mark.multiprocess
 def test_servers_started_apart_outlive_global_rank_0(tmp_path):
     """One trainer per node (Lightning's general cluster environment), two servers started with ``python -m

@@ -1,12 +1,12 @@
 """Dedicated servers that go on when a trainer or a server is lost (``on_rank_loss="continue"``).
 
-The trainers agree on a loss among themselves (:mod:`lightning_dp.comm.membership`); the servers take no part in it.
-A server's loss is seen by every trainer (its connections close) and starts a change that loses no trainer
-(:meth:`~lightning_dp.comm.membership.Membership.request_change`). Either way the trainers' lowest survivor, the
-leader, then probes every server and tells each one how the run goes on (:class:`Regroup`: the new generation, how
-many trainers train now, which servers serve which shares, where the member group meets) on a connection of its own,
-which the server listens on from set-up (:class:`RegroupListener`). The server fences its member group, so that
-whatever it waited for fails at once, and forms the next one with the survivors.
+The trainers agree on a loss among themselves (:mod:`lightning_dp.comm.membership`); the servers take no part in it. A
+server's loss is seen by every trainer (its connections close, and every server whose member group fails fences it) and
+starts a change that loses no trainer (:meth:`~lightning_dp.comm.membership.Membership.request_change`). Either way the
+trainers' lowest survivor, the leader, then probes every server and tells each one how the run goes on
+(:class:`Regroup`: the new generation, how many trainers train now, which servers serve which shares, where the member
+group meets) on a connection of its own, which the server listens on from set-up (:class:`RegroupListener`). The server
+fences its member group, so that whatever it waited for fails at once, and forms the next one with the survivors.
 
 The trainers hold no share: the servers hold the whole state, and a trainer's loss takes none of it. Each server's
 shares have their replicas on its neighbour (:func:`replica_holders`): the server forwards its summed gradients to it
@@ -625,7 +625,11 @@ class RegroupingServer(DedicatedServer):
         """The member group failed with ``error``: wait up to :attr:`rejoin_timeout` seconds for the trainers'
         leader to say how the run goes on, take over the shares it says, and form the next member group with the
         trainers and servers that serve now (a newer message meanwhile abandons a formation); ``error`` is raised
-        where none comes."""
+        where none comes. The failed group is fenced first: a member still waiting on this server fails at once,
+        whatever else told it of the change, rather than wait for requests this server no longer answers."""
+        with self._regroup_cond:
+            connections = list(self._connections)
+        fence(connections)
         deadline = time.monotonic() + self.rejoin_timeout
         while True:
             with self._regroup_cond:
