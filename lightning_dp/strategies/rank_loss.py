@@ -380,11 +380,13 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 f"{name} needs process_group_backend='gloo': an NCCL communicator that lost a peer cannot be fenced "
                 "and rebuilt here (see docs/faults.md)"
             )
-        refusal = self._join_refusal(strategy)
-        if getattr(strategy, "restart_lost_ranks", 0) and refusal is not None:
-            raise ConfigurationError(f"restart_lost_ranks={strategy.restart_lost_ranks} cannot be kept: {refusal}")
-        if self.max_ranks is not None and refusal is not None:
-            raise ConfigurationError(f"max_ranks={self.max_ranks} cannot be kept: {refusal}")
+        servers = getattr(strategy, "num_servers", 0)
+        if self.max_ranks is not None and servers:
+            raise ConfigurationError(
+                f"max_ranks={self.max_ranks} cannot be kept: strategy={strategy.strategy_name!r} with "
+                f"num_servers={servers} takes new trainers only in lost ones' places (a job grows past its starting "
+                "ranks with the servers among the trainers, num_servers=0)"
+            )
 
     @property
     def interrupt(self) -> Callable[[], None] | None:
@@ -431,7 +433,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
                 strategy.global_rank, list(range(world)), store or distributed_c10d._get_default_store(),
                 f"{scope}/membership/{_next_membership()}", _group_address(env.main_address), self.heartbeat_timeout,
                 max_lost, backend, strategy.timeout, proof_of(scope), DIRECTORY_KEY if store is not None else None,
-                refuses_joins=self._join_refusal(strategy), places=self.max_ranks, reach_store=reach,
+                places=self.max_ranks, reach_store=reach,
             )  # fmt: skip
             _keep_live(job, membership)
         if self._attached is not membership:  # this strategy's first stage: the losses before it are not its own
@@ -468,16 +470,6 @@ class ContinueOnRankLoss(StopOnRankLoss):
         _lead(strategy, membership)
         self.position = membership.agreement.committed
         return groups
-
-    @staticmethod
-    def _join_refusal(strategy: ProcessGroupStrategy) -> str | None:
-        """Why a new process cannot join this strategy's running job (``None``: it can)."""
-        name = f"strategy={strategy.strategy_name!r}"
-        if getattr(strategy, "num_servers", 0):
-            return (f"{name} with num_servers={strategy.num_servers} does not admit a new process yet (with the "  # type: ignore[attr-defined]
-                    "servers among the trainers, num_servers=0, it does; a lost dedicated server started again "
-                    "joins: restart_lost_servers)")  # fmt: skip
-        return None
 
     @property
     def newcomer(self) -> bool:
@@ -1115,7 +1107,7 @@ class ContinueOnRankLoss(StopOnRankLoss):
             self.handover_bytes.append(moved.bytes)
             if held:  # the members sent the hyperparameters; the states are the ones it holds already
                 for saved, optimizer in zip(state["optimizer_states"], strategy.optimizers, strict=True):
-                    saved["state"] = strategy.optimizer_state(optimizer)["state"]
+                    saved["state"] = strategy.optimizer_state(optimizer).get("state", {})
             self._take_state(strategy, trainer, state)
             return
 

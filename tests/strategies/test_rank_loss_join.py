@@ -57,6 +57,7 @@ SCENARIOS = {
     "sharded_ps replaced": ("sharded_ps", "--validate"),
     "sharded_ps, new process killed in the handover": ("sharded_ps", "--kill-in-handover", str(LOST)),
     "parameter_server restarted by the launcher": ("parameter_server", "--restart-lost-ranks", "1"),
+    "sharded_ps+servers replaced": ("sharded_ps", "--num-servers", "2"),
 }
 BY_LAUNCHER = {"restarted by the launcher", "parameter_server restarted by the launcher"}
 #: the scenarios that lose another rank than LOST: "sharded_ps replaced" loses global rank 0, whose store (the job's
@@ -166,6 +167,10 @@ def test_the_new_process_is_admitted_at_a_step_boundary_and_every_process_agrees
     assert len(joiner["trained"]) == STEPS - joined.join_step
     keys = [(e, b) for e, b, _ in joiner["history"]]
     assert keys == [(e, b) for e, b, _ in joined.members[0]["history"][joined.join_step :]]
+    if "--num-servers" in SCENARIOS[joined.scenario]:  # the servers went on with the new trainer, and stopped with 0
+        assert joined.members[0]["server_codes"] == {0: 0, 1: 0}, joined.members[0]["server_codes"]
+        for server in (0, 1):  # (a regroup after the loss, one at the admission)
+            assert f"server {server} done after {STEPS} steps and 2 regroups" in joined.outputs[0], joined.outputs[0]
     if joined.lost == 0 and joined.outputs:  # the new process leads again: rank zero's messages are its alone
         *_, member_1, _, new_rank_0 = joined.outputs
         assert "`Trainer.fit` stopped" in new_rank_0 and "`Trainer.fit` stopped" not in member_1, member_1[-3000:]

@@ -161,10 +161,7 @@ class DedicatedEngine(StepEngine):
         if self.is_trainer_zero:
             store.set("plan", pickle.dumps(self._plan(reducer, optimizers)))  # type: ignore[arg-type]  # bytes are fine
         self._joined(store)
-        owner = f"strategy {self.name!r}"
-        self.layout = ShardLayout(reducer.buckets, transport.segments, self.member_rank, owner)
-        self.optimizers = [ShardedOptimizer(o, self.layout, strategy.gradient_group, owner) for o in optimizers]
-        self._groups = [len(o.param_groups) for o in optimizers]
+        self._shard_optimizers()
         self.eager = self._eager_possible(optimizers)
         self.send_weights(reducer.buckets)
         rank_zero_info(
@@ -175,6 +172,17 @@ class DedicatedEngine(StepEngine):
         strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in reducer.buckets)
         self._restore_clipping = replace_clipping(strategy.precision_plugin, self._clip_request("norm"),
                                                   self._clip_request("value"))  # fmt: skip
+
+    def _shard_optimizers(self) -> None:
+        """This trainer's part of the servers' layout (cut as :attr:`transport` cuts the buckets) and its sharded
+        optimizers."""
+        strategy = self.strategy
+        assert strategy.reducer is not None and self.transport is not None
+        owner = f"strategy {self.name!r}"
+        self.layout = ShardLayout(strategy.reducer.buckets, self.transport.segments, self.member_rank, owner)
+        optimizers = [unwrap_optimizer(o) for o in strategy.optimizers]
+        self.optimizers = [ShardedOptimizer(o, self.layout, strategy.gradient_group, owner) for o in optimizers]
+        self._groups = [len(o.param_groups) for o in optimizers]
 
     #: the trainers' side of the servers
     _transport_type: type[DedicatedServerTransport] = DedicatedServerTransport

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_dp._lightning_compat import after_closure, trainer_of, unwrap_optimizer
+from lightning_dp._lightning_compat import after_closure, replace_clipping, trainer_of, unwrap_optimizer
 from lightning_dp.comm.buckets import BucketReducer, GradientBucket
 from lightning_dp.comm.cluster.peers import is_transport_error
 from lightning_dp.comm.errors import ConfigurationError, PeerUnreachableError
@@ -132,6 +132,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         return members.index(self.strategy.global_rank) if members else self.strategy.global_rank
 
     def setup_gradient_sync(self) -> None:
+        if self.strategy.rank_loss.newcomer:
+            self._set_up_newcomer()
+            return
         members = self.strategy.rank_loss.members
         if members is not None and 0 not in members:
             raise ConfigurationError(
@@ -147,6 +150,53 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             f"{self.name}: on_rank_loss='continue': the {self.num_servers} dedicated servers hold every share and "
             "update after the step's vote; they go on with the trainers that survive a loss"
         )
+
+    def _set_up_newcomer(self) -> None:
+        """A new trainer in a lost one's place: its buckets only. The servers, their shares and the run's token come
+        from the members' leader at its admission (:meth:`rebuild_exchange`), where it meets the servers; it starts
+        none and sends them nothing (they hold the run's state)."""
+        strategy = self.strategy
+        if strategy.global_rank == 0:
+            raise ConfigurationError(
+                f"strategy {self.name!r}: a new process in global rank 0's place does not join a job with "
+                f"num_servers={self.num_servers} (the servers meet the trainers on the store rank 0 served); a new "
+                "process in another trainer's place does"
+            )
+        self.processes, self.transport, self.layout, self.optimizers = [], None, None, []
+        self.closed, self.stopped, self.final_states = False, False, None
+        self.expected_exits, self.local_servers, self.eager, self._static_clip = set(), None, False, None
+        strategy.reducer = reducer = strategy.new_reducer()
+        self._empty_regroups, self._old_members, self._restarts_left = 0, [], 0
+        self._restarted, self._claims_dead = set(), []
+        self._run_store, self._returning, self._requested, self._handed = None, {}, set(), []
+        hooks = cast("Any", strategy.rank_loss).boundary_hooks
+        if self._let_returning_in not in hooks:
+            hooks.append(self._let_returning_in)
+        strategy.mark_synchronized(reducer.params)
+        strategy.sync_stats.bucket_bytes = sum(b.nbytes for b in reducer.buckets)
+        self._restore_clipping = replace_clipping(strategy.precision_plugin, self._clip_request("norm"),
+                                                  self._clip_request("value"))  # fmt: skip
+
+    def _known(self) -> dict[str, Any]:
+        """The leader: what a new trainer takes from it to meet the servers (as every member knows it now)."""
+        assert self.transport is not None
+        return {"token": self.token, "listeners": list(self.listeners), "servers": self.servers,
+                "serves": self.serves, "server_segments": self.server_segments, "whole": self.whole,
+                "message_bytes": self.transport.members.message_bytes, "unreplicated": set(self._unreplicated),
+                "handed": list(self._handed)}  # fmt: skip
+
+    def _take_known(self, known: dict[str, Any]) -> None:
+        """A new trainer, admitted: the servers as the leader knows them (see :meth:`_known`)."""
+        self.token, self.listeners, self.servers, self.serves = (known["token"], known["listeners"],
+                                                                 known["servers"], known["serves"])  # fmt: skip
+        self.server_segments, self.whole = known["server_segments"], known["whole"]
+        self._unreplicated, self._handed = known["unreplicated"], known["handed"]
+        heartbeat = float(cast("Any", self.strategy.rank_loss).heartbeat_timeout)
+        self.watch = ServerWatch(self.listeners, self.token, heartbeat / 4, heartbeat, self._watched, self._silent,
+                                 self._look_for_returning)  # fmt: skip
+
+    def after_admission(self, joined: list[int]) -> bool:
+        return True  # the servers hold every optimizer state, the trainers none: the handover sends hyperparameters
 
     def _eager_possible(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         self._static_clip = None
@@ -347,7 +397,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
             self._server_failed_at = time.monotonic()
         place = member - transport.members.num_trainers
         server = self.servers[place] if place < len(self.servers) else place
-        membership.request_change(f"dedicated server {server} failed ({type(error).__name__})")
+        # (the server may be lost, or have fenced its member group for another member's loss: the leader probes it)
+        membership.request_change(f"the exchange with dedicated server {server} failed ({type(error).__name__})")
 
     def rebuild_exchange(self) -> None:
         """The groups over the trainers that train now; the leader finds the servers that are there (a lost one's
@@ -356,14 +407,17 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         strategy = self.strategy
         strategy.rebuild_groups()
         old = self.transport
-        if self.closed or self.stopped or old is None or strategy.reducer is None:
+        if self.closed or self.stopped or strategy.reducer is None:
             return
-        assert isinstance(old, RegroupingServerTransport)
+        assert old is None or isinstance(old, RegroupingServerTransport)
         membership = strategy.rank_loss.membership
         assert membership is not None
         n, me = membership.size, self.member_rank
-        outcome: list[Any] = [self._find_servers() if me == 0 else None]
+        known = self._known() if me == 0 else None
+        outcome: list[Any] = [self._find_servers() if me == 0 else None, known]
         dist.broadcast_object_list(outcome, group=strategy.gradient_group, group_src=0)
+        if old is None:  # a new trainer, admitted
+            self._take_known(outcome[1])
         if me == 0:
             dead, self._claims_dead = self._claims_dead, []
             self._restart(dead)
@@ -390,7 +444,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                         f"strategy {self.name!r}: dedicated server {server} (at {address[0]}:{address[1]}) cannot be "
                         f"reached any more: {error}"
                     ) from error
-        message_bytes, timeout, k = old.members.message_bytes, strategy.timeout, len(servers)
+        message_bytes, timeout, k = outcome[1]["message_bytes"], strategy.timeout, len(servers)
 
         def create() -> MemberGroup:
             store = dist.TCPStore(*membership.store_address, is_master=False, timeout=timeout)
@@ -398,13 +452,16 @@ class RegroupingDedicatedEngine(DedicatedEngine):
 
         members, self._connections = membership.form_apart(create, "the member group with the servers")
         members.on_failure = self._member_failed
-        self._old_members.append(old.members)  # (fenced; closed with the process: a peer may still be in it)
+        if old is not None:
+            self._old_members.append(old.members)  # (fenced; closed with the process: a peer may still be in it)
         segments = [[(0, 0)] * n + row for row in union_segments(self.server_segments, [serves[s] for s in servers])]
         transport = RegroupingServerTransport(members, member_shares(n, k, trainers_serve=False), self.whole,
                                               strategy.gradient_group, strategy.sync_stats, timeout,
                                               segments=segments)  # fmt: skip
         transport.bind(strategy.reducer.buckets)
         self.transport = strategy.transport = transport
+        if old is None:
+            self._shard_optimizers()
         made = replicas_to_make(before, serves, handed)
         self._unreplicated |= {share for shares in made.values() for share in shares}
         self._handed = list(handed)
@@ -432,7 +489,8 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                            f"{seconds:.2f} s); {replicas}")  # fmt: skip
         self._server_failed_at = None
         changed = [loss.generation for loss in membership.losses] + [leave.generation for leave in membership.leaves]
-        if not lost and not returned and membership.generation not in changed:  # (no rank lost, none left)
+        changed += [join.generation for join in membership.joins]
+        if not lost and not returned and membership.generation not in changed:  # (no rank lost, left or joined)
             self._empty_regroups += 1  # nothing was lost: the wait that failed is run again
             if self._empty_regroups > MAX_EMPTY_REGROUPS:
                 raise RuntimeError(
