@@ -586,7 +586,7 @@ def test_a_new_process_whose_job_ends_before_it_reaches_a_member_stops_instead_o
         port = gone.getsockname()[1]
     master.set("ended/control/0", endpoint("127.0.0.1", port, "x"))
     master.set("directory", json.dumps({"scope": "ended", "generation": 0, "members": [0], "original": [0, 1],
-                                        "max_lost": 1, "places": 2, "refuses_joins": None}))  # fmt: skip
+                                        "max_lost": 1, "places": 2}))  # fmt: skip
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
     # a process for a place the job does not have (past max_ranks) is refused before it dials anyone
     with pytest.raises(ConfigurationError, match="places for ranks 0 to 1 only.*max_ranks"):
@@ -756,6 +756,10 @@ def test_the_leader_keeps_the_directory_where_the_job_s_store_is_served_again():
     membership = Membership(1, [1], client, "kept", "127.0.0.1", 5.0, 0, timeout=timedelta(seconds=30),
                             directory="directory", reach_store=reach)  # fmt: skip
     try:
+        deadline = time.monotonic() + 5
+        while read_directory(first, "directory") is None:  # (written by the leader's directory thread)
+            assert time.monotonic() < deadline, "no directory in the job's store"
+            time.sleep(0.05)
         assert read_directory(first, "directory")["members"] == [1]
         del first  # (the store goes with the process that served it)
         membership.request_change("the test")

@@ -140,7 +140,8 @@ def test_a_record_published_for_a_group_ray_created_lets_hand_started_servers_jo
 @pytest.mark.unit
 def test_the_members_reach_the_job_s_store_again_only_where_it_serves_the_same_job(monkeypatch):
     """A job that lost its rank 0 looks for its store where rank 0 served it: nothing there, another job's record, or
-    the record of the same job without its secret is no store; the same job's, served again, is (under its scope)."""
+    the record of the same job without its secret or of another restart attempt is no store; the same attempt's,
+    served again, is (under the new process's scope)."""
     from datetime import timedelta
 
     from lightning_dp.comm.cluster.rendezvous import JOB_RECORD_KEY, JobRecord, _proof, reach_job_store
@@ -157,30 +158,41 @@ def test_the_members_reach_the_job_s_store_again_only_where_it_serves_the_same_j
     assert reach_job_store(scope, "127.0.0.1", port) is None  # another job's
     server.set(JOB_RECORD_KEY, JobRecord("job-a", scope, "a proof without the secret").dumps())
     assert reach_job_store(scope, "127.0.0.1", port) is None
-    server.set(JOB_RECORD_KEY, JobRecord("job-a", scope, _proof("job-a")).dumps())
+    server.set(JOB_RECORD_KEY, JobRecord("job-a", "lightning_dp/job-a/1/0", _proof("job-a")).dumps())
+    assert reach_job_store(scope, "127.0.0.1", port) is None  # another restart attempt of the job
+    # the same attempt, from another launch (a launcher's nonce, a rendezvous count): under the new process's scope
+    server.set(JOB_RECORD_KEY, JobRecord("job-a", "lightning_dp/job-a/0/f00d", _proof("job-a")).dumps())
     reached = reach_job_store(scope, "127.0.0.1", port)
     assert reached is not None
     reached.set("membership/directory", "kept")
-    assert server.get(f"{scope}/job/membership/directory") == b"kept"
+    assert server.get("lightning_dp/job-a/0/f00d/job/membership/directory") == b"kept"
     del server
 
 
 @pytest.mark.unit
-def test_rank_0_waits_for_another_process_of_its_job_and_says_why_when_none_comes():
-    """Rank 0 of a fresh store goes on once a rank of its job is present, or once the members of a running job kept
-    their directory there (then it joins them); with neither, it stops at its timeout naming the job id and secret."""
+def test_rank_0_waits_for_the_other_ranks_or_a_running_job_and_says_why_when_neither_comes():
+    """Rank 0 of a fresh store goes on once every other rank of its job is present, or once the members of a running
+    job kept their directory there (then it joins them; a new process in another lost rank's place present before
+    them does not make it start a job of its own); with neither, it stops at its timeout naming the job id and
+    secret (planted: going on with one rank present of three fails the second case)."""
     from datetime import timedelta
 
-    from lightning_dp.comm.cluster.rendezvous import DIRECTORY_KEY, PRESENT_KEY, _await_another_process
+    from lightning_dp.comm.cluster.rendezvous import DIRECTORY_KEY, PRESENT_KEY, _await_the_job
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     scope = "lightning_dp/job-a/0/0"
-    for key in (PRESENT_KEY, DIRECTORY_KEY):
-        job = dist.PrefixStore(f"{scope}/{key}-case", master)
-        threading.Timer(0.3, lambda job=job, key=key: job.set(key, "1")).start()
-        started = time.monotonic()
-        _await_another_process(job, scope, "127.0.0.1:1", timedelta(seconds=10))
-        assert 0.25 < time.monotonic() - started < 5.0
+    starting = dist.PrefixStore(f"{scope}/starting", master)
+    for delay in (0.2, 0.4):  # two other ranks, the second later
+        threading.Timer(delay, lambda: starting.add(PRESENT_KEY, 1)).start()
+    started = time.monotonic()
+    _await_the_job(starting, scope, "127.0.0.1:1", 3, timedelta(seconds=10))
+    assert 0.35 < time.monotonic() - started < 5.0
+    running = dist.PrefixStore(f"{scope}/running", master)
+    running.add(PRESENT_KEY, 1)  # a new process in rank 2's place, before the members kept their directory there
+    threading.Timer(0.3, lambda: running.set(DIRECTORY_KEY, "{}")).start()
+    started = time.monotonic()
+    _await_the_job(running, scope, "127.0.0.1:1", 3, timedelta(seconds=10))
+    assert 0.25 < time.monotonic() - started < 5.0 and running.check([DIRECTORY_KEY])
     alone = dist.PrefixStore(f"{scope}/alone", master)
     with pytest.raises(TimeoutError, match=r"job 'job-a'.*LIGHTNING_DP_JOB_ID.*LIGHTNING_DP_JOB_SECRET"):
-        _await_another_process(alone, scope, "127.0.0.1:1", timedelta(seconds=0.5))
+        _await_the_job(alone, scope, "127.0.0.1:1", 2, timedelta(seconds=0.5))

@@ -188,7 +188,7 @@ def init_bound_process_group(
     scope = join_job(base, rank, node_rank, local_rank, where, timeout)
     job = _job_stores[scope] = dist.PrefixStore(f"{scope}/job", base)
     if rank == 0 and world_size > 1:
-        _await_another_process(job, scope, where, timeout)
+        _await_the_job(job, scope, where, world_size, timeout)
     elif rank != 0:
         job.add(PRESENT_KEY, 1)
     if job.check([DIRECTORY_KEY]):  # the job runs: this process takes a lost rank's place
@@ -220,17 +220,19 @@ def job_store(scope: str | None) -> dist.Store | None:
     return _job_stores.get(scope) if scope is not None else None
 
 
-def _await_another_process(job: dist.Store, scope: str, where: str, timeout: timedelta) -> None:
-    """Rank 0, in the store it serves: wait until another process of the job reached it. Either a rank of a job that
-    starts (:data:`PRESENT_KEY`), or the members of the running job ``scope`` that lost its rank 0: they find the
-    store served again where it was and keep their directory there (:func:`reach_job_store`), and this process takes
-    rank 0's place. The store of a running job went with its rank 0, so nothing else tells a new process in rank 0's
-    place from the first process of a job."""
+def _await_the_job(job: dist.Store, scope: str, where: str, world_size: int, timeout: timedelta) -> None:
+    """Rank 0, in the store it serves: wait until the job's other processes reached it. Either every other rank of a
+    job that starts (:data:`PRESENT_KEY`), or the members of the running job ``scope`` that lost its rank 0: they find
+    the store served again where it was and keep their directory there (:func:`reach_job_store`), and this process
+    takes rank 0's place (a new process in another lost rank's place may be present before them). The store of a
+    running job went with its rank 0, so nothing else tells a new process in rank 0's place from the first process of
+    a job."""
     deadline = time.monotonic() + timeout.total_seconds()
-    while not (job.check([DIRECTORY_KEY]) or job.check([PRESENT_KEY])):
+    while not (job.check([DIRECTORY_KEY]) or int(job.add(PRESENT_KEY, 0)) >= world_size - 1):
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"rank 0: no other process of job {scope.split('/')[1]!r} reached the store it serves at {where} "
+                f"rank 0: no other process of job {_attempt_of(scope).split('/', 1)[1].rsplit('/', 1)[0]!r} reached "
+                f"the store it serves at {where} "
                 f"within {timeout.total_seconds():.0f} s: the job's other ranks did not start, or, for a new process "
                 "in rank 0's place of a running job, its members did not recognize it (every process of the job "
                 f"needs the same job id, {JOB_ID_VARIABLE} or the cluster's, and the same {SECRET_VARIABLE})"
@@ -238,10 +240,17 @@ def _await_another_process(job: dist.Store, scope: str, where: str, timeout: tim
         time.sleep(0.05)
 
 
+def _attempt_of(scope: str) -> str:
+    """``lightning_dp/<job id>/<restart attempt>`` of a job's scope (see :func:`join_job`), without what tells one
+    launch or rendezvous of the attempt from another."""
+    return scope.rsplit("/", 1)[0]
+
+
 def reach_job_store(scope: str, main_address: str, main_port: int, timeout: float = 2.0) -> dist.Store | None:
-    """The store of the job ``scope`` at ``main_address:main_port`` (as :func:`job_store`), where a process serves it
-    again (a new process in rank 0's place) and published the record of the same job there, with the proof of the
-    same secret; ``None`` where nothing answers within ``timeout`` seconds or the record there is another's."""
+    """The job's store at ``main_address:main_port``, where a process serves it again (a new process in rank 0's
+    place) and published there the record of the same job and restart attempt as ``scope``, with the proof of the same
+    secret: the record's scope in it (as :func:`job_store`; that process's launch or rendezvous count may differ from
+    the lost rank 0's). ``None`` where nothing answers within ``timeout`` seconds or the record there is another's."""
     try:  # (a plain connection first: torch logs every failed attempt of a store's client with its backtrace)
         socket.create_connection((main_address, main_port), timeout=timeout).close()
         base = dist.TCPStore(main_address, main_port, is_master=False, timeout=timedelta(seconds=timeout),
@@ -251,11 +260,12 @@ def reach_job_store(scope: str, main_address: str, main_port: int, timeout: floa
         data = json.loads(base.get(JOB_RECORD_KEY))
     except (RuntimeError, ValueError, OSError):
         return None
-    if not isinstance(data, dict) or data.get("scope") != scope:
+    found = data.get("scope") if isinstance(data, dict) else None
+    if not isinstance(found, str) or _attempt_of(found) != _attempt_of(scope):
         return None
     if not hmac.compare_digest(str(data.get("proof", "")), _proof(str(data.get("job", "")))):
         return None
-    return dist.PrefixStore(f"{scope}/job", base)
+    return dist.PrefixStore(f"{found}/job", base)
 
 
 def replaces_lost_rank(scope: str | None) -> bool:

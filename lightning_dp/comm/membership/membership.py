@@ -132,7 +132,6 @@ class Membership:
         proof: the proof of the job's shared secret (empty without one): a process without it is refused.
         directory: the key in ``store`` under which the leader keeps the job's directory (its members now, for new
             processes to find them; ``None``: no directory, nobody joins).
-        refuses_joins: why the job takes no new process (``None``: it takes them), said to one that asks.
         places: how many ranks the job may have (``None``: those it starts with); a new process may join in any place
             ``0`` to ``places - 1`` that no member holds, growing the job past ``ranks``.
         reach_store: where the directory's store went with the rank that served it (global rank 0), a client of
@@ -154,7 +153,6 @@ class Membership:
         proof: str = "",
         directory: str | None = None,
         joining: bool = False,
-        refuses_joins: str | None = None,
         places: int | None = None,
         reach_store: Callable[[], dist.Store | None] | None = None,
     ) -> None:
@@ -166,10 +164,9 @@ class Membership:
         self._directory = directory
         self._directory_store = store
         self._reach_store = reach_store
-        self._reaching: threading.Thread | None = None
-        self._publishing = threading.Lock()
+        self._keeper: threading.Thread | None = None
+        self._directory_due = threading.Event()
         self._closed = False
-        self._refuses_joins = refuses_joins
         self.scope = scope
         self.host = host
         self.backend = backend
@@ -228,11 +225,6 @@ class Membership:
         record = read_directory(store, directory)
         if record is None:
             raise RuntimeError(f"rank {rank}: no running job's directory at {directory!r}")
-        if record.get("refuses_joins"):
-            raise ConfigurationError(
-                f"rank {rank}: the job is running and takes no new process: {record['refuses_joins']}. Restart the "
-                "whole job from its last checkpoint instead"
-            )
         places = int(record.get("places", len(record["original"])))
         if not 0 <= rank < places:
             raise ConfigurationError(
@@ -311,50 +303,50 @@ class Membership:
         return self.agreement.problem_without(ranks)
 
     def _publish_directory(self) -> None:
-        """Keep the job's members now where a new process finds them (the leader; best effort: where the store went
-        with the rank that served it, it is looked for where that rank served it, see ``reach_store``)."""
+        """Keep the job's members now where a new process finds them (the leader), on the directory's thread: a store
+        that went silent with the rank that served it never holds up a change."""
         if self._directory is None:
             return
-        try:
-            with self._publishing:  # (the training thread and the one that reached the store again: the newest wins)
-                record = {"scope": self.scope, "generation": self.generation, "members": list(self.members),
-                          "original": list(self.original), "max_lost": self.max_lost, "places": self.places,
-                          "refuses_joins": self._refuses_joins}  # fmt: skip
-                self._directory_store.set(self._directory, json.dumps(record))
-                self._directory_store.check([self._directory])  # (a store's set is not answered: a dead one shows here)
-        except (RuntimeError, OSError) as error:
-            if self._reach_store is None:
-                log.warning("rank %d: could not publish the job's directory: %s", self.rank, error)
-                return
-            with self._lock:
-                if self._reaching is not None and self._reaching.is_alive():
-                    return
-                log.warning("rank %d: the job's store went (%s); the directory goes to it once it is served again "
-                            "(by a new process in global rank 0's place)", self.rank, error)  # fmt: skip
-                self._reaching = threading.Thread(target=self._keep_directory, name="lddp-directory", daemon=True)
-                self._reaching.start()
+        with self._lock:
+            if self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep_directory, name="lddp-directory", daemon=True)
+                self._keeper.start()
+        self._directory_due.set()
 
     def _keep_directory(self) -> None:
-        """The leader, once the directory's store went: reach it again where it was served, and keep there the members'
-        endpoints, then the directory (a new process reads the directory first). Ends when this rank no longer leads
-        or closes."""
-        assert self._reach_store is not None
-        while not self._closed and self.leader == self.rank:
-            store = self._reach_store()
-            if store is not None:
+        """The directory's thread: while this rank leads, write the directory when asked and every
+        :data:`REACH_STORE_SECONDS` (which also finds the store gone). Where the store went with the rank that served
+        it (global rank 0), look for it served again there (``reach_store``), and keep in it the members' endpoints,
+        then the directory (a new process reads the directory first). Best effort: without ``reach_store`` no process
+        joins once the store went."""
+        key = self._directory
+        assert key is not None
+        gone = False
+        while not self._closed:
+            self._directory_due.wait(REACH_STORE_SECONDS)
+            self._directory_due.clear()
+            if self._closed or self.leader != self.rank:
+                continue
+            if gone:
+                store = self._reach_store() if self._reach_store is not None else None
+                if store is None:
+                    continue
                 try:
                     self.control.publish_endpoints(store, list(self.members))
                 except (RuntimeError, OSError):
                     continue
-                self._directory_store = store
+                self._directory_store, gone = store, False
                 log.warning("rank %d: the job's store is served again; the directory is kept there", self.rank)
-                break
-            time.sleep(REACH_STORE_SECONDS)
-        else:
-            return
-        with self._lock:
-            self._reaching = None
-        self._publish_directory()
+            record = {"scope": self.scope, "generation": self.generation, "members": list(self.members),
+                      "original": list(self.original), "max_lost": self.max_lost, "places": self.places}  # fmt: skip
+            try:
+                self._directory_store.set(key, json.dumps(record))
+                self._directory_store.check([key])  # (a set is not answered: a dead store shows here)
+            except (RuntimeError, OSError) as error:
+                gone = True
+                log.warning("rank %d: the job's store went (%s); %s", self.rank, error,
+                            "the directory goes to it once it is served again (by a new process in global rank 0's "
+                            "place)" if self._reach_store is not None else "no process can join any more")  # fmt: skip
 
     # ------------------------------------------------------------------ the current generation
     @property
@@ -578,6 +570,7 @@ class Membership:
         """Leave: the control plane closes. With ``farewell`` the others are told this rank finished (no loss);
         without, they see it go as a lost rank (it failed)."""
         self._closed = True
+        self._directory_due.set()
         self.control.close(farewell)
 
 

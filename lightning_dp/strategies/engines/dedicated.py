@@ -483,3 +483,9 @@ def next_run_key(scope: str | None) -> str:
 
 
 _FITS: dict[str | None, int] = {}
+
+
+def follow_run_key(scope: str | None, key: str) -> None:
+    """This process joined the fit with run key ``key`` of the job ``scope`` (a new trainer): its next fit's key
+    follows the members'."""
+    _FITS[scope] = int(key) + 1

@@ -43,7 +43,7 @@ from lightning_dp.comm.servers.sharded_optimizer import Segment, hyperparameters
 from lightning_dp.comm.servers.transport import RegroupingServerTransport
 from lightning_dp.comm.transports.shards import sum_everywhere
 from lightning_dp.strategies.base import DataParallelStrategy
-from lightning_dp.strategies.engines.dedicated import DedicatedEngine
+from lightning_dp.strategies.engines.dedicated import DedicatedEngine, follow_run_key
 from lightning_dp.strategies.rank_loss import PULL
 
 #: seconds the leader waits for a server to take a regroup message
@@ -183,7 +183,7 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         return {"token": self.token, "listeners": list(self.listeners), "servers": self.servers,
                 "serves": self.serves, "server_segments": self.server_segments, "whole": self.whole,
                 "message_bytes": self.transport.members.message_bytes, "unreplicated": set(self._unreplicated),
-                "handed": list(self._handed)}  # fmt: skip
+                "handed": list(self._handed), "run_key": self.run_key}  # fmt: skip
 
     def _take_known(self, known: dict[str, Any]) -> None:
         """A new trainer, admitted: the servers as the leader knows them (see :meth:`_known`)."""
@@ -191,6 +191,9 @@ class RegroupingDedicatedEngine(DedicatedEngine):
                                                                  known["servers"], known["serves"])  # fmt: skip
         self.server_segments, self.whole = known["server_segments"], known["whole"]
         self._unreplicated, self._handed = known["unreplicated"], known["handed"]
+        self.run_key = known["run_key"]
+        follow_run_key(self.strategy.job_scope, self.run_key)
+        self._stop_watch()  # (one watch per trainer)
         heartbeat = float(cast("Any", self.strategy.rank_loss).heartbeat_timeout)
         self.watch = ServerWatch(self.listeners, self.token, heartbeat / 4, heartbeat, self._watched, self._silent,
                                  self._look_for_returning)  # fmt: skip
@@ -413,6 +416,11 @@ class RegroupingDedicatedEngine(DedicatedEngine):
         membership = strategy.rank_loss.membership
         assert membership is not None
         n, me = membership.size, self.member_rank
+        if old is None and me == 0:  # (the members see it go, and go on without it)
+            raise ConfigurationError(
+                f"strategy {self.name!r}: a new trainer below every member's rank would lead the trainers before it "
+                "knows the servers; start it in the place of a rank above the lowest member's"
+            )
         known = self._known() if me == 0 else None
         outcome: list[Any] = [self._find_servers() if me == 0 else None, known]
         dist.broadcast_object_list(outcome, group=strategy.gradient_group, group_src=0)
