@@ -231,13 +231,17 @@ def _await_the_job(job: dist.Store, scope: str, where: str, world_size: int, tim
     while not (job.check([DIRECTORY_KEY]) or int(job.add(PRESENT_KEY, 0)) >= world_size - 1):
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"rank 0: no other process of job {_attempt_of(scope).split('/', 1)[1].rsplit('/', 1)[0]!r} reached "
-                f"the store it serves at {where} "
+                f"rank 0: no other process of job {_job_id_of(scope)!r} reached the store it serves at {where} "
                 f"within {timeout.total_seconds():.0f} s: the job's other ranks did not start, or, for a new process "
                 "in rank 0's place of a running job, its members did not recognize it (every process of the job "
                 f"needs the same job id, {JOB_ID_VARIABLE} or the cluster's, and the same {SECRET_VARIABLE})"
             )
         time.sleep(0.05)
+
+
+def _job_id_of(scope: str) -> str:
+    """The job id of a job's scope (``lightning_dp/<job id>/<restart attempt>/<launch or rendezvous>``)."""
+    return scope.split("/", 1)[1].rsplit("/", 2)[0]
 
 
 def _attempt_of(scope: str) -> str:
